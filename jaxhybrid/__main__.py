@@ -1,0 +1,5 @@
+import sys
+
+from jaxhybrid.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""``jaxhybrid`` command line: one sub-command per module, imported only when used.
+
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Errors a user can fix
+(:class:`ValueError`, including :class:`~jaxhybrid.config.ConfigError`, and missing files) print one line
+and exit with code 2 and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("jaxhybrid.commands.train", "train a model (one process, or one rank under mpirun)"),
+    "launch": ("jaxhybrid.commands.launch", "start an MPI job of `jaxhybrid train` ranks"),
+    "simulate": ("jaxhybrid.commands.simulate", "simulate a pipeline schedule: makespan, bubble, memory"),
+    "plan": ("jaxhybrid.commands.plan", "rank parallel layouts for a model on a cluster"),
+    "partition": ("jaxhybrid.commands.partition", "MadPipe / PipeDream layer partitioning of a profile"),
+    "prepare-data": ("jaxhybrid.commands.prepare_data", "tokenize text into a token memmap"),
+    "bench": ("jaxhybrid.commands.bench", "benchmarks that print side-by-side ratios as JSON"),
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace | None]:
+    parser = argparse.ArgumentParser(prog="jaxhybrid", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        return parser, None
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    p = argparse.ArgumentParser(prog=f"jaxhybrid {name}", description=COMMANDS[name][1])
+    module.add_arguments(p)
+    args = p.parse_args(argv[1:])
+    args._run = module.run
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, args = build_parser(argv)
+    if args is None:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxhybrid {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Typed, frozen run configuration: defaults in dataclasses, overrides from YAML and ``--set``.
+
+A config is built in three layers, later ones winning: dataclass defaults, a YAML file of overrides,
+then ``--set section.key=value`` pairs. Unknown keys are errors; every cross-field rule is checked in
+:func:`validate` before any compilation or communication, with a message that shows the numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxhybrid.model.config import ModelConfig, resolve_model
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot execute. The message names the values and the fix."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"  # run directory: metrics.jsonl, config.yaml, checkpoints, traces
+    name: str = "default"  # label printed in logs
+    resume: bool = False  # continue from the latest checkpoint in dir
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # token memmap (.bin) from `jaxhybrid prepare-data`; empty = built-in corpus
+    tokenizer: str = "byte"  # byte | bpe (used when preparing the built-in corpus on the fly)
+    seq_len: int = 128  # tokens per sequence (targets are the next tokens)
+    val_fraction: float = 0.02  # tail of the token stream held out for evaluation
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200  # optimizer steps
+    global_batch: int = 16  # sequences per step, over all replicas and microbatches
+    seed: int = 0  # parameter init and sampler seed
+    log_every: int = 10  # progress line / tensorboard flush interval
+    remat: str = "none"  # activation checkpointing policy: none | dots | full
+    checkpoint_interval: int = 0  # Myelin's ac (blocks per checkpoint segment); 0 = optimal (Sec. V-A)
+    inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3  # Myelin Sec. VI-C
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # decoupled (AdamW)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    offload: bool = False  # fp32 master weights + Adam state on host, streamed in buckets (Myelin V-B)
+    bucket_size: int = 1 << 20  # elements per offload bucket (bsize)
+    allreduce_coarsening: int = 1  # k: all-reduce chunks of k * bucket_size (Myelin V-C)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    compute_dtype: str = "float32"  # float32 | bfloat16 | float16
+    param_dtype: str = "float32"  # master weights
+    loss_scale_init: float = 2.0**15  # dynamic loss scaling (used for float16; bfloat16 may opt in)
+    loss_scale_window: int = 1000  # grow the scale after this many finite steps
+    dynamic_loss_scale: bool | None = None  # None = on for float16 only
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline: int = 1  # G_inter: pipeline stages
+    data: int = 1  # G_data: data-parallel replicas
+    tensor_col: int = 1  # G_c
+    tensor_row: int = 1  # G_r
+    tensor_depth: int = 1  # G_d
+    partition: tuple[int, ...] = ()  # blocks per stage; empty = even split
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = "1f1b"  # naive | gpipe | 1f1b | zb-h1 | myelin | 1f1b-star
+    microbatches: int = 1  # per replica per step
+    split_backward: bool = False  # 2BP: separate input- and weight-gradient passes
+    pipeline_limit: int = 0  # message-driven policy: microbatches in flight; 0 = number of stages
+    transport: str = "mpi4jax"  # mpi4jax | mpi4py
+    watchdog_s: float = 300.0  # abort if a rank makes no progress for this long
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    optimizations: str = "ABCDE"  # AxoNN Sec. IV optimizations switched on
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # checkpoints kept
+    at_end: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    hardware: str = "cpu"  # configs/hardware/<name>.yaml: peak flop/s for MFU
+    tensorboard: bool = True
+    plot: bool = True  # loss-curve PNG at the end
+    trace: bool = False  # Chrome trace of pipeline ranks
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    file: str = ""  # a plan JSON from `jaxhybrid plan`; its layout overrides parallel/pipeline keys
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tensor: TensorConfig = field(default_factory=TensorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch: global_batch / (data x microbatches)."""
+        return self.train.global_batch // (self.parallel.data * self.pipeline.microbatches)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.pipeline * p.data
+
+    @property
+    def tensor_size(self) -> int:
+        p = self.parallel
+        return p.tensor_col * p.tensor_row * p.tensor_depth
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field's declared type, or raise naming the key."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], key) for v in value)
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            if isinstance(value, (bool, int)):
+                return bool(value)
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, str):
+                return int(float(value)) if "e" in value.lower() else int(value)
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
+    return value
+
+
+def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> Any:
+    """Return a copy of dataclass ``obj`` with nested ``updates``; unknown keys raise ConfigError."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    changes = {}
+    for key, value in updates.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if isinstance(value, str) and key == "model":
+                changes[key] = resolve_model(value)
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a mapping of keys, got {value!r}")
+            if key == "model" and "name" in value:
+                # A model preset first, then the explicit fields on top of it.
+                base = resolve_model(str(value["name"]))
+                rest = {k: v for k, v in value.items() if k != "name"}
+                changes[key] = _apply(base, rest, path + ".")
+                continue
+            changes[key] = _apply(current, value, path + ".")
+        else:
+            changes[key] = _coerce(value, hints[key], path)
+    return dataclasses.replace(obj, **changes)
+
+
+def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: '{part}' is both a value and a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML override file; ``include: other.yaml`` pulls another file in first."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"malformed YAML in {p}{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+    inc = data.pop("include", None)
+    if inc:
+        data = _merge(load_yaml(p.parent / inc), data)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                *, check: bool = True) -> Config:
+    """Defaults <- YAML file <- ``--set`` overrides, then :func:`validate`."""
+    tree: dict[str, Any] = load_yaml(path) if path else {}
+    tree = _merge(tree, parse_overrides(list(overrides)))
+    cfg = _apply(Config(), tree)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any], *, check: bool = True) -> Config:
+    cfg = _apply(Config(), tree)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("naive", "gpipe", "1f1b", "1f1b-2", "zb-h1", "myelin", "1f1b-star")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every cross-field rule; raise :class:`ConfigError` naming the values and the fix."""
+    m, t, p, pl, o, pr = cfg.model, cfg.train, cfg.parallel, cfg.pipeline, cfg.optim, cfg.precision
+    m.validate()
+    errors = []
+    for name, val in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                      ("data.seq_len", cfg.data.seq_len), ("parallel.pipeline", p.pipeline),
+                      ("parallel.data", p.data), ("parallel.tensor_col", p.tensor_col),
+                      ("parallel.tensor_row", p.tensor_row), ("parallel.tensor_depth", p.tensor_depth),
+                      ("pipeline.microbatches", pl.microbatches)):
+        if val < 1:
+            errors.append(f"{name}={val} must be >= 1")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    per = p.data * pl.microbatches
+    if t.global_batch % per:
+        errors.append(
+            f"train.global_batch={t.global_batch} is not divisible by parallel.data({p.data}) x "
+            f"pipeline.microbatches({pl.microbatches}) = {per}; use a multiple of {per}")
+    if pr.compute_dtype not in _DTYPES:
+        errors.append(f"precision.compute_dtype={pr.compute_dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if pr.param_dtype != "float32":
+        errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
+    if t.remat not in ("none", "dots", "full"):
+        errors.append(f"train.remat={t.remat!r}; choose none, dots or full")
+    if pl.schedule not in SCHEDULES:
+        errors.append(f"pipeline.schedule={pl.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if pl.transport not in ("mpi4jax", "mpi4py"):
+        errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
+    if p.pipeline > m.n_layers:
+        errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
+    if p.partition:
+        if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
+            errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
+                          f"positive entries summing to model.n_layers={m.n_layers}")
+    if p.pipeline > 1 and pl.schedule in ("gpipe", "1f1b", "1f1b-2", "zb-h1", "1f1b-star") \
+            and pl.microbatches < p.pipeline:
+        errors.append(f"pipeline.microbatches={pl.microbatches} < parallel.pipeline={p.pipeline}: schedule "
+                      f"{pl.schedule!r} needs at least one microbatch per stage")
+    if o.bucket_size <= 0:
+        errors.append(f"optim.bucket_size={o.bucket_size} must be > 0")
+    if o.allreduce_coarsening < 1:
+        errors.append(f"optim.allreduce_coarsening={o.allreduce_coarsening} must be >= 1")
+    if not (0 < o.lr < 1) or o.warmup_steps < 0 or o.grad_clip < 0:
+        errors.append(f"optim: lr={o.lr} must be in (0, 1), warmup_steps={o.warmup_steps} and "
+                      f"grad_clip={o.grad_clip} must be >= 0")
+    if cfg.checkpoint.every < 0:
+        errors.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
+    ts = cfg.tensor_size
+    if ts > 1:
+        for dim_name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
+            for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
+                if dim % ax:
+                    errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
+    if world_size is not None and world_size != cfg.world_size:
+        errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
+                      f"!= world size {world_size}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def optimal_checkpoint_interval(n_layers: int, pipeline: int) -> int:
+    """Myelin Sec. V-A: ac = the factor of N / G_inter closest to sqrt(N)."""
+    per_stage = max(1, n_layers // pipeline)
+    target = math.sqrt(n_layers)
+    factors = [f for f in range(1, per_stage + 1) if per_stage % f == 0]
+    return min(factors, key=lambda f: (abs(f - target), f))

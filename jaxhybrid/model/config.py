@@ -1,0 +1,109 @@
+"""Model hyper-parameters and the named presets of the four papers.
+
+Presets: tiny CPU models, GPT-2 small (124M), Myelin Table I (12B-100B), AxoNN Table III (GPT 5B-80B)
+and 2BP's Transformer-7b (LLaMA-style, context 1024, d_model 4096).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt-tiny"  # preset this config started from
+    kind: str = "gpt2"  # gpt2 (learned positions, LayerNorm, GELU, biases) | llama (RoPE, SwiGLU, RMSNorm)
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # llama grouped-query attention; 0 = n_heads
+    d_ff: int = 256
+    max_seq_len: int = 128
+    tie_embeddings: bool = False  # head reuses the token embedding table (GPT-2)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def validate(self) -> None:
+        from jaxhybrid.config import ConfigError
+
+        errs = []
+        if self.kind not in ("gpt2", "llama"):
+            errs.append(f"model.kind={self.kind!r}; choose gpt2 or llama")
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, k) < 1:
+                errs.append(f"model.{k}={getattr(self, k)} must be >= 1")
+        if not errs and self.d_model % self.n_heads:
+            errs.append(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if not errs and self.n_heads % self.kv_heads:
+            errs.append(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}")
+        if not errs and self.kind == "llama" and self.head_dim % 2:
+            errs.append(f"RoPE needs an even head_dim; d_model/n_heads = {self.head_dim}")
+        if errs:
+            raise ConfigError("; ".join(errs))
+
+    def param_count(self) -> int:
+        """Exact parameter count of the model built from this config."""
+        d, f, v, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
+        kvd = self.kv_heads * self.head_dim
+        if self.kind == "gpt2":
+            block = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+            emb = v * d + self.max_seq_len * d
+            head = 2 * d + (0 if self.tie_embeddings else v * d)
+        else:
+            block = d * (d + 2 * kvd) + d * d + 3 * d * f + 2 * d
+            emb = v * d
+            head = d + (0 if self.tie_embeddings else v * d)
+        return emb + L * block + head
+
+
+def _gpt(name, layers, d, heads, vocab=51200, seq=512, tie=True):
+    return ModelConfig(name=name, kind="gpt2", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                       d_ff=4 * d, max_seq_len=seq, tie_embeddings=tie)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "gpt-tiny": ModelConfig(),
+    "llama-tiny": ModelConfig(name="llama-tiny", kind="llama", vocab_size=256, d_model=64, n_layers=4,
+                              n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128),
+    "gpt-small-cpu": ModelConfig(name="gpt-small-cpu", vocab_size=512, d_model=128, n_layers=8, n_heads=4,
+                                 d_ff=512, max_seq_len=256),
+    "gpt2-small": _gpt("gpt2-small", 12, 768, 12, vocab=50257, seq=1024),
+    "gpt2-1.3b": _gpt("gpt2-1.3b", 24, 2048, 16, vocab=50257, seq=1024),
+    # Myelin Table I (vocab 51200, sequence 512).
+    "myelin-12b": _gpt("myelin-12b", 48, 4512, 24),
+    "myelin-24b": _gpt("myelin-24b", 48, 6336, 36),
+    "myelin-50b": _gpt("myelin-50b", 96, 6528, 48),
+    "myelin-100b": _gpt("myelin-100b", 96, 9360, 60),
+    # AxoNN Table III (GPT-style; sequence 2048 as GPT-3).
+    "axonn-gpt-5b": _gpt("axonn-gpt-5b", 24, 4096, 32, seq=2048),
+    "axonn-gpt-10b": _gpt("axonn-gpt-10b", 32, 5120, 40, seq=2048),
+    "axonn-gpt-20b": _gpt("axonn-gpt-20b", 32, 7168, 56, seq=2048),
+    "axonn-gpt-40b": _gpt("axonn-gpt-40b", 38, 9216, 72, seq=2048),
+    "axonn-gpt-80b": _gpt("axonn-gpt-80b", 42, 12288, 96, seq=2048),
+    # 2BP Transformer-7b: LLaMA/PaLM-style, context 1024, d_model 4096 (LLaMA-7B shape).
+    "2bp-transformer-7b": ModelConfig(name="2bp-transformer-7b", kind="llama", vocab_size=32000, d_model=4096,
+                                      n_layers=32, n_heads=32, d_ff=11008, max_seq_len=1024),
+}
+
+
+def resolve_model(name: str) -> ModelConfig:
+    """A preset by name; raises ConfigError listing the valid names."""
+    from jaxhybrid.config import ConfigError
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    return dataclasses.replace(cfg, **kw)

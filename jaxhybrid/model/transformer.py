@@ -1,0 +1,182 @@
+"""GPT-2 and LLaMA-style decoders as a list of blocks: embedding, N transformer blocks, head + loss.
+
+The model is a sequence of independently-applied Flax modules so that pipeline stages can own any
+contiguous slice. Parameters are a flat dict ``{"embed", "block_000", ..., "head"}``. With tied
+embeddings the head reads ``params["embed"]["wte"]``; stages that own the head get a copy and the engine
+sums the two gradients (Megatron's tied-embedding all-reduce).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.model.layers import DEFAULT_OPS, Dense, LayerNorm, Ops, RMSNorm, _init, rope
+
+Array = jax.Array
+Params = dict[str, Any]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class Embed(nn.Module):
+    cfg: ModelConfig
+    ops: Any
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, tokens: Array) -> Array:
+        c = self.cfg
+        wte = self.param("wte", _init(c.init_std), (c.vocab_size, c.d_model), jnp.float32)
+        h = self.ops.embed(tokens, wte.astype(self.dtype))
+        if c.kind == "gpt2":
+            wpe = self.param("wpe", _init(0.01), (c.max_seq_len, c.d_model), jnp.float32)
+            h = h + wpe[: tokens.shape[1]].astype(self.dtype)[None]
+        return h
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block. gpt2: LayerNorm, fused qkv with biases, GELU MLP.
+    llama: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no biases."""
+
+    cfg: ModelConfig
+    ops: Any
+    dtype: Any
+    out_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c, ops, dt = self.cfg, self.ops, self.dtype
+        gpt = c.kind == "gpt2"
+        norm = (lambda n: LayerNorm(ops, c.norm_eps, name=n)) if gpt else (lambda n: RMSNorm(ops, c.norm_eps, name=n))
+        b, t, _ = x.shape
+        hd, nh, nkv = c.head_dim, c.n_heads, c.kv_heads
+        h = norm("ln_attn")(x)
+        qkv = Dense(hd * (nh + 2 * nkv), ops, "attn.qkv", gpt, dt, c.init_std, name="qkv")(h)
+        q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
+        if not gpt:
+            q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
+        a = ops.attention(q, k, v).reshape(b, t, nh * hd)
+        x = x + Dense(c.d_model, ops, "attn.out", gpt, dt, self.out_std, name="attn_out")(a)
+        h = norm("ln_mlp")(x)
+        if gpt:
+            u = Dense(c.d_ff, ops, "mlp.up", True, dt, c.init_std, name="mlp_up")(h)
+            u = jax.nn.gelu(u, approximate=True)
+        else:
+            g = Dense(c.d_ff, ops, "mlp.gate", False, dt, c.init_std, name="mlp_gate")(h)
+            u = Dense(c.d_ff, ops, "mlp.up", False, dt, c.init_std, name="mlp_up")(h)
+            u = jax.nn.silu(g) * u
+        return x + Dense(c.d_model, ops, "mlp.down", gpt, dt, self.out_std, name="mlp_down")(u)
+
+
+class Head(nn.Module):
+    """Final norm, vocabulary projection and mean next-token loss."""
+
+    cfg: ModelConfig
+    ops: Any
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, h: Array, targets: Array, wte: Array | None = None) -> Array:
+        c = self.cfg
+        h = (LayerNorm(self.ops, c.norm_eps, name="ln_f") if c.kind == "gpt2"
+             else RMSNorm(self.ops, c.norm_eps, name="ln_f"))(h)
+        if c.tie_embeddings:
+            kernel = wte.T
+        else:
+            kernel = self.param("kernel", _init(c.init_std), (c.d_model, c.vocab_size), jnp.float32)
+        logits = self.ops.logits(h.astype(self.dtype), kernel.astype(self.dtype))
+        return self.ops.cross_entropy(logits, targets)
+
+
+def block_name(i: int) -> str:
+    return f"block_{i:03d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The whole decoder as ``embed -> blocks -> head``; every piece applies on its own params.
+
+    Attributes:
+      cfg: hyper-parameters.
+      ops: the injected ops object (default: single-device reference).
+      compute_dtype: dtype of activations and matmuls; params stay float32 masters.
+    """
+
+    cfg: ModelConfig
+    ops: Ops = DEFAULT_OPS
+    compute_dtype: str = "float32"
+
+    @property
+    def dtype(self):
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def embed(self) -> Embed:
+        return Embed(self.cfg, self.ops, self.dtype)
+
+    @property
+    def block(self) -> Block:
+        # GPT-2's residual-projection scaling: std / sqrt(2 N).
+        return Block(self.cfg, self.ops, self.dtype, out_std=self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5)
+
+    @property
+    def head(self) -> Head:
+        return Head(self.cfg, self.ops, self.dtype)
+
+    @property
+    def names(self) -> list[str]:
+        return ["embed"] + [block_name(i) for i in range(self.cfg.n_layers)] + ["head"]
+
+    def init(self, rng: Array, seq_len: int | None = None) -> Params:
+        """Float32 parameters, each block from its own folded key (layout-independent init)."""
+        c = self.cfg
+        t = seq_len or min(c.max_seq_len, 8)
+        tok = jnp.zeros((1, t), jnp.int32)
+        x = jnp.zeros((1, t, c.d_model), self.dtype)
+        params: Params = {"embed": self.embed.init(jax.random.fold_in(rng, 0), tok)["params"]}
+        for i in range(c.n_layers):
+            params[block_name(i)] = self.block.init(jax.random.fold_in(rng, i + 1), x)["params"]
+        wte = params["embed"]["wte"] if c.tie_embeddings else None
+        head = self.head.init(jax.random.fold_in(rng, c.n_layers + 1), x, tok, wte)
+        params["head"] = head.get("params", {})
+        return params
+
+    def abstract_params(self, seq_len: int = 8) -> Params:
+        """Shapes only, for planning models too large to materialise (``jax.eval_shape``)."""
+        return jax.eval_shape(lambda: self.init(jax.random.key(0), seq_len))
+
+    def apply_embed(self, p: Params, tokens: Array) -> Array:
+        return self.embed.apply({"params": p}, tokens)
+
+    def apply_block(self, p: Params, x: Array) -> Array:
+        return self.block.apply({"params": p}, x)
+
+    def apply_head(self, p: Params, h: Array, targets: Array, wte: Array | None = None) -> Array:
+        return self.head.apply({"params": p} if p else {}, h, targets, wte)
+
+    def loss(self, params: Params, tokens: Array, targets: Array,
+             remat: Callable[[Callable], Callable] | None = None) -> Array:
+        """Mean next-token loss of the whole model; ``remat`` wraps each block (checkpointing)."""
+        blk = remat(self.apply_block) if remat else self.apply_block
+        h = self.apply_embed(params["embed"], tokens)
+        for i in range(self.cfg.n_layers):
+            h = blk(params[block_name(i)], h)
+        wte = params["embed"]["wte"] if self.cfg.tie_embeddings else None
+        return self.apply_head(params["head"], h, targets, wte)
+
+
+def remat_policy(name: str) -> Callable[[Callable], Callable] | None:
+    """Activation checkpointing wrappers: none, dots (save matmul outputs), full (save block inputs)."""
+    if name == "none":
+        return None
+    if name == "dots":
+        return lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if name == "full":
+        return jax.checkpoint
+    raise ValueError(f"unknown remat policy {name!r}; choose none, dots or full")

@@ -1,0 +1,55 @@
+"""Parity helpers: the one place that defines tolerances, and tree comparisons that raise.
+
+Every parallel feature is checked against the single-device reference with :func:`assert_tree_close`,
+which names the pytree path of the first leaf that differs. It raises; it never returns a bool.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+# Relative tolerances (max |a-b| / max(|b|, tiny) per leaf), by what is compared.
+TOLERANCES = {
+    "fp32_kernel": 1e-6,   # a split/fused kernel against jax.vjp of the same function
+    "fp32_parity": 1e-5,   # a parallel layout against the single-device run
+    "bf16_parity": 2e-2,   # bfloat16 compute against the same layout's float32 run
+    "exact": 0.0,          # bit for bit
+}
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    denom = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30)
+    return float(np.max(np.abs(a - b))) / denom if a.size else 0.0
+
+
+def max_rel_err(a, b) -> float:
+    """Largest per-leaf relative error between two pytrees of the same structure."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return max((rel_err(x, y) for x, y in zip(la, lb)), default=0.0)
+
+
+def assert_tree_close(actual, expected, tol: float | str = "fp32_parity", what: str = "") -> None:
+    """Raise AssertionError naming the first pytree path whose relative error exceeds ``tol``."""
+    rtol = TOLERANCES[tol] if isinstance(tol, str) else float(tol)
+    pa = jax.tree_util.tree_flatten_with_path(actual)[0]
+    pe, te = jax.tree_util.tree_flatten_with_path(expected)
+    sa = jax.tree.structure(actual)
+    if sa != te:
+        raise AssertionError(f"{what}: tree structures differ:\n  actual   {sa}\n  expected {te}")
+    for (path, a), (_, e) in zip(pa, pe):
+        name = jax.tree_util.keystr(path)
+        a_np, e_np = np.asarray(a), np.asarray(e)
+        if a_np.shape != e_np.shape:
+            raise AssertionError(f"{what}{name}: shape {a_np.shape} != expected {e_np.shape}")
+        if rtol == 0.0:
+            if not np.array_equal(a_np.view(np.uint8), e_np.view(np.uint8)) and not np.array_equal(a_np, e_np):
+                diff = rel_err(a_np, e_np)
+                raise AssertionError(f"{what}{name}: not bit-identical (relative error {diff:.3e})")
+            continue
+        err = rel_err(a_np, e_np)
+        if not err <= rtol:
+            raise AssertionError(f"{what}{name}: relative error {err:.3e} > tolerance {rtol:.1e}")

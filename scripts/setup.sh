@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv and install jaxhybrid with everything it needs. Idempotent: re-running is cheap.
+# On a GPU machine (nvidia-smi works and CUDA headers exist) it installs jax[cuda12] and builds
+# mpi4jax's CUDA bridge; elsewhere it builds mpi4jax without it (facts.md: nvcc without headers).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3}"
+stamp=.venv/.jaxhybrid-installed
+want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+export PATH="$root/.venv/bin:$PATH"
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip wheel setuptools
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
+if [ "$has_gpu" = 1 ]; then
+  pip install -q "jax[cuda12]>=0.10.2,<0.11"
+fi
+pip install -q -e ".[test]"
+if ! .venv/bin/python -c "import mpi4jax" >/dev/null 2>&1; then
+  # mpi4jax compiles against the mpicc found first on PATH (the mpich wheel's, in .venv/bin) and the
+  # mpi4py already installed, so its build runs without isolation and needs its build tools here.
+  pip install -q nanobind cython
+  cuda_hdr=""
+  for d in "${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda; do
+    if [ -n "$d" ] && [ -f "$d/include/cuda_runtime.h" ]; then cuda_hdr="$d"; break; fi
+  done
+  if [ "$has_gpu" = 1 ] && [ -n "$cuda_hdr" ]; then
+    CUDA_PATH="$cuda_hdr" pip install -q --no-build-isolation "mpi4jax>=0.9,<0.10"
+  else
+    # No usable CUDA headers: an empty CUDA_PATH makes mpi4jax skip its CUDA bridge.
+    empty="$(mktemp -d)"
+    CUDA_PATH="$empty" pip install -q --no-build-isolation "mpi4jax>=0.9,<0.10"
+  fi
+fi
+.venv/bin/python -c "import jax, flax, optax, mpi4py, mpi4jax, orbax.checkpoint, tokenizers; print('jaxhybrid setup ok: jax', jax.__version__, 'mpi4jax', mpi4jax.__version__)"
+echo "$want" > "$stamp"
