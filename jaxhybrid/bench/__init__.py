@@ -1,0 +1,1 @@
+"""Benchmarks: each measures variants side by side in one run and prints ratios as JSON."""

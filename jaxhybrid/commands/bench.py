@@ -1,0 +1,26 @@
+"""``jaxhybrid bench NAME ...``: dispatch to ``jaxhybrid.bench.NAME`` (``add_arguments`` / ``run``)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "step": "trainer step vs a plain jit(value_and_grad) + optax step",
+    "stage": "2BP stage kernels: forward, fused backward, input and weight gradients",
+    "pipeline": "pipeline throughput with and without 2BP under mpirun",
+    "offload": "host-offloaded optimizer: device bytes, step time, all-reduce overlap sweep",
+    "tensor": "AxoNN 3D tensor parallelism: per-factorization step time and collective bytes",
+    "partition": "MadPipe vs PipeDream + 1F1B* periods on layer chains",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"jaxhybrid.bench.{args.name.replace('-', '_')}")
+    p = argparse.ArgumentParser(prog=f"jaxhybrid bench {args.name}", description=BENCHES[args.name])
+    module.add_arguments(p)
+    return int(module.run(p.parse_args(args.rest)) or 0)
