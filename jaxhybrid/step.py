@@ -1,0 +1,102 @@
+"""The seam between the trainer and every parallel layout: a gradient engine.
+
+The trainer (``jaxhybrid.train``) owns the optimizer, loss scaling, metrics and checkpoints; an engine
+owns how one global batch becomes this process's loss and gradients. ``LocalEngine`` is the
+single-device reference every other engine (pipeline, tensor, hybrid) is compared with.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.model import Model, remat_policy
+
+Params = dict[str, Any]
+
+
+class GradEngine(Protocol):
+    """How one process computes its share of a training step.
+
+    ``batch`` is the whole global batch, ``int32 [global_batch, seq_len + 1]`` (inputs are
+    ``batch[:, :-1]``, targets ``batch[:, 1:]``), identical on every rank; an engine slices out its
+    data replica and microbatches. ``loss_and_grads`` returns the mean loss over the global batch (the
+    same value on every rank) and the gradients of ``loss * loss_scale`` with respect to this process's
+    float32 parameters, already reduced over data replicas.
+    """
+
+    def init_params(self, rng: jax.Array) -> Params: ...
+
+    def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float) -> tuple[jax.Array, Params]: ...
+
+    def global_sum(self, x: jax.Array) -> jax.Array:
+        """Sum a scalar over the model-parallel group (stages), e.g. for the global gradient norm."""
+        ...
+
+    def global_max(self, x: jax.Array) -> jax.Array:
+        """Max of a scalar over all ranks (overflow agreement)."""
+        ...
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the one process that writes metrics and run-level files."""
+        ...
+
+
+def split_batch(batch: np.ndarray, replica: int, replicas: int, microbatches: int) -> np.ndarray:
+    """This replica's microbatches: ``[M, mb, seq+1]``. Tokens per step do not depend on the layout:
+    replica ``j`` takes rows ``j*B/D .. (j+1)*B/D`` and cuts them into ``M`` equal microbatches."""
+    b = batch.shape[0]
+    per = b // replicas
+    mine = batch[replica * per:(replica + 1) * per]
+    return mine.reshape(microbatches, per // microbatches, *batch.shape[1:])
+
+
+class LocalEngine:
+    """Single device, whole model; microbatches accumulate in one jitted step (gradient accumulation).
+
+    With ``microbatches == 1`` this is exactly ``jax.value_and_grad`` of the model loss.
+    """
+
+    def __init__(self, model: Model, microbatches: int = 1, remat: str = "none"):
+        self.model = model
+        self.microbatches = microbatches
+        policy = remat_policy(remat)
+
+        def loss_fn(params, tokens, targets):
+            return model.loss(params, tokens, targets, remat=policy)
+
+        def step(params, mbs, scale):
+            def one(carry, mb):
+                loss, grads = jax.value_and_grad(lambda p: loss_fn(p, mb[:, :-1], mb[:, 1:]) * scale)(params)
+                acc_l, acc_g = carry
+                return (acc_l + loss, jax.tree.map(jnp.add, acc_g, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            if mbs.shape[0] == 1:
+                (l, g), _ = one((jnp.zeros((), jnp.float32), zeros), mbs[0])
+            else:
+                (l, g), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), zeros), mbs)
+            m = mbs.shape[0]
+            return l / (m * scale), jax.tree.map(lambda x: x / m, g)
+
+        self._step = jax.jit(step)
+
+    def init_params(self, rng: jax.Array) -> Params:
+        return self.model.init(rng)
+
+    def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float):
+        mbs = split_batch(np.asarray(batch, np.int32), 0, 1, self.microbatches)
+        return self._step(params, jnp.asarray(mbs), jnp.float32(loss_scale))
+
+    def global_sum(self, x):
+        return x
+
+    def global_max(self, x):
+        return x
+
+    @property
+    def is_writer(self) -> bool:
+        return True
