@@ -1,0 +1,181 @@
+"""The trainer: builds the engine, optimizer, data and writers from a config, then runs the step loop.
+
+No feature flags inside the step: the parallel layout is an engine object (single device, pipeline
+over MPI, or tensor mesh), the optimizer an updater object (on device, or host-offloaded in buckets).
+Each step: engine -> (loss, grads of loss*scale) -> per-process grad stats reduced over the
+model-parallel group -> one update (descale, clip, AdamW, or skip on an agreed overflow) -> loss scale.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid import data as data_lib
+from jaxhybrid import metrics as metrics_lib
+from jaxhybrid.checkpoint import Checkpointer
+from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
+from jaxhybrid.model import Model
+from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
+from jaxhybrid.step import LocalEngine
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXHYBRID_CACHE", Path.home() / ".cache" / "jaxhybrid"))
+
+
+def open_dataset(cfg: Config):
+    """The token dataset: ``data.path`` if given, else the built-in corpus prepared once into the cache."""
+    path = cfg.data.path or data_lib.ensure_builtin_data(cache_dir() / "builtin", cfg.data.tokenizer)
+    ds = data_lib.TokenDataset(path, split="train")
+    ds.check_vocab(cfg.model.vocab_size)
+    return ds
+
+
+def build_engine(cfg: Config, model: Model):
+    """Pick the engine for the configured layout (the only place that looks at parallel.*)."""
+    remat = cfg.train.remat
+    if cfg.world_size > 1:
+        from jaxhybrid.pipeline.runner import PipelineEngine
+        from jaxhybrid.topology import Topology
+
+        return PipelineEngine(cfg, model, Topology.from_config(cfg))
+    if cfg.tensor_size > 1:
+        from jaxhybrid.tensor.engine import TensorEngine
+
+        return TensorEngine(cfg.model, cfg)
+    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat)
+
+
+def build_updater(cfg: Config, engine):
+    transform = build_transform(cfg.optim, cfg.train.steps)
+    if cfg.optim.offload:
+        from jaxhybrid.optim.offload import OffloadUpdater
+
+        return OffloadUpdater(transform, cfg)
+    return DeviceUpdater(transform, cfg.optim.grad_clip)
+
+
+@dataclass
+class TrainState:
+    step: int
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+
+
+class Trainer:
+    """Runs ``cfg.train.steps`` optimizer steps and writes the run directory (writer rank only)."""
+
+    def __init__(self, cfg: Config, world_size: int | None = None):
+        validate(cfg, world_size)
+        self.cfg = cfg
+        self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
+        self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+        self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
+        if cfg.train.remat == "full" and cfg.train.checkpoint_interval == 0:
+            self.ckpt_interval = optimal_checkpoint_interval(cfg.model.n_layers, cfg.parallel.pipeline)
+        else:
+            self.ckpt_interval = cfg.train.checkpoint_interval
+        self.engine = build_engine(cfg, self.model)
+        self.updater = build_updater(cfg, self.engine)
+        self.run_dir = Path(cfg.run.dir)
+        self.rank = int(getattr(self.engine, "rank", 0))
+
+    # -- state -------------------------------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        params = self.engine.init_params(jax.random.key(self.cfg.train.seed))
+        return TrainState(0, params, self.updater.init(params), loss_scale_from_config(self.cfg.precision))
+
+    def _checkpointer(self) -> Checkpointer:
+        return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
+
+    def save(self, ckpt: Checkpointer, st: TrainState) -> None:
+        meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(),
+                "sampler": self.sampler.state_dict(st.step), "seed": self.cfg.train.seed}
+        ckpt.save(st.step, {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}, meta)
+
+    def restore(self, ckpt: Checkpointer, st: TrainState) -> TrainState:
+        mine = ckpt.latest()
+        mine = -1 if mine is None else mine
+        # The newest step every rank has: ranks that crashed mid-save must not be ahead of the rest.
+        step = int(-self.engine.global_max(jnp.float32(-mine)))
+        if step < 0:
+            raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
+        like = {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}
+        state, meta = ckpt.restore(step, like)
+        params = jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=ref.dtype), st.params, state["params"])
+        opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"]) \
+            if hasattr(self.updater, "load_state_dict") else \
+            jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=jnp.asarray(ref).dtype), st.opt_state, state["opt_state"])
+        self.sampler.load_state_dict(meta["sampler"])
+        return TrainState(int(meta["step"]), params, opt_state, st.loss_scale.load_state_dict(meta["loss_scale"]))
+
+    # -- loop --------------------------------------------------------------------------------------
+    def step(self, st: TrainState) -> tuple[TrainState, dict]:
+        cfg = self.cfg
+        scale = st.loss_scale.scale
+        if st.step == cfg.train.inject_overflow_step:
+            scale = math.inf  # an injected overflow travels the real path: non-finite grads
+        batch = self.sampler.batch(st.step)
+        loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
+        sq, nonfinite = self.updater.stats(grads)
+        sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
+        params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
+        finite = not bool(nonfinite)
+        info = {"loss": float(loss), "grad_norm": float(gnorm), "loss_scale": float(scale),
+                "skipped": not finite}
+        return TrainState(st.step + 1, params, opt_state, st.loss_scale.update(finite)), info
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        writer = self.engine.is_writer
+        st = self.init_state()
+        ckpt = self._checkpointer()
+        if cfg.run.resume:
+            st = self.restore(ckpt, st)
+        if writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        hw = metrics_lib.load_hardware(cfg.metrics.hardware)
+        n_dev = max(1, cfg.world_size * cfg.tensor_size)
+        mw = metrics_lib.MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
+                                       progress=cfg.metrics.progress, is_writer=writer,
+                                       log_every=cfg.train.log_every, start_step=st.step)
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        m = cfg.model
+        flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
+                                           m.vocab_size, recompute=cfg.train.remat != "none")
+        peak = float(hw["peak_tflops"][cfg.precision.compute_dtype]) * 1e12
+        losses, times = [], []
+        try:
+            while st.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                st, info = self.step(st)
+                dt = time.perf_counter() - t0
+                losses.append(info["loss"])
+                times.append(dt)
+                rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                       "tflops_per_device": flops / dt / n_dev / 1e12, "mfu": flops / dt / n_dev / peak,
+                       "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
+                mw.log(st.step, rec)
+                every = cfg.checkpoint.every
+                if every and st.step % every == 0 and st.step < cfg.train.steps:
+                    self.save(ckpt, st)
+            if cfg.checkpoint.at_end:
+                self.save(ckpt, st)
+        finally:
+            ckpt.close()
+            mw.close(plot=cfg.metrics.plot)
+        steady = times[1:] or times
+        self.final_state = st
+        return {"steps": st.step, "first_loss": losses[0] if losses else None,
+                "last_loss": losses[-1] if losses else None, "mean_step_time_s": float(np.mean(steady)) if steady else None}
