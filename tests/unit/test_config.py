@@ -1,0 +1,69 @@
+"""Config loading, overrides and validation: impossible settings raise ValueError naming the values."""
+import pytest
+
+from jaxhybrid.config import ConfigError, load_config, optimal_checkpoint_interval, parse_overrides
+
+
+def test_defaults_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {name: llama-tiny}\ntrain: {steps: 7}\n")
+    cfg = load_config(f, ["train.global_batch=32", "parallel.partition=[1,3]", "parallel.pipeline=2",
+                          "pipeline.microbatches=2", "optim.offload=true"])
+    assert cfg.model.kind == "llama" and cfg.train.steps == 7 and cfg.train.global_batch == 32
+    assert cfg.parallel.partition == (1, 3) and cfg.optim.offload is True
+    assert cfg.microbatch_size == 16
+
+
+def test_parse_overrides_nested():
+    assert parse_overrides(["a.b=1", "a.c=x", "d=true"]) == {"a": {"b": 1, "c": "x"}, "d": True}
+
+
+BAD = [
+    (["train.global_batch=10", "parallel.data=3"], ["global_batch=10", "parallel.data(3)"]),
+    (["train.global_batch=8", "pipeline.microbatches=3"], ["global_batch=8", "microbatches(3)"]),
+    (["parallel.pipeline=9"], ["parallel.pipeline=9", "n_layers=4"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=1"], ["microbatches=1", "parallel.pipeline=2"]),
+    (["pipeline.schedule=zigzag"], ["zigzag", "gpipe"]),
+    (["precision.compute_dtype=int8"], ["int8", "bfloat16"]),
+    (["optim.bucket_size=0"], ["bucket_size=0"]),
+    (["train.steps=0"], ["train.steps=0"]),
+    (["model.n_heads=3"], ["d_model=64", "n_heads=3"]),
+    (["parallel.tensor_col=3"], ["d_model=64", "tensor_col=3"]),
+    (["parallel.partition=[1,1]", "parallel.pipeline=2", "pipeline.microbatches=2"], ["partition=[1, 1]"]),
+    (["data.seq_len=4096"], ["seq_len=4096", "max_seq_len=128"]),
+    (["model.name=gpt-huge"], ["gpt-huge", "gpt2-small"]),
+    (["train.nope=1"], ["train.nope"]),
+    (["train.steps=abc"], ["train.steps", "abc"]),
+]
+
+
+@pytest.mark.parametrize("overrides,needles", BAD, ids=[b[0][0] for b in BAD])
+def test_impossible_settings_name_values(overrides, needles):
+    with pytest.raises(ValueError) as e:
+        load_config(None, overrides)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_world_size_mismatch():
+    from jaxhybrid.config import validate
+
+    cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2"])
+    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 8"):
+        validate(cfg, world_size=8)
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: {steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="malformed YAML.*line"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_optimal_checkpoint_interval():
+    # Myelin V-A: the factor of N / G_inter closest to sqrt(N). N=48, G=4: factors of 12, sqrt(48)=6.93 -> 6.
+    assert optimal_checkpoint_interval(48, 4) == 6
+    assert optimal_checkpoint_interval(16, 1) == 4
+    assert optimal_checkpoint_interval(96, 24) == 4
