@@ -1,0 +1,1 @@
+"""Device-free planner: costs, memory and communication models, MadPipe, ranked plans."""
