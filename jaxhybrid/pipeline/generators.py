@@ -1,0 +1,104 @@
+"""Static per-rank task orders of the classic schedules (one logical stage per rank, stage ``s`` on rank
+``s``). Backward tasks are written with the kind given (``B`` fused, or ``BI`` for 2BP, whose ``BW`` are
+placed later by :class:`~jaxhybrid.pipeline.policies.FillPolicy`), except ZB-H1 which places its own BWs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxhybrid.pipeline.tasks import Kind, Task, task
+
+Rows = list[list[Task]]
+
+
+def naive_rows(stages: int, microbatches: int, back: Kind) -> Rows:
+    """2BP's naive schedule: no overlap between microbatches.
+
+    Each microbatch goes forward through all stages and back before the next one starts (with one
+    microbatch this is exactly 2BP's "no micro-batches" baseline; more microbatches are gradient
+    accumulation and leave the bubble ratio (N-1)/N unchanged, Table 1).
+    """
+    return [[t for m in range(microbatches) for t in (task("F", m, s), task(back, m, s))]
+            for s in range(stages)]
+
+
+def gpipe_rows(stages: int, microbatches: int, back: Kind) -> Rows:
+    """GPipe: all forwards, then all backwards in microbatch order (2BP Fig. 1)."""
+    return [[task("F", m, s) for m in range(microbatches)] + [task(back, m, s) for m in range(microbatches)]
+            for s in range(stages)]
+
+
+def one_f_one_b_row(stage: int, microbatches: int, warmup: int, back: Kind) -> list[Task]:
+    """1F1B on one stage: ``warmup`` forwards, then F/B pairs, then the remaining backwards.
+
+    With ``warmup = g - 1`` this is also the order of MadPipe's periodic 1F1B* pattern on a stage of
+    group ``g`` (Sec. 4.1: F on microbatch ``i`` is followed by B on microbatch ``i - g + 1``).
+    """
+    w = min(warmup, microbatches)
+    row = [task("F", m, stage) for m in range(w)]
+    for i in range(microbatches - w):
+        row += [task("F", w + i, stage), task(back, i, stage)]
+    row += [task(back, m, stage) for m in range(microbatches - w, microbatches)]
+    return row
+
+
+def one_f_one_b_rows(stages: int, microbatches: int, back: Kind) -> Rows:
+    """1F1B (PipeDream-Flush): stage ``s`` warms up with ``P - 1 - s`` forwards, so it stashes at most
+    ``P - s`` microbatches."""
+    return [one_f_one_b_row(s, microbatches, stages - 1 - s, back) for s in range(stages)]
+
+
+def zb_h1_rows(stages: int, microbatches: int) -> Rows:
+    """ZB-H1 (Qi et al. 2024, zero bubble with 1F1B's peak memory): the F/BI order of 1F1B, with the
+    weight gradients of stage ``s`` delayed by ``s`` backward passes, so that stage ``s`` holds at most
+    ``P`` microbatches (like stage 0 of 1F1B) and the idle time of every stage is
+    ``(P - 1)(F + BI - BW)`` when ``BW <= F + BI``.
+    """
+    rows = []
+    for s in range(stages):
+        row, done_bi, done_bw = [], 0, 0
+        for t in one_f_one_b_row(s, microbatches, stages - 1 - s, Kind.BI):
+            row.append(t)
+            if t.kind is Kind.BI:
+                done_bi += 1
+                if done_bi - done_bw > s:
+                    row.append(task("BW", done_bw, s))
+                    done_bw += 1
+        row += [task("BW", m, s) for m in range(done_bw, microbatches)]
+        rows.append(row)
+    return rows
+
+
+def madpipe_groups(stage_costs: Sequence[tuple[float, float]], period: float) -> tuple[int, ...]:
+    """MadPipe Sec. 4.1 grouping: from the last stage backwards, add stages to the current group while
+    its load ``sum U(s) = U_F(s) + U_B(s)`` stays ``<= period``; returns the group number ``g`` of each
+    stage (group 1 holds the last stage). A stage of group ``g`` stores exactly ``g`` activations.
+    """
+    loads = [float(f) + float(b) for f, b in stage_costs]
+    if period < max(loads):
+        worst = max(range(len(loads)), key=loads.__getitem__)
+        raise ValueError(f"1F1B* period {period} is below the load U = F + B = {loads[worst]} of stage "
+                         f"{worst}; use a period >= {max(loads)}")
+    groups, g, acc = [0] * len(loads), 1, 0.0
+    for s in reversed(range(len(loads))):
+        if acc + loads[s] > period:
+            g, acc = g + 1, 0.0
+        acc += loads[s]
+        groups[s] = g
+    return tuple(groups)
+
+
+def check_groups(groups: Sequence[int], stages: int) -> tuple[int, ...]:
+    """Validates explicit group numbers: last stage in group 1, non-increasing by steps of 0 or 1."""
+    g = tuple(int(x) for x in groups)
+    ok = len(g) == stages and g[-1] == 1 and all(a - b in (0, 1) for a, b in zip(g, g[1:]))
+    if not ok:
+        raise ValueError(f"1F1B* groups {g} for {stages} stages: need one per stage, the last one 1, "
+                         "each stage's group equal to or one more than the next stage's (MadPipe 4.1)")
+    return g
+
+
+def one_f_one_b_star_rows(groups: Sequence[int], microbatches: int, back: Kind) -> Rows:
+    """MadPipe's 1F1B* for a contiguous partition: stage ``s`` of group ``g_s`` runs 1F1B with
+    ``g_s - 1`` warm-up forwards, the order of the periodic pattern; it stashes ``min(g_s, M)``."""
+    return [one_f_one_b_row(s, microbatches, g - 1, back) for s, g in enumerate(groups)]

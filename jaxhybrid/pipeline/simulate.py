@@ -1,0 +1,135 @@
+"""Discrete-event simulation of a schedule: makespan, bubble ratio, per-rank busy/idle and memory.
+
+``simulate(schedule, costs)`` runs a static schedule's rows in order, each task as soon as its inputs
+have arrived (:mod:`~jaxhybrid.pipeline.simcore`), or a message-driven schedule by Myelin's rule
+(Algorithm 2, at most ``pipeline_limit`` microbatches in flight; BWs by the 2BP rule). The bubble
+ratio is 2BP's: idle time over total runtime summed over all ranks, ``sum_r (makespan - busy_r) /
+(ranks x makespan)``. Memory (2BP Sec. 4.2): a microbatch is stashed on a stage from the start of its F
+until its B ends (fused) or its BW ends (2BP); bytes are ``activation_bytes`` from F until B/BI and
+``residual_bytes`` from BI until BW.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from jaxhybrid.pipeline.costs import Costs
+from jaxhybrid.pipeline.policies import MessageDrivenPolicy
+from jaxhybrid.pipeline.simcore import Core, Record, StaticPolicy, describe_deadlock
+from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
+from jaxhybrid.pipeline.trace import Event, Timeline
+
+__all__ = ["Costs", "RankStats", "SimResult", "simulate", "run_order"]
+
+
+@dataclass(frozen=True)
+class RankStats:
+    busy: float
+    idle: float
+    peak_stashed: int
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated step costs. ``orders[r]`` is the order rank ``r`` actually ran (for a
+    message-driven schedule it depends on the costs)."""
+
+    schedule: str
+    makespan: float
+    bubble_ratio: float
+    idle_total: float
+    per_rank: tuple[RankStats, ...]
+    timeline: Timeline
+    orders: tuple[tuple[Task, ...], ...]
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
+                "idle_total": self.idle_total, "per_rank": [asdict(r) for r in self.per_rank]}
+
+
+def run_order(schedule: Schedule, costs: Costs) -> Core:
+    """Executes ``schedule`` under ``costs``; raises ValueError naming the blocked tasks on deadlock."""
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(f"costs cover {costs.num_stages} stages, schedule {schedule.name!r} has "
+                         f"{schedule.num_stages}")
+    if schedule.policy == "message-driven":
+        policy = MessageDrivenPolicy(schedule.rows, schedule.stage_to_rank,
+                                     schedule.pipeline_limit or schedule.num_stages)
+    elif schedule.policy == "static":
+        policy = StaticPolicy(schedule.rows)
+    else:
+        raise ValueError(f"schedule policy {schedule.policy!r}: expected 'static' or 'message-driven'")
+    core = Core(schedule.stage_to_rank, schedule.num_ranks, costs)
+    stuck = core.run(policy)
+    if stuck:
+        raise ValueError(f"schedule {schedule.name!r} deadlocks: {describe_deadlock(core, policy, stuck)}")
+    return core
+
+
+def _memory(records: list[Record], costs: Costs) -> tuple[int, float]:
+    """Peak stashed microbatches and bytes of one rank's records (frees before allocations)."""
+    deltas = []  # (time, order, count delta, bytes delta); order 0 = release first at equal times
+    for rec in records:
+        t, s = rec.task, rec.task.stage
+        if t.kind is Kind.F:
+            deltas.append((rec.start, 1, 1, costs.act_bytes(s)))
+        elif t.kind is Kind.B:
+            deltas.append((rec.end, 0, -1, -costs.act_bytes(s)))
+        elif t.kind is Kind.BI:
+            deltas.append((rec.end, 0, 0, costs.resid_bytes(s) - costs.act_bytes(s)))
+        else:
+            n = len(t.microbatches)
+            deltas.append((rec.end, 0, -n, -n * costs.resid_bytes(s)))
+    count = peak_count = 0
+    nbytes = peak_bytes = 0.0
+    for _, _, dc, db in sorted(deltas, key=lambda d: (d[0], d[1])):
+        count, nbytes = count + dc, nbytes + db
+        peak_count, peak_bytes = max(peak_count, count), max(peak_bytes, nbytes)
+    return peak_count, peak_bytes
+
+
+def _events(core: Core) -> list[Event]:
+    evs, last_end = [], {}
+    for rec in sorted(core.records, key=lambda r: (r.rank, r.start)):
+        prev = last_end.get(rec.rank, 0.0)
+        if rec.start > prev:
+            evs.append(Event(rec.rank, "wait", "wait", prev, rec.start))
+        t = rec.task
+        evs.append(Event(rec.rank, str(t), t.kind.value, rec.start, rec.end, t.microbatches, t.stage))
+        last_end[rec.rank] = rec.end
+    for msg in core.messages:
+        if msg.arrive > msg.send:
+            kind, m, s = msg.key
+            name = f"{'act' if kind == 'F' else 'grad'} {m} r{msg.src}->r{msg.dst}"
+            evs.append(Event(msg.src, name, "send", msg.send, msg.arrive, (m,), s))
+    return evs
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, *, latency: float | None = None,
+             bandwidth: float | None = None) -> SimResult:
+    """Simulates one step of ``schedule``.
+
+    Args:
+      schedule: from :func:`~jaxhybrid.pipeline.schedule.make_schedule` (or hand-written).
+      costs: per-stage costs; default F = BI = BW = 1 (B = 2), unit activation bytes, free messages.
+      latency, bandwidth: override ``costs.latency`` / ``costs.bandwidth``.
+    """
+    costs = costs or Costs.uniform(schedule.num_stages)
+    if latency is not None or bandwidth is not None:
+        from dataclasses import replace
+        costs = replace(costs, latency=costs.latency if latency is None else float(latency),
+                        bandwidth=costs.bandwidth if bandwidth is None else float(bandwidth))
+    core = run_order(schedule, costs)
+    makespan = max((r.end for r in core.records), default=0.0)
+    stats = []
+    for rank in range(schedule.num_ranks):
+        recs = [r for r in core.records if r.rank == rank]
+        busy = sum(r.end - r.start for r in recs)
+        peak, peak_bytes = _memory(recs, costs)
+        stats.append(RankStats(busy, makespan - busy, peak, peak_bytes))
+    idle = sum(s.idle for s in stats)
+    total = makespan * schedule.num_ranks
+    orders = tuple(tuple(r.task for r in sorted((x for x in core.records if x.rank == rank),
+                                                key=lambda x: x.start)) for rank in range(schedule.num_ranks))
+    return SimResult(schedule.name, makespan, idle / total if total else 0.0, idle, tuple(stats),
+                     Timeline.of(_events(core), schedule.num_ranks), orders)

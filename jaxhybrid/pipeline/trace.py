@@ -1,0 +1,152 @@
+"""Timelines of pipeline ranks -> Chrome/Perfetto trace JSON and a Gantt PNG (like 2BP Fig. 1).
+
+The one timeline type serves the simulator and the engine's measurements:
+
+``Event(rank, name, kind, start, end, microbatches=(), stage=-1)``
+  ``rank``: pipeline rank (one Gantt row). ``kind``: ``"F"``, ``"B"``, ``"BI"``, ``"BW"`` for compute;
+  ``"wait"`` for time a rank spent blocked on a message; ``"send"`` / ``"recv"`` for a message in
+  flight (``rank`` is the sender / receiver); anything else is drawn as ``"other"``. ``start`` and
+  ``end`` are seconds (simulated timelines use cost units, shown as seconds). ``microbatches`` are
+  the microbatch numbers written in the box (several for a concatenated BW); ``stage`` is the
+  logical stage (-1: none).
+
+The engine records a plain list of events per rank (``start_s``/``end_s`` from one clock such as
+``MPI.Wtime``) and builds ``Timeline.merge([events_of_rank0, events_of_rank1, ...], offsets)``;
+``offsets[r]`` is added to rank ``r``'s times (clock skew), and the result is shifted so that the
+earliest event starts at 0.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+COMPUTE_KINDS = ("F", "B", "BI", "BW")
+COLORS = {"F": "#4c78a8", "B": "#e45756", "BI": "#f58518", "BW": "#54a24b", "wait": "#d9d9d9",
+          "send": "#b279a2", "recv": "#9d755d", "other": "#bab0ac"}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one rank (see the module docstring)."""
+
+    rank: int
+    name: str
+    kind: str
+    start: float
+    end: float
+    microbatches: tuple[int, ...] = ()
+    stage: int = -1
+
+    def __post_init__(self):
+        if self.end < self.start:
+            raise ValueError(f"event {self.name!r} on rank {self.rank} ends ({self.end}) before it "
+                             f"starts ({self.start})")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Events of all ranks, sorted by (start, rank)."""
+
+    events: tuple[Event, ...]
+    num_ranks: int
+
+    @classmethod
+    def of(cls, events: Iterable[Event], num_ranks: int | None = None) -> "Timeline":
+        evs = tuple(sorted(events, key=lambda e: (e.start, e.rank, e.end)))
+        n = max((e.rank for e in evs), default=-1) + 1 if num_ranks is None else num_ranks
+        if any(e.rank < 0 or e.rank >= n for e in evs):
+            raise ValueError(f"an event's rank is outside 0..{n - 1}")
+        return cls(evs, n)
+
+    @classmethod
+    def merge(cls, per_rank: Sequence[Iterable[Event]], offsets: Sequence[float] | None = None,
+              normalize: bool = True) -> "Timeline":
+        """Joins per-rank event lists; ``offsets[r]`` corrects rank ``r``'s clock."""
+        offs = list(offsets) if offsets is not None else [0.0] * len(per_rank)
+        if len(offs) != len(per_rank):
+            raise ValueError(f"{len(offs)} clock offsets for {len(per_rank)} ranks")
+        evs = [replace(e, start=e.start + o, end=e.end + o) for evs, o in zip(per_rank, offs) for e in evs]
+        t0 = min((e.start for e in evs), default=0.0) if normalize else 0.0
+        evs = [replace(e, start=e.start - t0, end=e.end - t0) for e in evs]
+        return cls.of(evs, len(per_rank))
+
+    def compute(self) -> tuple[Event, ...]:
+        return tuple(e for e in self.events if e.kind in COMPUTE_KINDS)
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for e in self.compute()), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(e.duration for e in self.compute() if e.rank == rank)
+
+
+def to_chrome_trace(timeline: Timeline, process_name: str = "pipeline") -> dict:
+    """Chrome/Perfetto ``traceEvents``: one thread per rank for compute and waits, one more per rank
+    for messages (``tid = 1000 + rank``); times in microseconds."""
+    out = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process_name}}]
+    for r in range(timeline.num_ranks):
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1000 + r,
+                    "args": {"name": f"rank {r} messages"}})
+    for e in timeline.events:
+        tid = 1000 + e.rank if e.kind in ("send", "recv") else e.rank
+        out.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": tid,
+                    "ts": e.start * 1e6, "dur": e.duration * 1e6,
+                    "args": {"microbatches": list(e.microbatches), "stage": e.stage, "kind": e.kind}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path, process_name: str = "pipeline") -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_chrome_trace(timeline, process_name)))
+    return path
+
+
+def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
+    """Gantt chart, one row per rank (rank 0 on top), boxes coloured by kind with their microbatch
+    numbers, waits in light grey; messages are not drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    span = max((e.end for e in timeline.events), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.35 * len(timeline.compute()) / max(
+        1, timeline.num_ranks) + 4)), 0.6 * timeline.num_ranks + 1.2))
+    kinds_seen = []
+    for e in timeline.events:
+        if e.kind in ("send", "recv") or e.duration <= 0:
+            continue
+        kind = e.kind if e.kind in COLORS else "other"
+        if kind not in kinds_seen:
+            kinds_seen.append(kind)
+        y = timeline.num_ranks - 1 - e.rank
+        ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[kind],
+                       edgecolors="black", linewidth=0.4)
+        if e.microbatches and e.kind in COMPUTE_KINDS and e.duration / span > 0.008:
+            label = ",".join(str(m) for m in e.microbatches)
+            ax.text(e.start + e.duration / 2, y, label, ha="center", va="center", fontsize=7,
+                    color="white" if kind != "wait" else "black", clip_on=True)
+    ax.set_yticks(range(timeline.num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time")
+    if title:
+        ax.set_title(title)
+    ax.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in kinds_seen], loc="upper center",
+              bbox_to_anchor=(0.5, -0.25), ncol=max(1, len(kinds_seen)), fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
