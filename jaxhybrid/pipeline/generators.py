@@ -15,8 +15,9 @@ def naive_rows(stages: int, microbatches: int, back: Kind) -> Rows:
     """2BP's naive schedule: no overlap between microbatches.
 
     Each microbatch goes forward through all stages and back before the next one starts (with one
-    microbatch this is exactly 2BP's "no micro-batches" baseline; more microbatches are gradient
-    accumulation and leave the bubble ratio (N-1)/N unchanged, Table 1).
+    microbatch this is exactly 2BP's "no micro-batches" baseline of Table 1; more microbatches are
+    gradient accumulation: the fused bubble ratio stays (N-1)/N, while with 2BP a rank runs BW k while
+    microbatch k+1 travels, so the makespan is 2NM + 1 units instead of M(2N + 1)).
     """
     return [[t for m in range(microbatches) for t in (task("F", m, s), task(back, m, s))]
             for s in range(stages)]

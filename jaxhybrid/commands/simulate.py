@@ -1,0 +1,87 @@
+"""``jaxhybrid simulate``: predict a pipeline schedule's makespan, bubble ratio and per-rank memory.
+
+Example::
+
+    jaxhybrid simulate --schedule 1f1b --stages 4 --microbatches 8 --split-backward --costs 1,1,1 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxhybrid.pipeline.schedule import SCHEDULE_NAMES
+
+    p.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULE_NAMES)} (or 1f1b-K)")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages P (one rank each)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches M per step (default for 1f1b-K: K x stages)")
+    p.add_argument("--split-backward", action="store_true", help="2BP: split B into BI and delayed BW")
+    p.add_argument("--memory-saving", action="store_true",
+                   help="2BP Fig. 5: also run pending BWs half-way (with --split-backward)")
+    p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                   help="forward, input-gradient and weight-gradient cost per stage (fused B = B + W)")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds per point-to-point message")
+    p.add_argument("--bandwidth", type=float, default=math.inf, help="bytes/s of a point-to-point link")
+    p.add_argument("--message-bytes", type=float, default=0.0, help="bytes of one activation message")
+    p.add_argument("--pipeline-limit", type=int, default=0,
+                   help="myelin: microbatches in flight (default: stages)")
+    p.add_argument("--period", type=float, default=None, help="1f1b-star: MadPipe period T")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--table", action="store_true", help="also print the per-rank task order")
+    p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--png", default=None, metavar="OUT.png", help="write a Gantt chart")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.pipeline.costs import parse_costs
+    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.pipeline.validate import validate_schedule
+
+    if args.stages < 1:
+        raise ValueError(f"--stages {args.stages} must be >= 1")
+    costs = parse_costs(args.costs, args.stages, latency=args.latency, bandwidth=args.bandwidth,
+                        message_bytes=args.message_bytes)
+    opts = {"costs": costs}
+    if args.memory_saving:
+        opts["memory_saving"] = True
+    if args.period is not None:
+        if args.schedule != "1f1b-star":
+            raise ValueError("--period applies to --schedule 1f1b-star only")
+        f, bi, bw = (float(x) for x in args.costs.split(","))
+        opts.update(stage_costs=[(f, bi + bw)] * args.stages, period=args.period)
+    schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.split_backward,
+                             pipeline_limit=args.pipeline_limit, **opts)
+    validate_schedule(schedule, costs=costs)
+    result = simulate(schedule, costs)
+    if args.trace:
+        from jaxhybrid.pipeline.trace import write_chrome_trace
+
+        write_chrome_trace(result.timeline, args.trace, process_name=f"simulated {schedule.name}")
+    if args.png:
+        from jaxhybrid.pipeline.trace import save_gantt
+
+        title = (f"{schedule.name}{' + 2BP' if schedule.split_backward else ''}: P={schedule.num_stages}, "
+                 f"M={schedule.num_microbatches}, bubble {result.bubble_ratio:.3f}")
+        save_gantt(result.timeline, args.png, title)
+    out = {"schedule": schedule.name, "stages": schedule.num_stages,
+           "microbatches": schedule.num_microbatches, "split_backward": schedule.split_backward,
+           "policy": schedule.policy, **result.to_dict()}
+    out.pop("idle_total")
+    if args.table:
+        out["table"] = schedule.table().splitlines()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{schedule.name}{' + 2BP' if schedule.split_backward else ''}: stages={schedule.num_stages} "
+          f"microbatches={schedule.num_microbatches} makespan={result.makespan:g} "
+          f"bubble_ratio={result.bubble_ratio:.4f}")
+    for r, st in enumerate(result.per_rank):
+        print(f"  rank {r}: busy={st.busy:g} idle={st.idle:g} peak_stashed={st.peak_stashed} "
+              f"peak_bytes={st.peak_bytes:g}")
+    if args.table:
+        print(schedule.table())
+    return 0
