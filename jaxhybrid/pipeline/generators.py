@@ -52,8 +52,9 @@ def one_f_one_b_rows(stages: int, microbatches: int, back: Kind) -> Rows:
 def zb_h1_rows(stages: int, microbatches: int) -> Rows:
     """ZB-H1 (Qi et al. 2024, zero bubble with 1F1B's peak memory): the F/BI order of 1F1B, with the
     weight gradients of stage ``s`` delayed by ``s`` backward passes, so that stage ``s`` holds at most
-    ``P`` microbatches (like stage 0 of 1F1B) and the idle time of every stage is
-    ``(P - 1)(F + BI - BW)`` when ``BW <= F + BI``.
+    ``P`` microbatches (like stage 0 of 1F1B) and the idle time of every stage is ZB's
+    ``(P - 1)(F + BI - BW)`` whenever ``BW <= F`` (ZB's handcrafted schedules assume equal F, B, W).
+    With ``BW > F`` a delayed BW overruns the slot of a forward and the idle time is larger.
     """
     rows = []
     for s in range(stages):
