@@ -84,7 +84,7 @@ def _read_inputs(inputs: Sequence[str | Path]) -> str:
             texts.append(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
             raise ValueError(f"input file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return "\n".join(t if t.endswith("\n") or not t else t + "\n" for t in texts)
+    return "".join(t if t.endswith("\n") or not t else t + "\n" for t in texts)  # each file ends a line
 
 
 @contextlib.contextmanager

@@ -1,0 +1,217 @@
+"""Data: tokenizer round trips, prepare-data memmaps (atomic, dtype, errors), the built-in corpus,
+the deterministic resumable sampler, and tokens per step independent of the parallel layout."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from jaxhybrid.cli import main
+from jaxhybrid.data import (BPETokenizer, ByteTokenizer, Sampler, TokenDataset, builtin_corpus_text,
+                            ensure_builtin_data, prepare_data, token_dtype, train_bpe)
+from jaxhybrid.data import prepare as prepare_mod
+
+SAMPLES = ["In the beginning God created the heaven and the earth.", "  leading spaces\n\nand blank lines\n",
+           "ünïcödé — “quotes” 😀 and 中文", ""]
+
+
+@pytest.fixture(scope="module")
+def corpus_head():
+    return builtin_corpus_text()[:200_000]
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus_head):
+    return train_bpe(corpus_head, 400)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    for s in SAMPLES:
+        ids = tok.encode(s)
+        assert ids == list(s.encode("utf-8")) and tok.decode(ids) == s
+    assert tok.vocab_size == 256
+
+
+def test_bpe_round_trip_compresses_and_reloads(bpe, corpus_head, tmp_path):
+    assert 256 < bpe.vocab_size <= 400
+    for s in SAMPLES + [corpus_head[:5000]]:
+        assert bpe.decode(bpe.encode(s)) == s  # byte-level: even unseen characters round-trip
+    verse = corpus_head[:2000]
+    assert len(bpe.encode(verse)) < 0.7 * len(verse.encode("utf-8"))  # merges learned from the text
+    assert bpe.encode_array(verse).tolist() == bpe.encode(verse)  # line-wise fast path is exact here
+    bpe.save(tmp_path / "tok.json")
+    again = BPETokenizer.load(tmp_path / "tok.json")
+    assert again.encode(verse) == bpe.encode(verse) and again.vocab_size == bpe.vocab_size
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        train_bpe("abc", 100)
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def test_prepare_small_file_byte(tmp_path):
+    text = ("".join(SAMPLES) + "\n") * 20
+    src = _write(tmp_path, "in.txt", text)
+    out = prepare_data(tmp_path / "out", [src], "byte", val_fraction=0.1)
+    meta = json.loads((out / "meta.json").read_text())
+    raw = text.encode("utf-8")
+    n_val = int(len(raw) * 0.1)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
+    assert meta["n_tokens"] == len(raw) and meta["splits"] == {"train": len(raw) - n_val, "val": n_val}
+    assert meta["source"] == [str(src.resolve())]
+    train, val = TokenDataset(out, "train"), TokenDataset(out / "meta.json", "val")
+    assert train.tokens.dtype == np.uint16 and len(train) + len(val) == len(raw)
+    assert bytes(np.concatenate([train.tokens, val.tokens]).astype(np.uint8)) == raw  # val is the tail
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no temp files left
+
+
+def test_prepare_small_files_bpe(tmp_path, corpus_head):
+    a, b = _write(tmp_path, "a.txt", corpus_head[:30_000]), _write(tmp_path, "b.txt", "second file ünï")
+    out = prepare_data(tmp_path / "out", [a, b], "bpe", vocab_size=300, val_fraction=0.05)
+    ds_t, ds_v = TokenDataset(out, "train"), TokenDataset(out, "val")
+    assert ds_t.meta["tokenizer"] == "bpe" and (out / "tokenizer.json").is_file()
+    tok = ds_t.tokenizer()
+    assert tok.vocab_size == ds_t.vocab_size <= 300
+    decoded = tok.decode(np.concatenate([ds_t.tokens, ds_v.tokens]).tolist())
+    assert decoded == corpus_head[:30_000] + "\nsecond file ünï\n"  # files joined, each newline-terminated
+
+
+def test_token_dtype_choice():
+    assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16  # ids up to 65535
+    assert token_dtype(65537) == np.uint32 and token_dtype(200_000) == np.uint32
+
+
+def test_builtin_corpus_byte_cached(tmp_path):
+    text = builtin_corpus_text()
+    assert text.startswith("Genesis\nIn the beginning God created the heaven and the earth.\n")
+    assert len(text) > 4_000_000 and "bible" not in sys.modules  # read as a data file, never imported
+    d = ensure_builtin_data(tmp_path / "cache", "byte")
+    ds = TokenDataset(d)
+    assert ds.meta["n_tokens"] == len(text.encode("utf-8")) and ds.meta["source"] == [prepare_mod.BUILTIN_SOURCE]
+    mtime = (d / "train.bin").stat().st_mtime_ns
+    assert ensure_builtin_data(tmp_path / "cache", "byte") == d  # second call reuses the cache
+    assert (d / "train.bin").stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError, match="tokenizer='words'"):
+        ensure_builtin_data(tmp_path / "cache", "words")
+
+
+def test_missing_input_raises_before_writing(tmp_path):
+    ok = _write(tmp_path, "ok.txt", "some text\n")
+    missing = tmp_path / "nope" / "missing.txt"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        prepare_data(tmp_path / "out", [ok, missing])
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_prepare_leaves_no_loadable_dataset(tmp_path, monkeypatch):
+    src = _write(tmp_path, "in.txt", "first version of the text\n" * 50)
+    out = prepare_data(tmp_path / "out", [src])
+    real = os.replace
+
+    def crash_on_val(a, b):
+        if str(b).endswith("val.bin"):
+            raise OSError("disk full (simulated)")
+        return real(a, b)
+
+    monkeypatch.setattr(prepare_mod.os, "replace", crash_on_val)
+    with pytest.raises(OSError, match="simulated"):
+        prepare_data(out, [_write(tmp_path, "in2.txt", "a longer second version\n" * 80)])
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="meta.json"):  # new train.bin + old meta never mix
+        TokenDataset(out)
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="/nonexistent/tokens"):
+        TokenDataset("/nonexistent/tokens")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        TokenDataset(tmp_path / "empty")
+    out = prepare_data(tmp_path / "out", [_write(tmp_path, "in.txt", "hello world\n" * 10)])
+    ds = TokenDataset(out)
+    ds.check_vocab(256)
+    with pytest.raises(ValueError, match=r"model.vocab_size=128 .* 256"):
+        ds.check_vocab(128)
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="prepare the data again"):
+        TokenDataset(out)
+
+
+@pytest.fixture(scope="module")
+def small_ds(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("small")
+    src = tmp / "in.txt"
+    src.write_text(builtin_corpus_text()[:20_000], encoding="utf-8")
+    return TokenDataset(prepare_data(tmp / "out", [src], val_fraction=0.0))
+
+
+def test_sampler_is_pure_in_seed_and_step(small_ds):
+    a, b = Sampler(small_ds, 32, 8, seed=3), Sampler(small_ds, 32, 8, seed=3)
+    for step in (0, 5, 1000, 2):
+        x = a.batch(step)
+        assert x.shape == (8, 33) and x.dtype == np.int32
+        np.testing.assert_array_equal(x, b.batch(step))
+        for row, s in zip(x, a.starts(step)):  # each row is a real window of the stream
+            np.testing.assert_array_equal(row, small_ds.tokens[s:s + 33])
+    assert not np.array_equal(a.batch(0), Sampler(small_ds, 32, 8, seed=4).batch(0))
+    assert not np.array_equal(a.batch(0), a.batch(1))
+
+
+def test_sampler_epochs_cover_every_window_once(small_ds):
+    s = Sampler(small_ds, 32, 7, seed=0)
+    w = s.n_windows
+    steps = -(-3 * w // 7)  # three epochs and a bit
+    starts = np.concatenate([s.starts(i) for i in range(steps)])
+    assert starts.min() >= 0 and starts.max() + 33 <= len(small_ds)
+    for e in range(3):
+        ep = starts[e * w:(e + 1) * w]
+        offsets = ep % 32
+        assert len(set(offsets.tolist())) == 1  # one shift per epoch
+        assert sorted(((ep - offsets) // 32).tolist()) == list(range(w))  # a permutation of the windows
+
+
+def test_sampler_resume(small_ds):
+    first = Sampler(small_ds, 16, 4, seed=7)
+    for _ in range(11):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
+    assert state["step"] == 11 and first.state_dict(5)["step"] == 5
+    resumed = Sampler(small_ds, 16, 4, seed=7)
+    resumed.load_state_dict(state)
+    for _ in range(3):
+        np.testing.assert_array_equal(resumed.next_batch(), first.next_batch())
+    with pytest.raises(ValueError, match="seed: checkpoint 7 != current 8"):
+        Sampler(small_ds, 16, 4, seed=8).load_state_dict(state)
+
+
+def test_sampler_rejects_short_data(small_ds):
+    with pytest.raises(ValueError, match="lower data.seq_len"):
+        Sampler(small_ds, len(small_ds), 2, seed=0)
+
+
+@pytest.mark.parametrize("data,microbatches", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2), (8, 1)])
+def test_tokens_per_step_independent_of_layout(small_ds, data, microbatches):
+    from jaxhybrid.step import split_batch
+
+    batch = Sampler(small_ds, 16, 8, seed=1).batch(3)
+    parts = [split_batch(batch, r, data, microbatches) for r in range(data)]
+    assert all(p.shape == (microbatches, 8 // (data * microbatches), 17) for p in parts)
+    # Replicas in order, microbatches in order: exactly the global batch, each row once.
+    np.testing.assert_array_equal(np.concatenate([p.reshape(-1, 17) for p in parts]), batch)
+
+
+def test_cli_prepare_data(tmp_path, capsys):
+    src = _write(tmp_path, "in.txt", "hello there\n" * 100)
+    assert main(["prepare-data", "--out", str(tmp_path / "out"), "--input", str(src), "--val-fraction", "0.1"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert len(line.splitlines()) == 1 and "1,200 tokens (train 1,080, val 120)" in line
+    rc = main(["prepare-data", "--out", str(tmp_path / "bad"), "--input", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "missing.txt" in err and len(err.splitlines()) == 1 and not (tmp_path / "bad").exists()
