@@ -46,7 +46,9 @@ def assert_tree_close(actual, expected, tol: float | str = "fp32_parity", what: 
         if a_np.shape != e_np.shape:
             raise AssertionError(f"{what}{name}: shape {a_np.shape} != expected {e_np.shape}")
         if rtol == 0.0:
-            if not np.array_equal(a_np.view(np.uint8), e_np.view(np.uint8)) and not np.array_equal(a_np, e_np):
+            if a_np.dtype != e_np.dtype:
+                raise AssertionError(f"{what}{name}: dtype {a_np.dtype} != expected {e_np.dtype}")
+            if a_np.reshape(-1).view(np.uint8).tobytes() != e_np.reshape(-1).view(np.uint8).tobytes():
                 diff = rel_err(a_np, e_np)
                 raise AssertionError(f"{what}{name}: not bit-identical (relative error {diff:.3e})")
             continue

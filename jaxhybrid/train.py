@@ -154,7 +154,7 @@ class Trainer:
         m = cfg.model
         flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
                                            m.vocab_size, recompute=cfg.train.remat != "none")
-        peak = float(hw["peak_tflops"][cfg.precision.compute_dtype]) * 1e12
+        peak = metrics_lib.peak_tflops(hw, cfg.precision.compute_dtype) * 1e12
         losses, times = [], []
         try:
             while st.step < cfg.train.steps:
