@@ -1,0 +1,247 @@
+"""The pipeline event loop: executes a :class:`~jaxhybrid.pipeline.tasks.Schedule` on one rank.
+
+Two policies (schedules are data; the engine only decides order in the message-driven policy):
+
+- ``static``: run this rank's row of tasks in order. A task whose input is a message (an activation
+  for ``F``, a gradient for ``B``/``BI``) waits for it; messages that arrive early wait in a mailbox, so
+  any valid schedule runs whatever the arrival order.
+- ``message-driven`` (Myelin Alg. 2): stage 0 injects ``pipeline_limit`` forwards, then every arriving
+  message picks the work: an activation from the previous stage runs a forward (and, on the last stage,
+  the backward at once), a gradient from the next stage runs a backward, after which stage 0 injects the
+  next microbatch. With 2BP the backward is the input-gradient pass only; the weight-gradient passes are
+  queued and run while no message is waiting (filling what would be idle time), or at once when the
+  queue reaches ``weight_budget`` microbatches of held weight residuals (the memory bound).
+
+The loss is pre-divided by the number of microbatches in the global batch (Myelin Sec. IV-B): the last
+stage's output cotangent is ``loss_scale / (microbatches x replicas)``, so summing the stage gradients
+over microbatches and replicas gives the gradient of ``mean loss x loss_scale``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
+from jaxhybrid.pipeline.trace import Event
+from jaxhybrid.pipeline.transport import Envelope, MsgKind, Transport, wait_message
+
+_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+
+@dataclass
+class Recorder:
+    """Per-rank timeline of :class:`~jaxhybrid.pipeline.trace.Event` (kinds F/B/BI/BW, wait, send,
+    recv), times in seconds of ``time.perf_counter`` (merge ranks with per-rank offsets)."""
+
+    rank: int = 0
+    events: list[Event] = field(default_factory=list)
+
+    def add(self, name: str, kind: str, start: float, end: float, mbs: tuple[int, ...] = (),
+            stage: int = -1) -> None:
+        self.events.append(Event(self.rank, name, kind, start, end, tuple(mbs), stage))
+
+    def total(self, *kinds: str) -> float:
+        return sum(e.end - e.start for e in self.events if e.kind in kinds)
+
+
+@dataclass
+class StepResult:
+    loss_sum: jax.Array | None  # sum of microbatch mean losses (last stage only)
+    grads: dict[int, Any]  # stage -> summed gradients of loss * cotangent
+    wall_s: float
+
+
+class EventLoop:
+    """Runs one training step's pipeline phase for the stages owned by ``rank``.
+
+    Args:
+      stages: ``{stage index: Stage}`` for the stages this rank runs (jaxhybrid.model.stage.Stage API).
+      stage_to_rank: row rank of every logical stage.
+      rank: this process's rank in the pipeline row.
+      transport: a :class:`~jaxhybrid.pipeline.transport.Transport`.
+      concat: joins weight residuals of several microbatches for a concatenated ``BW`` (2BP Fig. 2).
+      progress: called after every task and message (the watchdog's heartbeat).
+      weight_budget: message-driven 2BP: most microbatches whose weight pass may wait.
+    """
+
+    def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
+                 concat: Callable[[list[Any]], Any] | None = None, progress: Callable[[str], None] | None = None,
+                 weight_budget: int = 0):
+        self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
+        self.num_stages = len(self.stage_to_rank)
+        self.transport, self.concat = transport, concat
+        self.progress = progress or (lambda what: None)
+        self.weight_budget = weight_budget or self.num_stages
+        self.recorder = Recorder(rank)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def run(self, schedule: Schedule, params: dict[int, Any], tokens: jax.Array, cotangent: float) -> StepResult:
+        """``tokens``: ``int32 [M, mb, seq+1]`` (every rank gets them; only the ends read them)."""
+        if tuple(schedule.stage_to_rank) != self.stage_to_rank:
+            raise ValueError(f"schedule {schedule.name!r} maps stages to ranks {schedule.stage_to_rank}, "
+                             f"the engine was built for {self.stage_to_rank}")
+        if schedule.num_microbatches != tokens.shape[0]:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.num_microbatches} microbatches, "
+                             f"the batch has {tokens.shape[0]}")
+        self.params, self.tokens = params, tokens
+        self.cot = jnp.float32(cotangent)
+        self.mailbox: dict[Envelope, Any] = {}
+        self.residuals: dict[tuple[int, int], Any] = {}
+        self.wres: dict[tuple[int, int], Any] = {}
+        self.grads: dict[int, Any] = {}
+        self.losses: list[jax.Array] = []
+        self.recorder = Recorder(self.rank)
+        start = time.perf_counter()
+        if schedule.policy == "message-driven":
+            self._message_driven(schedule)
+        else:
+            for t in schedule.rows[self.rank]:
+                self._execute(t, schedule.split_backward)
+        t0 = time.perf_counter()
+        self.transport.flush()
+        self.recorder.add("flush", "wait", t0, time.perf_counter())
+        if self.residuals or self.wres or self.mailbox:
+            raise RuntimeError(f"rank {self.rank}: schedule {schedule.name!r} left work undone: residuals "
+                               f"{sorted(self.residuals)}, weight residuals {sorted(self.wres)}, unread "
+                               f"messages {[str(e) for e in self.mailbox]}")
+        loss = None
+        if self.losses:
+            loss = self.losses[0]
+            for x in self.losses[1:]:
+                loss = loss + x
+        return StepResult(loss, self.grads, time.perf_counter() - start)
+
+    # -- messages ------------------------------------------------------------------------------------
+    def _receive_into_mailbox(self, block: bool) -> bool:
+        t0 = time.perf_counter()
+        msg = wait_message(self.transport) if block else self.transport.poll()
+        if msg is None:
+            return False
+        env = msg.envelope
+        self.recorder.add(f"recv {env}", "wait" if block else "recv", t0, time.perf_counter(),
+                          (env.microbatch,), env.stage)
+        self.mailbox[msg.envelope] = msg.payload
+        self.progress(f"received {msg.envelope} from rank {msg.source}")
+        return True
+
+    def _take(self, env: Envelope) -> Any:
+        while env not in self.mailbox:
+            self._receive_into_mailbox(block=True)
+        return self.mailbox.pop(env)
+
+    def _send(self, x: Any, kind: MsgKind, mb: int, stage: int) -> None:
+        t0 = time.perf_counter()
+        self.transport.send(x, self.stage_to_rank[stage], Envelope(kind, mb, stage))
+        self.recorder.add(f"send {kind.name} mb{mb}->s{stage}", "send", t0, time.perf_counter(), (mb,), stage)
+
+    # -- tasks ---------------------------------------------------------------------------------------
+    def _timed(self, kind: str, mbs: tuple[int, ...], s: int, fn: Callable[[], Any]) -> Any:
+        name = kind + "+".join(map(str, mbs)) + f"@s{s}"
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())  # measured compute, not dispatch (the trace shows real kernels)
+        self.recorder.add(name, kind, t0, time.perf_counter(), mbs, s)
+        self.progress(f"ran {name}")
+        return out
+
+    def _execute(self, t: Task, split: bool) -> None:
+        s, mb = t.stage, t.microbatch
+        if t.kind is Kind.F:
+            self._forward(s, mb)
+        elif t.kind in (Kind.B, Kind.BI):
+            self._backward(s, mb, split=t.kind is Kind.BI)
+        elif t.kind is Kind.BW:
+            self._weight(s, t.microbatches)
+        else:
+            raise ValueError(f"rank {self.rank}: unknown task {t}")
+
+    def _forward(self, s: int, mb: int) -> None:
+        stage = self.stages[s]
+        last = s == self.num_stages - 1
+        x = self.tokens[mb, :, :-1] if s == 0 else self._take(Envelope(MsgKind.ACT, mb, s))
+        targets = self.tokens[mb, :, 1:] if last else None
+        y, res = self._timed("F", (mb,), s, lambda: stage.forward(self.params[s], x, targets))
+        self.residuals[(s, mb)] = res
+        if last:
+            self.losses.append(y)
+        else:
+            self._send(y, MsgKind.ACT, mb, s + 1)
+
+    def _backward(self, s: int, mb: int, split: bool) -> None:
+        stage = self.stages[s]
+        dy = self.cot if s == self.num_stages - 1 else self._take(Envelope(MsgKind.GRAD, mb, s))
+        res = self.residuals.pop((s, mb))
+        if split:
+            dx, wres = self._timed("BI", (mb,), s, lambda: stage.backward_input(res, dy))
+            self.wres[(s, mb)] = wres
+        else:
+            dx, dp = self._timed("B", (mb,), s, lambda: stage.backward(res, dy))
+            self._accumulate(s, dp)
+        if s > 0:
+            self._send(dx, MsgKind.GRAD, mb, s - 1)
+
+    def _weight(self, s: int, mbs: tuple[int, ...]) -> None:
+        stage = self.stages[s]
+        parts = [self.wres.pop((s, m)) for m in mbs]
+        if len(parts) > 1:
+            if self.concat is None:
+                raise ValueError(f"rank {self.rank}: a concatenated BW{mbs} needs a concat function")
+            wres = self.concat(parts)
+        else:
+            wres = parts[0]
+        dp = self._timed("BW", tuple(mbs), s, lambda: stage.backward_weight(self.params[s], wres))
+        self._accumulate(s, dp)
+
+    def _accumulate(self, s: int, dp: Any) -> None:
+        self.grads[s] = dp if s not in self.grads else _add(self.grads[s], dp)
+
+    # -- Myelin Alg. 2 -------------------------------------------------------------------------------
+    def _message_driven(self, schedule: Schedule) -> None:
+        if len(self.stages) != 1:
+            raise ValueError(f"the message-driven policy runs one stage per rank; rank {self.rank} "
+                             f"owns stages {sorted(self.stages)}")
+        (s,) = self.stages
+        m = schedule.num_microbatches
+        limit = schedule.pipeline_limit or self.num_stages
+        split = schedule.split_backward
+        last = s == self.num_stages - 1
+        pending_w: list[int] = []
+        injected = backwards = 0
+
+        def backward(mb: int) -> None:
+            nonlocal backwards
+            self._backward(s, mb, split)
+            backwards += 1
+            if split:
+                pending_w.append(mb)
+                if len(pending_w) >= self.weight_budget:  # memory bound reached: pay the weight pass now
+                    self._weight(s, (pending_w.pop(0),))
+
+        def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
+            nonlocal injected
+            while s == 0 and injected < m and injected - backwards < limit:
+                self._forward(s, injected)
+                injected += 1
+                if last:
+                    backward(injected - 1)
+
+        inject()
+        while backwards < m:
+            if not self.mailbox and not self._receive_into_mailbox(block=False):
+                if pending_w:  # nothing arrived: fill the wait with a weight pass (message-driven 2BP)
+                    self._weight(s, (pending_w.pop(0),))
+                    continue
+                self._receive_into_mailbox(block=True)
+            env = next(iter(self.mailbox))
+            if env.kind is MsgKind.ACT:
+                self._forward(s, env.microbatch)
+                if last:
+                    backward(env.microbatch)
+            else:
+                backward(env.microbatch)
+                inject()
+        for mb in pending_w:
+            self._weight(s, (mb,))

@@ -1,0 +1,215 @@
+"""MPI transports for the pipeline event loop (see :mod:`jaxhybrid.pipeline.transport`).
+
+Both send bfloat16/float16 payloads as uint16 bit patterns (MPI has no such types, facts.md) and rebuild
+them bit-exactly on arrival. Every message of one step has the shape and dtype of ``template`` (the
+activation between stages: ``[mb, seq, d_model]`` in the compute dtype).
+
+:class:`Mpi4jaxTransport` follows the design card: payloads travel through ``mpi4jax.send``/``recv``
+inside cached ``jax.jit`` functions (eager mpi4jax recompiles on every call). mpi4jax has no
+non-blocking send, so a sender thread owns the sends; the main loop ``Iprobe``s a header communicator
+(a 3-int envelope sent with mpi4py just before the payload) and only then calls the jitted receive, so
+it never blocks on a message that has not been sent. :class:`Mpi4pyTransport` stages through host numpy
+buffers with ``Isend`` and ``Improbe``/``Mrecv``.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.pipeline.transport import Envelope, Journal, Message, MsgKind
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def wire_dtype(dtype: Any) -> Any:
+    """The dtype a payload travels as: uint16 for half floats (bit-exact), else itself."""
+    return jnp.uint16 if jnp.dtype(dtype) in _HALF else jnp.dtype(dtype)
+
+
+_MB_SLOTS = 1 << 12  # microbatches per step a tag can name
+
+
+def _encode_tag(env: Envelope, tag_ub: int) -> int:
+    """(stage, microbatch, kind) -> an MPI tag; raises if it exceeds the library's ``MPI_TAG_UB``."""
+    tag = ((env.stage * _MB_SLOTS) + env.microbatch) * 2 + (int(env.kind) - 1)
+    if env.microbatch >= _MB_SLOTS or tag > tag_ub:
+        raise ValueError(f"message {env} does not fit an MPI tag (MPI_TAG_UB={tag_ub}); use fewer than "
+                         f"{_MB_SLOTS} microbatches per step or the mpi4jax transport")
+    return tag
+
+
+def _decode_tag(tag: int) -> Envelope:
+    kind, rest = tag % 2 + 1, tag // 2
+    return Envelope(MsgKind(kind), rest % _MB_SLOTS, rest // _MB_SLOTS)
+
+
+class _Base:
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.template = template
+        self.wire = wire_dtype(template.dtype)
+        self.journal = Journal()
+        self._error: BaseException | None = None
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rank {self.rank}: pipeline send failed: {self._error!r}") from self._error
+
+    def _to_jax(self, buf: np.ndarray) -> jax.Array:
+        x = jnp.asarray(buf)
+        return jax.lax.bitcast_convert_type(x, self.template.dtype) if self.wire != self.template.dtype else x
+
+
+class Mpi4pyTransport(_Base):
+    """Host-staged buffers: ``Isend`` returns at once; ``Improbe``+``Mrecv`` receive a whole message."""
+
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
+        from mpi4py import MPI
+
+        super().__init__(comm, template)
+        self._pending: list[tuple[Any, np.ndarray]] = []
+        self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+
+    def send(self, x, dest: int, envelope: Envelope) -> None:
+        buf = np.asarray(x)  # waits for x, copies device -> host where they differ
+        if buf.dtype != self.wire:
+            buf = buf.view(np.uint16)
+        buf = np.ascontiguousarray(buf)
+        req = self.comm.Isend(buf, dest=dest, tag=_encode_tag(envelope, self._tag_ub))
+        self._pending.append((req, buf))  # the buffer must live until the send completes
+        self.journal.sent(dest, envelope)
+        self._retire()
+
+    def _retire(self) -> None:
+        if self._pending:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+
+    def poll(self) -> Message | None:
+        from mpi4py import MPI
+
+        self._retire()
+        status = MPI.Status()
+        handle = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        if handle is None:
+            return None
+        buf = np.empty(self.template.shape, dtype=self.wire)
+        handle.Recv(buf)
+        env = _decode_tag(status.Get_tag())
+        self.journal.received(status.Get_source(), env)
+        return Message(env, status.Get_source(), self._to_jax(buf))
+
+    def flush(self) -> None:
+        from mpi4py import MPI
+
+        MPI.Request.Waitall([r for r, _ in self._pending])
+        self._pending = []
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Mpi4jaxTransport(_Base):
+    """mpi4jax payloads in cached jits, a sender thread, and an mpi4py header channel to probe.
+
+    Args:
+      comm: the pipeline row's point-to-point communicator (payloads).
+      template: payload shape and dtype.
+    Header and payload use tag 0 on two communicators; MPI keeps the messages of one (source, tag,
+    communicator) in order, so the k-th header from a source names its k-th payload.
+    """
+
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
+        super().__init__(comm, template)
+        self.header_comm = comm.Dup()  # collective on the row: every rank builds its transport together
+        self._sendq: queue.Queue = queue.Queue()
+        self._sends: dict[int, Any] = {}
+        self._recvs: dict[tuple[int, int], Any] = {}
+        self._thread = threading.Thread(target=self._sender, name=f"mpi4jax-sender-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- cached jitted programs (one per destination / (source, kind)) -------------------------------
+    def _send_fn(self, dest: int):
+        if dest not in self._sends:
+            import mpi4jax
+
+            comm, wire, dt = self.comm, self.wire, self.template.dtype
+
+            def send(x):
+                w = jax.lax.bitcast_convert_type(x, wire) if wire != dt else x
+                mpi4jax.send(w, dest, tag=0, comm=comm)
+                return jnp.zeros((), jnp.int32)  # ready only when the program (and the send) finished
+
+            self._sends[dest] = jax.jit(send)
+        return self._sends[dest]
+
+    def _recv_fn(self, source: int):
+        if source not in self._recvs:
+            import mpi4jax
+
+            comm, wire, dt, shape = self.comm, self.wire, self.template.dtype, self.template.shape
+
+            def recv():
+                y = mpi4jax.recv(jnp.zeros(shape, wire), source, tag=0, comm=comm)
+                return jax.lax.bitcast_convert_type(y, dt) if wire != dt else y
+
+            self._recvs[source] = jax.jit(recv)
+        return self._recvs[source]
+
+    def _sender(self) -> None:
+        while True:
+            item = self._sendq.get()
+            try:
+                if item is None:
+                    return
+                x, dest, env = item
+                if self._error is None:
+                    header = np.array([int(env.kind), env.microbatch, env.stage], np.int32)
+                    self.header_comm.Send(header, dest=dest, tag=0)
+                    self._send_fn(dest)(x).block_until_ready()
+            except BaseException as e:  # surfaced on the main thread's next poll/flush
+                self._error = e
+            finally:
+                self._sendq.task_done()
+
+    def send(self, x, dest: int, envelope: Envelope) -> None:
+        self._raise_pending()
+        self.journal.sent(dest, envelope)
+        self._sendq.put((x, dest, envelope))
+
+    def poll(self) -> Message | None:
+        from mpi4py import MPI
+
+        self._raise_pending()
+        status = MPI.Status()
+        if not self.header_comm.Iprobe(source=MPI.ANY_SOURCE, tag=0, status=status):
+            return None
+        src = status.Get_source()
+        header = np.empty(3, np.int32)
+        self.header_comm.Recv(header, source=src, tag=0)
+        env = Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2]))
+        payload = self._recv_fn(src)()
+        self.journal.received(src, env)
+        return Message(env, src, payload)
+
+    def flush(self) -> None:
+        self._sendq.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self._sendq.put(None)
+        self._thread.join(timeout=5)
+
+
+def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct):
+    """``pipeline.transport``: ``mpi4jax`` (design card) or ``mpi4py`` (host-staged Isend)."""
+    if name == "mpi4jax":
+        return Mpi4jaxTransport(comm, template)
+    if name == "mpi4py":
+        return Mpi4pyTransport(comm, template)
+    raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax or mpi4py")

@@ -1,0 +1,167 @@
+"""``PipelineEngine``: the :class:`~jaxhybrid.step.GradEngine` of one rank of a Myelin grid.
+
+Myelin Alg. 1 from the point of view of rank ``(stage i, replica j)``: slice this replica's shard of the
+global batch into microbatches (line 5), run the pipeline phase with the event loop (line 12, Alg. 2 or
+any static schedule), sum the tied-embedding gradient between the first and last stage, all-reduce the
+stage's gradients over the data column in buckets (line 13). The trainer then runs the optimizer.
+
+Everything that can be wrong with the input (grid vs world size, stages vs blocks, microbatches vs
+schedule) is checked in the constructor before any compilation, by pure code, so every rank raises the
+same message.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.config import Config, optimal_checkpoint_interval
+from jaxhybrid.model import Model
+from jaxhybrid.optim.allreduce import allreduce_tree
+from jaxhybrid.pipeline.engine import EventLoop
+from jaxhybrid.pipeline.schedule import make_schedule
+from jaxhybrid.pipeline.transport import InProcessHub
+from jaxhybrid.pipeline.watchdog import Watchdog, install_abort_on_exception
+from jaxhybrid.step import split_batch
+
+
+class PipelineEngine:
+    """One rank of a ``G_inter x G_data`` pipeline (``mpirun -n G_inter*G_data jaxhybrid train``).
+
+    Args:
+      cfg: the run configuration (``parallel``, ``pipeline``, ``train.remat``, ``optim.bucket_size``).
+      model: the whole :class:`~jaxhybrid.model.Model` (this rank builds the stage it runs).
+      topology: this rank's :class:`~jaxhybrid.topology.Topology`.
+      abort_on_error: install the excepthook that aborts the MPI job on any uncaught exception.
+    """
+
+    def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True):
+        from jaxhybrid.model.stage import Stage
+
+        pl = cfg.pipeline
+        self.cfg, self.model, self.topo = cfg, model, topology
+        self.rank, self.stage_index, self.replica = topology.rank, topology.stage, topology.replica
+        self.num_stages, self.replicas = topology.num_stages, topology.num_replicas
+        self.microbatches = pl.microbatches
+        # Pure checks first: a bad schedule/microbatch count raises the same ValueError on every rank.
+        self.schedule = make_schedule(pl.schedule, self.num_stages, pl.microbatches,
+                                      split_backward=pl.split_backward, pipeline_limit=pl.pipeline_limit)
+        who = (f"rank {self.rank} (stage {self.stage_index}, replica {self.replica})")
+        self.who = who
+        if abort_on_error:
+            install_abort_on_exception(who, topology.world)
+        interval = cfg.train.checkpoint_interval
+        if cfg.train.remat == "full" and interval == 0:
+            interval = optimal_checkpoint_interval(cfg.model.n_layers, self.num_stages)  # Myelin V-A
+        first, last = topology.blocks
+        self.stage = Stage(model, first, last, remat=cfg.train.remat, checkpoint_interval=interval)
+        mb = cfg.microbatch_size
+        template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
+        if self.num_stages > 1:
+            from jaxhybrid.pipeline.mpi_transport import make_transport
+
+            self.transport = make_transport(pl.transport, topology.p2p, template)
+        else:
+            self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
+        self.watchdog = Watchdog(who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
+        from jaxhybrid.model.stage import concat_weight_residuals
+
+        self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
+                              self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat)
+        self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
+        self.last_step: dict[str, float] = {}
+
+    # -- GradEngine ----------------------------------------------------------------------------------
+    def init_params(self, rng: jax.Array) -> dict:
+        """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation."""
+        return self.stage.slice_params(self.model.init(rng))
+
+    def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
+        t0 = time.perf_counter()
+        mbs = jnp.asarray(split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches))
+        # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
+        cot = float(loss_scale) / (self.microbatches * self.replicas)
+        self.watchdog.arm("pipeline phase")
+        try:
+            res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
+            grads = res.grads[self.stage_index]
+            t1 = time.perf_counter()
+            grads = self._sum_tied(grads)
+            self.watchdog.beat("data-parallel all-reduce")
+            if self.replicas > 1:
+                grads = allreduce_tree(grads, self.topo.column, self.chunk)
+            mine = float(res.loss_sum) if res.loss_sum is not None else 0.0
+            loss = self.topo.world.allreduce(mine) / (self.microbatches * self.replicas)
+        finally:
+            self.watchdog.disarm()
+        t2 = time.perf_counter()
+        self.last_step = {"pipeline_s": t1 - t0, "reduce_s": t2 - t1, "step_s": t2 - t0}
+        return jnp.float32(loss), grads
+
+    def global_sum(self, x):
+        """Sum over the stages of this replica (the model-parallel group)."""
+        return jnp.float32(self.topo.row.allreduce(float(x)))
+
+    def global_max(self, x):
+        from mpi4py import MPI
+
+        return jnp.float32(self.topo.world.allreduce(float(x), op=MPI.MAX))
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _sum_tied(self, grads: dict) -> dict:
+        """Tied embeddings: the first stage's ``embed.wte`` and the last stage's copy read by the head
+        get the sum of both gradients (Megatron's embedding all-reduce), so both copies stay equal."""
+        if not self.cfg.model.tie_embeddings or self.num_stages == 1:
+            return grads
+        if self.stage_index not in (0, self.num_stages - 1):
+            return grads
+        peer = self.num_stages - 1 if self.stage_index == 0 else 0
+        mine = np.ascontiguousarray(np.asarray(grads["embed"]["wte"], np.float32))
+        other = np.empty_like(mine)
+        self.topo.row.Sendrecv(mine, dest=peer, sendtag=7, recvbuf=other, source=peer, recvtag=7)
+        total = jnp.asarray(mine + other if self.stage_index == 0 else other + mine)
+        out = dict(grads)
+        out["embed"] = dict(grads["embed"], wte=total.astype(grads["embed"]["wte"].dtype))
+        return out
+
+    def gather_events(self) -> list | None:
+        """The last step's events of every rank, on rank 0 (others get None), clocks aligned."""
+        self.topo.world.Barrier()
+        sync = time.perf_counter()
+        events = [(e.name, e.kind, e.start - sync, e.end - sync, e.microbatches, e.stage)
+                  for e in self.loop.recorder.events]
+        every = self.topo.world.gather(events, root=0)
+        if self.rank != 0:
+            return None
+        from jaxhybrid.pipeline.trace import Event
+
+        return [[Event(r, *ev) for ev in evs] for r, evs in enumerate(every)]
+
+    def write_trace(self, run_dir: str) -> dict | None:
+        """Merged Chrome trace, Gantt PNG and measured bubble ratio of the last step (rank 0 writes)."""
+        from pathlib import Path
+
+        per_rank = self.gather_events()
+        if per_rank is None:
+            return None
+        from jaxhybrid.pipeline.trace import Timeline, save_gantt, write_chrome_trace
+
+        tl = Timeline.merge(per_rank)
+        out = Path(run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(tl, out / "trace.json")
+        save_gantt(tl, out / "trace.png", title=f"{self.schedule.name} measured")
+        busy = sum(tl.busy(r) for r in range(tl.num_ranks))
+        bubble = 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12)
+        return {"bubble_ratio": bubble, "makespan_s": tl.makespan}
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.transport.close()

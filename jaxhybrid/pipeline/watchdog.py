@@ -1,0 +1,94 @@
+"""Fault handling for MPI jobs: a failing or stuck rank ends the whole job fast, naming itself.
+
+- :func:`install_abort_on_exception`: an uncaught exception on any thread of any rank prints
+  ``jaxhybrid: rank R (stage i, replica j) failed: ...`` and calls ``MPI_Abort`` (mpich does not end a
+  job when one rank raises: the others hang in their receives, facts.md).
+- :class:`Watchdog`: a daemon thread; while armed, if the rank reports no progress for ``deadline_s``
+  seconds it prints what the rank was doing and its last sends and receives, then aborts the job.
+  A killed rank is detected by the launcher (hydra ends the job and names the rank).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+
+def _abort(comm: Any, code: int) -> None:
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if comm is not None:
+        comm.Abort(code)
+    os._exit(code)
+
+
+def install_abort_on_exception(who: str, comm: Any = None) -> None:
+    """Make any uncaught exception (main or other threads) abort the whole MPI job, naming ``who``."""
+
+    def report(exc_type, exc, tb) -> None:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"{text}jaxhybrid: {who} failed: {exc_type.__name__}: {exc}; aborting the job\n")
+        _abort(comm, 1)
+
+    sys.excepthook = report
+    threading.excepthook = lambda args: report(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+class Watchdog:
+    """Aborts the job when an armed rank stops making progress.
+
+    Args:
+      who: how this rank is named in messages (e.g. ``"rank 3 (stage 1, replica 1)"``).
+      deadline_s: seconds without progress before aborting (``pipeline.watchdog_s``).
+      report: returns extra text (the last sends and receives) for the message.
+      comm: communicator to abort (``MPI.COMM_WORLD``); None exits this process only (tests).
+      on_fire: replaces the abort (tests of the in-process engine).
+    """
+
+    def __init__(self, who: str, deadline_s: float, report: Callable[[], str] = lambda: "",
+                 comm: Any = None, on_fire: Callable[[str], None] | None = None):
+        if deadline_s <= 0:
+            raise ValueError(f"pipeline.watchdog_s={deadline_s} must be > 0")
+        self.who, self.deadline_s, self.report, self.comm = who, deadline_s, report, comm
+        self.on_fire = on_fire
+        self._last = time.monotonic()
+        self._doing = "idle"
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jaxhybrid-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, doing: str) -> None:
+        """Record progress (called by the event loop after every task and message)."""
+        self._last = time.monotonic()
+        self._doing = doing
+
+    def arm(self, doing: str = "pipeline step") -> None:
+        self.beat(doing)
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def message(self) -> str:
+        idle = time.monotonic() - self._last
+        return (f"jaxhybrid watchdog: {self.who} made no progress for {idle:.1f} s (deadline "
+                f"{self.deadline_s:g} s); last progress: {self._doing}; {self.report()}")
+
+    def _watch(self) -> None:
+        step = min(0.1, self.deadline_s / 4)
+        while not self._stop.wait(step):
+            if self._armed and time.monotonic() - self._last > self.deadline_s:
+                msg = self.message()
+                if self.on_fire is not None:
+                    self._armed = False
+                    self.on_fire(msg)
+                    continue
+                sys.stderr.write(msg + "; aborting the job\n")
+                _abort(self.comm, 3)
