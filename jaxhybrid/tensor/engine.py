@@ -1,0 +1,126 @@
+"""``TensorEngine``: one training step of the whole model over the 4D (data, depth, row, col) mesh.
+
+A :class:`jaxhybrid.step.GradEngine` for ``parallel.pipeline == 1`` and a tensor grid larger than one.
+One process owns every device of the mesh (fake CPU devices in tests; on a cluster the mesh spans the
+processes of ``jax.distributed``, see :mod:`jaxhybrid.tensor`). Parameters and gradients are the same
+flat pytree as ``Model.init``, as global arrays sharded by :func:`jaxhybrid.tensor.sharding.param_spec`,
+so the trainer's optimizer, clipping and checkpoints work on them unchanged.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxhybrid.model import Model
+from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.tensor.linear import ALLGATHER_NAME
+from jaxhybrid.tensor.mesh import MeshShape, make_mesh
+from jaxhybrid.tensor.ops import TensorOps
+from jaxhybrid.tensor.sharding import batch_sharding, check_layout, param_shardings
+
+_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+             "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def tensor_remat(name: str, cache_allgather: bool):
+    """The block-recomputation wrapper; with optimization E the gathered weights are saved, not re-gathered.
+
+    Same policies as :func:`jaxhybrid.model.remat_policy` (none | dots | full) plus, for E, the named
+    all-gather outputs of :mod:`jaxhybrid.tensor.linear` (AxoNN Sec. IV-E).
+    """
+    if name == "none":
+        return None
+    if name not in _POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; choose none, dots or full")
+    policy = _POLICIES[name]
+    if cache_allgather:
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(ALLGATHER_NAME))
+    return lambda f: jax.checkpoint(f, policy=policy)
+
+
+def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:
+    """``[B, S+1] -> [M, B/M, S+1]`` such that microbatch ``m`` holds, for every replica ``j``, the rows
+    :func:`jaxhybrid.step.split_batch` gives replica ``j`` as its microbatch ``m`` (tokens per step and
+    their assignment do not depend on the layout)."""
+    b = batch.shape[0]
+    per = b // (replicas * microbatches)
+    x = batch.reshape(replicas, microbatches, per, *batch.shape[1:])
+    return np.ascontiguousarray(np.swapaxes(x, 0, 1).reshape(microbatches, replicas * per, *batch.shape[1:]))
+
+
+class TensorEngine:
+    """AxoNN 4D step: data x (depth, row, col) tensor parallelism in one jitted program.
+
+    Args:
+      model_cfg: the model.
+      cfg: the run config (parallel.data/tensor_*, pipeline.microbatches, tensor.optimizations,
+        train.global_batch, train.remat, precision.compute_dtype).
+      devices: devices for the mesh (default: all).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg, devices=None):
+        devs = list(jax.devices() if devices is None else devices)
+        self.shape = MeshShape.from_config(cfg)
+        self.shape.check(len(devs))
+        letters = cfg.tensor.optimizations
+        self.microbatches = cfg.pipeline.microbatches
+        check_layout(model_cfg, self.shape, cfg.train.global_batch // self.microbatches, letters)
+        self.mesh = make_mesh(self.shape, devs)
+        self.ops = TensorOps.build(self.mesh, model_cfg.n_heads, model_cfg.kv_heads, letters)
+        self.model = Model(model_cfg, self.ops, cfg.precision.compute_dtype)
+        self.reference = Model(model_cfg, compute_dtype=cfg.precision.compute_dtype)
+        self.shardings = param_shardings(self.reference.abstract_params(), self.mesh, self.ops.letters)
+        self._batch_sharding = batch_sharding(self.mesh)
+        remat = tensor_remat(cfg.train.remat, self.ops.switches.cache_allgather)
+        model = self.model
+
+        def step(params, mbs, scale):
+            def one(carry, mb):
+                loss, g = jax.value_and_grad(
+                    lambda p: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat) * scale)(params)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (jnp.zeros((), jnp.float32), zeros)
+            if mbs.shape[0] == 1:
+                (l, g), _ = one(init, mbs[0])
+            else:
+                (l, g), _ = jax.lax.scan(one, init, mbs)
+            m = mbs.shape[0]
+            return l / (m * scale), jax.tree.map(lambda x: x / m, g)
+
+        rep = NamedSharding(self.mesh, P())
+        self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
+                             out_shardings=(rep, self.shardings))
+
+    def init_params(self, rng: jax.Array):
+        """``Model.init`` values (reference ops, run as LocalEngine runs it), placed with the tensor shardings.
+
+        Eager, not jitted: a jitted init fuses the init-scale multiply differently (about 1e-7 apart),
+        and parity with the single-device run starts from bit-identical parameters.
+        """
+        return jax.device_put(self.reference.init(rng), self.shardings)
+
+    def device_batch(self, batch: np.ndarray) -> jax.Array:
+        mbs = order_microbatches(np.asarray(batch, np.int32), self.shape.data, self.microbatches)
+        return jax.device_put(mbs, self._batch_sharding)
+
+    def loss_and_grads(self, params, batch: np.ndarray, loss_scale: float):
+        return self._step(params, self.device_batch(batch), jnp.float32(loss_scale))
+
+    def lower(self, params, batch: np.ndarray, loss_scale: float = 1.0):
+        """The lowered step (for HLO inspection and the benchmark)."""
+        return self._step.lower(params, self.device_batch(batch), jnp.float32(loss_scale))
+
+    def global_sum(self, x):
+        return x  # one global program: values are already global
+
+    def global_max(self, x):
+        return x
+
+    @property
+    def is_writer(self) -> bool:
+        return jax.process_index() == 0

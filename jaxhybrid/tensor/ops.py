@@ -1,0 +1,169 @@
+"""The tensor-parallel ops object injected into the single-device model (AxoNN-4D Secs. III-IV).
+
+Every parallelism-sensitive op is a ``shard_map`` island on the ``(data, depth, row, col)`` mesh; the
+model itself runs unchanged in global view under ``jit``. Layouts (see :mod:`jaxhybrid.tensor.linear`):
+
+* The residual stream ``[B, T, d]`` is ``P((data, depth), None, row)``: batch over data x depth (X's rows,
+  Alg. 1 line 8), features over row, replicated over column.
+* Dense sites: with optimization A the layers that read the stream (``attn.qkv``, ``mlp.up``,
+  ``mlp.gate``, the vocabulary projection) are normal (k over row, n over column) and the layers that
+  write it back (``attn.out``, ``mlp.down``) are transposed (k over column, n over row), so every output
+  lands where its consumer reads it (Sec. IV-A). Without A every layer is normal and its output is
+  re-laid out from column to row by an explicit all-gather over column (the paper's baseline).
+* Attention runs per (batch shard, head shard): heads are split over the axis that carries the qkv
+  output features when both head counts divide it, otherwise replicated over it. The split of the fused
+  qkv output into q, k, v is left to the compiler, which moves the k and v blocks (a re-layout the
+  paper's per-head weight ordering avoids; the model's parameter layout is fixed by ``Model.init``).
+* Norms reduce their statistics with a psum over row. The embedding table ``[V, d]`` is stored
+  ``P(col, (row, depth))`` so its transpose is exactly a normal layer's weight (tied head); lookups
+  mask the local vocabulary block and psum over column. The loss is a vocabulary-parallel
+  cross-entropy: max, sum of exponentials and target logit reduced over column.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxhybrid.model.layers import Ops
+from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
+from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW
+
+STREAM = ROW  # mesh axis that splits the residual stream's features
+WRITERS = ("attn.out", "mlp.down")  # sites that write the residual stream (transposed under A)
+SITES = ("attn.qkv", "attn.out", "mlp.gate", "mlp.up", "mlp.down", "head.logits")
+EMBED_SPEC = P(COL, (ROW, DEPTH))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOps(Ops):
+    """AxoNN 3D tensor-parallel ops. Build with :meth:`build`; hashable, so it can sit in a jitted model.
+
+    Attributes:
+      mesh: the 4D mesh.
+      letters: the optimizations switched on, a subset of ``"ABCDE"``.
+      head_axis: mesh axis splitting attention heads, or None (heads replicated over tensor axes).
+    """
+
+    mesh: Mesh | None = None
+    letters: str = "ABCDE"
+    head_axis: str | None = None
+
+    @classmethod
+    def build(cls, mesh: Mesh, n_heads: int, kv_heads: int, letters: str = "ABCDE") -> "TensorOps":
+        bad = set(letters) - set("ABCDE")
+        if bad:
+            raise ValueError(f"tensor.optimizations={letters!r} has unknown letters {sorted(bad)}; use a "
+                             f"subset of ABCDE")
+        ax = COL if "A" in letters else ROW  # where attn.qkv's output features live
+        g = mesh.shape[ax]
+        head_axis = ax if (g > 1 and n_heads % g == 0 and kv_heads % g == 0) else None
+        return cls(mesh=mesh, letters="".join(sorted(set(letters))), head_axis=head_axis)
+
+    # -- layouts ---------------------------------------------------------------------------------
+    @property
+    def switches(self) -> Switches:
+        return Switches.from_letters(self.letters)
+
+    def layout(self, site: str) -> Layout:
+        """Optimization A: stream writers transposed, everything else normal."""
+        return TRANSPOSED if ("A" in self.letters and site in WRITERS) else NORMAL
+
+    def _smap(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+    # -- dense ------------------------------------------------------------------------------------
+    def dense(self, x, kernel, bias=None, *, name: str = ""):
+        if name not in SITES:
+            raise ValueError(f"TensorOps.dense: unknown site {name!r}; known sites: {', '.join(SITES)}")
+        lay = self.layout(name)
+        y = Linear3D(self.mesh, lay, self.switches)(x, kernel, bias)
+        if lay.out_ax != STREAM and "A" not in self.letters:
+            y = self.relayout(y, lay.out_ax, STREAM)
+        return y
+
+    def relayout(self, y, src: str, dst: str):
+        """Move features from axis ``src`` to ``dst``: all-gather over src, keep this dst block.
+
+        Local: ``[b, T, n/G_src]`` (replicated over dst) -> ``[b, T, n/G_dst]`` (replicated over src).
+        """
+        n_dst = y.shape[-1] // self.mesh.shape[dst]
+
+        def f(yl):
+            full = lax.all_gather(yl, src, axis=yl.ndim - 1, tiled=True, to="invarying")
+            return lax.dynamic_slice_in_dim(full, lax.axis_index(dst) * n_dst, n_dst, axis=yl.ndim - 1)
+
+        nd = y.ndim
+        return self._smap(f, P(BATCH, *[None] * (nd - 2), src), P(BATCH, *[None] * (nd - 2), dst))(y)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q, k, v):
+        """q: [B, T, H, Dh] -> local [B/(G_data G_d), T, H/G_h, Dh]; heads over ``head_axis``."""
+        spec = P(BATCH, None, self.head_axis, None)
+        return self._smap(partial(Ops.attention, self), (spec, spec, spec), spec)(q, k, v)
+
+    # -- norms ---------------------------------------------------------------------------------------
+    def layer_norm(self, x, scale, bias, eps):
+        """x local [b, T, d/G_r]; statistics psum'd over row."""
+        d = x.shape[-1]
+
+        def f(xl, s, b):
+            xf = xl.astype(jnp.float32)
+            mu = lax.psum(xf.sum(-1, keepdims=True), STREAM) / d
+            var = lax.psum(jnp.square(xf - mu).sum(-1, keepdims=True), STREAM) / d
+            y = (xf - mu) * lax.rsqrt(var + eps) * s
+            return (y if b is None else y + b).astype(xl.dtype)
+
+        xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
+        if bias is None:
+            return self._smap(lambda a, s: f(a, s, None), (xs, P(STREAM)), xs)(x, scale)
+        return self._smap(f, (xs, P(STREAM), P(STREAM)), xs)(x, scale, bias)
+
+    def rms_norm(self, x, scale, eps):
+        d = x.shape[-1]
+
+        def f(xl, s):
+            xf = xl.astype(jnp.float32)
+            ms = lax.psum(jnp.square(xf).sum(-1, keepdims=True), STREAM) / d
+            return (xf * lax.rsqrt(ms + eps) * s).astype(xl.dtype)
+
+        xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
+        return self._smap(f, (xs, P(STREAM)), xs)(x, scale)
+
+    # -- embedding and vocabulary loss ---------------------------------------------------------------
+    def embed(self, ids, table):
+        """ids local [b, T]; table local [V/G_c, d/(G_r G_d)], all-gathered over depth -> [b, T, d/G_r]."""
+        v_loc = table.shape[0] // self.mesh.shape[COL]
+
+        def f(il, tl):
+            t = lax.all_gather(tl, DEPTH, axis=1, tiled=True)  # varying: its transpose is a reduce-scatter
+            lid = il - lax.axis_index(COL) * v_loc
+            ok = (lid >= 0) & (lid < v_loc)
+            rows = jnp.take(t, jnp.clip(lid, 0, v_loc - 1), axis=0)
+            return lax.psum(jnp.where(ok[..., None], rows, jnp.zeros((), rows.dtype)), COL)
+
+        return self._smap(f, (P(BATCH, None), EMBED_SPEC), P(BATCH, None, STREAM))(ids, table)
+
+    def logits(self, h, kernel):
+        """The vocabulary projection as a normal 3D layer: [B, T, d] x [d, V] -> [B, T, V] over column."""
+        return Linear3D(self.mesh, NORMAL, self.switches)(h, kernel).astype(jnp.float32)
+
+    def cross_entropy(self, logits, targets):
+        """Vocabulary-parallel mean cross-entropy. logits local [b, T, V/G_c]; targets local [b, T]."""
+        v_loc = logits.shape[-1] // self.mesh.shape[COL]
+        count = targets.size
+
+        def f(lg, tg):
+            mx = lax.pmax(lax.stop_gradient(lg.max(-1, keepdims=True)), COL)  # any shift works: no gradient
+            lse = jnp.log(lax.psum(jnp.exp(lg - mx).sum(-1), COL)) + mx[..., 0]
+            lid = tg - lax.axis_index(COL) * v_loc
+            ok = (lid >= 0) & (lid < v_loc)
+            pick = jnp.take_along_axis(lg, jnp.clip(lid, 0, v_loc - 1)[..., None], axis=-1)[..., 0]
+            tgt = lax.psum(jnp.where(ok, pick, 0.0), COL)
+            return lax.psum(jnp.sum(lse - tgt), BATCH) / count
+
+        return self._smap(f, (P(BATCH, None, COL), P(BATCH, None)), P())(logits, targets)
