@@ -238,6 +238,7 @@ def plot_loss(points: list[tuple[int, float]], path: str | Path, title: str = ""
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     steps, losses = zip(*pts)
     fig = Figure(figsize=(6.4, 4.0), dpi=100)
@@ -250,6 +251,7 @@ def plot_loss(points: list[tuple[int, float]], path: str | Path, title: str = ""
             ema = 0.9 * ema + 0.1 * l
             smooth.append(ema)
         ax.plot(steps, smooth, lw=1.5, label="EMA (0.9)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title)

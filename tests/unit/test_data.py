@@ -44,6 +44,7 @@ def test_bpe_round_trip_compresses_and_reloads(bpe, corpus_head, tmp_path):
     bpe.save(tmp_path / "tok.json")
     again = BPETokenizer.load(tmp_path / "tok.json")
     assert again.encode(verse) == bpe.encode(verse) and again.vocab_size == bpe.vocab_size
+    assert train_bpe(corpus_head, 400).encode(verse) == bpe.encode(verse)  # training is deterministic
     with pytest.raises(ValueError, match="vocab_size=100"):
         train_bpe("abc", 100)
 
@@ -98,6 +99,18 @@ def test_builtin_corpus_byte_cached(tmp_path):
     assert (d / "train.bin").stat().st_mtime_ns == mtime
     with pytest.raises(ValueError, match="tokenizer='words'"):
         ensure_builtin_data(tmp_path / "cache", "words")
+
+
+def test_concurrent_ranks_prepare_the_cache_once(tmp_path):
+    # MPI ranks start together and share the cache: they serialise on a lock and agree on one directory.
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        dirs = pool.starmap(ensure_builtin_data, [(str(tmp_path), "byte")] * 3)
+    assert len(set(dirs)) == 1
+    ds = TokenDataset(dirs[0])
+    assert ds.meta["n_tokens"] == len(builtin_corpus_text().encode("utf-8"))
+    assert not [f for f in os.listdir(dirs[0]) if f.endswith(".tmp")]
 
 
 def test_missing_input_raises_before_writing(tmp_path):
