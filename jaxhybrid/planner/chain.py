@@ -1,0 +1,82 @@
+"""A layer chain with the prefix sums MadPipe's formulas need (MadPipe Sec. 3 and 4.2.1).
+
+Layers are numbered 1..L as in the paper (profile layer i is chain layer i + 1); a[0] is the input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxhybrid.planner.costs import Profile
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Costs of a chain and the platform (memory M per processor, bandwidth beta).
+
+    Attributes:
+      u: u_F + u_B per layer, index 1..L (u[0] = 0).
+      W: weight bytes per layer, index 1..L.
+      a: activation bytes, index 0..L.
+      memory: M, bytes per processor.
+      bandwidth: beta, bytes/s of every link.
+    """
+
+    u: np.ndarray
+    uF: np.ndarray
+    W: np.ndarray
+    a: np.ndarray
+    memory: float
+    bandwidth: float
+
+    @classmethod
+    def from_profile(cls, profile: Profile, memory: float, bandwidth: float) -> "Chain":
+        if not memory > 0 or not bandwidth > 0:
+            raise ValueError(f"memory={memory} and bandwidth={bandwidth} must be > 0 (bytes, bytes/s)")
+        uF = np.array([0.0] + [lc.forward_s for lc in profile.layers])
+        uB = np.array([0.0] + [lc.backward_s for lc in profile.layers])
+        W = np.array([0.0] + [lc.weight_bytes for lc in profile.layers])
+        a = np.array([profile.input_bytes] + [lc.activation_bytes for lc in profile.layers])
+        return cls(uF + uB, uF, W, a, float(memory), float(bandwidth))
+
+    @property
+    def L(self) -> int:
+        return len(self.u) - 1
+
+    def U(self, k, l):
+        """Total compute of layers k..l (vectorised over numpy arrays of k and l)."""
+        s = np.cumsum(self.u)
+        return s[l] - s[np.asarray(k) - 1]
+
+    def C(self, k):
+        """MadPipe's C(k) = 2 a_k / beta for the boundary after layer k; 0 at the chain ends."""
+        k = np.asarray(k)
+        c = 2 * self.a[np.clip(k, 0, self.L)] / self.bandwidth
+        return np.where((k >= 1) & (k < self.L), c, 0.0)
+
+    def mem(self, k, l, g):
+        """MadPipe's M(k, l, g): 3 W_i + g a_{i-1} over the stage, plus 2 (a_{k-1} + a_l) of buffers.
+
+        Buffers are omitted at the chain's ends. Vectorised over broadcastable k, l, g.
+        """
+        k, l = np.asarray(k), np.asarray(l)
+        sw = np.cumsum(self.W)
+        sa = np.concatenate([[0.0], np.cumsum(self.a)])  # sa[j] = a_0 + ... + a_{j-1}
+        weights = 3 * (sw[l] - sw[k - 1])
+        acts = sa[l] - sa[k - 1]  # a_{k-1} + ... + a_{l-1}
+        buf = 2 * (np.where(k > 1, self.a[k - 1], 0.0) + np.where(l < self.L, self.a[l], 0.0))
+        return weights + np.asarray(g) * acts + buf
+
+    def total_period_bound(self) -> float:
+        """Algorithm 1's initial upper bound U(1, L) + sum of C."""
+        return float(self.u.sum() + self.C(np.arange(1, self.L)).sum())
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers first..last (1-based, inclusive) on processor ``processor``."""
+
+    first: int
+    last: int
+    processor: int

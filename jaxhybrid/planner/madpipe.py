@@ -1,0 +1,246 @@
+"""MadPipe's first phase (MadPipe Sec. 4.2): MadPipe-DP with one special processor, and Algorithm 1.
+
+T(l, p, t_P, m_P, V) is the best period of the first l layers on p normal processors when the special
+processor already carries load t_P and memory m_P, and the delay between F_l and B_l of a batch is at
+least V (Sec. 4.2.2). t_P, m_P and V live on grids (101 / 11 / 51 points by default, Sec. 5); values are
+rounded up to the grid, so the DP never under-estimates a load or a memory. The recurrence is evaluated
+bottom-up in numpy: for each (p, l) all stage starts k and all grid points at once.
+
+Two facts keep it fast: T(...) >= t_P, so the special branch's max(t'_P, ...) is the looked-up value; and
+states with t_P above a known upper bound cannot improve the answer, so the t_P grid is cut there (the cut
+is exact for Algorithm 1, which only compares the result with its bracket).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxhybrid.planner.chain import Chain, Stage
+from jaxhybrid.planner.ilp import schedule_allocation
+from jaxhybrid.planner.pipedream import Allocation, one_f_one_b_star_period, pipedream
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Discretisation sizes of t_P, m_P and V (MadPipe Sec. 5 defaults)."""
+
+    t: int = 101
+    m: int = 11
+    v: int = 51
+
+    def __post_init__(self):
+        if min(self.t, self.m, self.v) < 2:
+            raise ValueError(f"grid sizes t={self.t}, m={self.m}, v={self.v} must be >= 2")
+
+
+def _ceil_div(x, step):
+    return np.ceil(np.asarray(x) / step - _EPS).astype(np.int64)
+
+
+def _oplus(x, y, T):
+    """x (+) y: stay in x's group if x + y fits in it, else start the next group (Sec. 4.2.2)."""
+    gx = np.ceil(x / T - _EPS)
+    same = np.ceil((x + y) / T - _EPS) == gx
+    return np.where(same, x + y, T * gx + y)
+
+
+class _DP:
+    """Tables of one MadPipe-DP(T_hat) run, kept for the trace-back.
+
+    ``tables[p, l]`` has shape (v, t + 1, m + 1): the last t and m entries are an ``inf`` border, so a
+    special stage that pushes t_P or m_P off the grid reads ``inf`` through one flat ``np.take``.
+    """
+
+    def __init__(self, chain: Chain, processors: int, t_hat: float, grid: Grid, cap: float):
+        self.ch, self.P, self.T, self.g, self.cap = chain, processors, t_hat, grid, cap
+        U1L = float(chain.u.sum())
+        self.dt = U1L / (grid.t - 1)
+        self.dm = chain.memory / (grid.m - 1)
+        self.dv = chain.total_period_bound() / (grid.v - 1)
+        self.nt = min(grid.t, int(np.floor(cap / self.dt + _EPS)) + 1)  # t_P > cap is useless
+        self.tg = np.arange(self.nt) * self.dt
+        self.vg = np.arange(grid.v) * self.dv
+        self.tables = np.full((processors, chain.L + 1, grid.v, self.nt + 1, grid.m + 1), np.inf,
+                              dtype=np.float32)
+        self.cum_u = np.cumsum(chain.u)
+        self.mem0 = None
+
+    def k_range(self, l: int) -> np.ndarray:
+        """Stage starts worth trying: U(k, l) <= cap and weights + buffers M(k, l, 0) <= M."""
+        k = np.arange(1, l + 1)
+        ok = (self.ch.U(k, l) <= self.cap * (1 + _EPS)) & (self.ch.mem(k, l, 0) <= self.ch.memory)
+        return k[ok]
+
+    def v_count(self, l: int) -> int:
+        """Grid points of V worth computing at layer l: beyond them even the one-layer stage l..l, on the
+        special processor (the smallest memory of any branch), does not fit; the table stays ``inf``."""
+        grp = np.maximum(1, np.ceil((self.vg + self.ch.u[l]) / self.T - _EPS))
+        fits = self.ch.mem(l, l, grp - 1) <= self.ch.memory
+        return int(fits.sum())  # memory grows with V, so the fitting points are a prefix
+
+    def stage_terms(self, l: int, k: np.ndarray, nv: int | None = None):
+        """Per (k, v) quantities of a stage k..l: loads, groups, memories, V' and grid shifts."""
+        ch, g = self.ch, self.g
+        Ukl = ch.U(k, l)
+        Ck = ch.C(k - 1)
+        V = self.vg[None, :nv]
+        grp = np.maximum(1, np.ceil((V + Ukl[:, None]) / self.T - _EPS))  # g(k, l, V)
+        memN = ch.mem(k[:, None], l, grp)
+        memS = ch.mem(k[:, None], l, grp - 1)
+        Vp = _oplus(_oplus(V, Ukl[:, None], self.T), Ck[:, None], self.T)
+        vpi = np.minimum(_ceil_div(Vp, self.dv), g.v - 1)
+        dti = np.minimum(_ceil_div(Ukl, self.dt), self.nt)
+        dmi = np.minimum(_ceil_div(memS, self.dm), g.m)
+        return Ukl, Ck, memN <= ch.memory * (1 + _EPS), vpi, dti, dmi
+
+    def branches(self, l: int, p: int, k: np.ndarray, nv_l: int):
+        """Candidate values (k, v, t, m), v < nv_l, of the normal and special branches for T(l, p, ...)."""
+        Ukl, Ck, fitN, vpi, dti, dmi = self.stage_terms(l, k, nv_l)
+        nt, nm, nv = self.nt, self.g.m, self.g.v
+        if p >= 1:
+            prev = self.tables[p - 1][(k - 1)[:, None], vpi, :nt, :nm]  # T(k-1, p-1, t_P, m_P, V')
+            base = np.maximum(Ukl, Ck).astype(np.float32)[:, None, None, None]
+            normal = np.where(fitN[:, :, None, None], np.maximum(base, prev), np.float32(np.inf))
+        else:
+            normal = None
+        # Special branch: T(k-1, p, t_P + U(k, l), m_P + M(k, l, g - 1), V'), read from the padded table.
+        i32 = np.int32
+        ti = np.minimum(np.arange(nt, dtype=i32)[None, :] + dti[:, None].astype(i32), nt)  # (k, t)
+        mi = np.minimum(np.arange(nm, dtype=i32)[None, None, :] + dmi[:, :, None].astype(i32), nm)
+        row = (((k - 1)[:, None] * nv + vpi) * ((nt + 1) * (nm + 1))).astype(i32)  # (k, v)
+        idx = (row[:, :, None, None] + (ti * (nm + 1))[:, None, :, None] + mi[:, :, None, :])
+        special = np.take(self.tables[p], idx)
+        special = np.maximum(special, Ck.astype(np.float32)[:, None, None, None])
+        if p == 0:  # no normal processor left: the special one takes layers 1..l as one stage
+            special = np.where((k == 1)[:, None, None, None], special, np.float32(np.inf))
+        return normal, special
+
+    def run(self) -> float:
+        tab, nt, nm = self.tables, self.nt, self.g.m
+        for p in range(self.P):
+            tab[p, 0, :, :nt, :nm] = self.tg[None, :, None]  # T(0, p, t_P, m_P, V) = t_P
+            for l in range(1, self.ch.L + 1):
+                k, nv_l = self.k_range(l), self.v_count(l)
+                if len(k) == 0 or nv_l == 0:
+                    continue
+                normal, special = self.branches(l, p, k, nv_l)
+                best = special.min(axis=0)
+                if normal is not None:
+                    best = np.minimum(best, normal.min(axis=0))
+                tab[p, l, :nv_l, :nt, :nm] = best
+        return float(tab[self.P - 1, self.ch.L, 0, 0, 0])
+
+    def trace(self) -> list[Stage]:
+        """Follow the argmin decisions from T(L, P-1, 0, 0, 0); normal stages get processors 0.., the
+        special processor is P - 1."""
+        l, p, v, t, m = self.ch.L, self.P - 1, 0, 0, 0
+        out: list[tuple[int, int, bool]] = []
+        while l > 0:
+            k, nv_l = self.k_range(l), self.v_count(l)
+            normal, special = self.branches(l, p, k, nv_l)
+            _, _, _, vpi, dti, dmi = self.stage_terms(l, k, nv_l)
+            s = special[:, v, t, m]
+            i_s = int(s.argmin())
+            n = normal[:, v, t, m] if normal is not None else np.full(len(k), np.inf)
+            i_n = int(n.argmin())
+            if n[i_n] <= s[i_s]:
+                out.append((int(k[i_n]), l, False))
+                l, p, v = int(k[i_n]) - 1, p - 1, int(vpi[i_n, v])
+            else:
+                out.append((int(k[i_s]), l, True))
+                l, t, m, v = int(k[i_s]) - 1, t + int(dti[i_s]), m + int(dmi[i_s, v]), int(vpi[i_s, v])
+        out.reverse()
+        stages, nxt = [], 0
+        for first, last, is_special in out:
+            proc = self.P - 1 if is_special else nxt
+            nxt += 0 if is_special else 1
+            stages.append(Stage(first, last, proc))
+        return stages
+
+
+def madpipe_dp(chain: Chain, processors: int, t_hat: float, grid: Grid = Grid(),
+               cap: float | None = None) -> tuple[float, list[Stage]]:
+    """MadPipe-DP(T_hat): the best period under the memory estimates for target period ``t_hat``.
+
+    Returns ``(period, stages)``; ``period`` is ``inf`` (and ``stages`` empty) when nothing fits or the
+    period would exceed ``cap``.
+    """
+    if processors < 1 or not t_hat > 0:
+        raise ValueError(f"processors={processors} must be >= 1 and t_hat={t_hat} > 0")
+    cap = chain.total_period_bound() if cap is None else cap
+    dp = _DP(chain, processors, t_hat, grid, cap)
+    period = dp.run()
+    if not np.isfinite(period) or period > cap * (1 + 1e-9):
+        return float("inf"), []
+    return period, dp.trace()
+
+
+def madpipe_partition(chain: Chain, processors: int, iterations: int = 10, grid: Grid = Grid(),
+                      upper: float | None = None) -> tuple[float, list[Stage], list[dict]]:
+    """Algorithm 1: bracket T_hat* = argmin max(MadPipe-DP(T_hat), T_hat) by a modified bisection.
+
+    Args:
+      upper: a known achievable period (e.g. PipeDream + 1F1B*); it starts the bracket and cuts the DP.
+      iterations: K, at most; the loop stops early once the bracket is narrower than the t_P grid step.
+
+    Returns ``(best max(T_i, T_hat_i), stages, history)``.
+    """
+    lb = float(chain.u.sum()) / processors
+    ub = chain.total_period_bound()
+    step = float(chain.u.sum()) / (grid.t - 1)
+    if upper is not None and np.isfinite(upper):
+        ub = min(ub, upper + 2 * step)  # slack: grid rounding may cost the DP up to a step
+    t_hat, best, best_stages, hist = lb, float("inf"), [], []
+    for _ in range(iterations):
+        # Cap the DP at 2 T_hat (and the bracket): a capped run still tells lb <- T_hat exactly.
+        cap = min(ub, 2 * max(t_hat, lb))
+        T_i, stages = madpipe_dp(chain, processors, t_hat, grid, cap=cap)
+        T_i = max(T_i, cap) if not stages else T_i  # capped: we only know T_i >= cap
+        tilde = max(T_i, t_hat)
+        hist.append({"t_hat": t_hat, "dp_period": T_i, "tilde": tilde, "stages": stages})
+        if stages and tilde < best:
+            best, best_stages = tilde, stages
+        lb = max(lb, min(T_i, t_hat))
+        if stages:
+            ub = min(ub, tilde)
+        if ub - lb <= step:
+            break
+        # Until some allocation is found the bracket's top is the trivial bound; ramp T_hat up
+        # geometrically instead, so the DP is not run with a huge cap (same monotone search).
+        t_hat = (lb + ub) / 2 if best_stages else min(2 * t_hat, (lb + ub) / 2)
+    return best, best_stages, hist
+
+
+def madpipe(chain: Chain, processors: int, iterations: int = 10, grid: Grid = Grid(),
+            ilp_time_limit: float = 2.0) -> Allocation:
+    """MadPipe: Algorithm 1's allocation, then a valid periodic schedule for it (Sec. 4.3).
+
+    Every distinct allocation met during Algorithm 1 is scheduled (the DP's estimate of the special
+    processor's memory is a lower bound, so the best DP period is not always the best valid one), and so
+    is PipeDream's contiguous partition under 1F1B*, which lies in MadPipe-DP's search space but may be
+    lost to grid rounding. The allocation with the smallest valid period wins; ``note`` says which.
+    """
+    base = pipedream(chain, processors)
+    best, stages, hist = madpipe_partition(chain, processors, iterations, grid, upper=base.valid_period)
+    seen, cands = set(), []
+    for h in hist:
+        key = tuple((s.first, s.last, s.processor) for s in h["stages"])
+        if h["stages"] and key not in seen:
+            seen.add(key)
+            cands.append((h["tilde"], h["stages"]))
+    winner = Allocation("madpipe", (), float("inf"), float("inf"), "no allocation fits in memory")
+    for dp_period, cand in sorted(cands, key=lambda c: c[0]):
+        if len({s.processor for s in cand}) == len(cand):  # contiguous: 1F1B* is optimal (Prop. 1)
+            valid = one_f_one_b_star_period(chain, cand)
+        else:
+            pat = schedule_allocation(chain, cand, time_limit=ilp_time_limit)
+            valid = pat.period if pat is not None else float("inf")
+        if valid < winner.valid_period:
+            winner = Allocation("madpipe", tuple(cand), dp_period, valid, "MadPipe-DP allocation")
+    if base.valid_period < winner.valid_period:
+        winner = Allocation("madpipe", base.stages, base.period, base.valid_period,
+                            "PipeDream's contiguous partition under 1F1B* scheduled best")
+    return winner
