@@ -34,7 +34,9 @@ def cache_dir() -> Path:
 
 def open_dataset(cfg: Config):
     """The token dataset: ``data.path`` if given, else the built-in corpus prepared once into the cache."""
-    path = cfg.data.path or data_lib.ensure_builtin_data(cache_dir() / "builtin", cfg.data.tokenizer)
+    path = cfg.data.path or data_lib.ensure_builtin_data(
+        cache_dir() / "builtin", cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
+        vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
     ds = data_lib.TokenDataset(path, split="train")
     ds.check_vocab(cfg.model.vocab_size)
     return ds

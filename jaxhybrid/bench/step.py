@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         return optax.apply_updates(params, upd), opt_state, loss
 
     st = trainer.init_state()
-    pp, ps = st.params, transform.init(st.params)
+    pp = jax.tree.map(lambda x: x.copy(), st.params)  # the trainer donates its params to the update
+    ps = transform.init(pp)
     batches = [np.asarray(trainer.sampler.batch(i), np.int32) for i in range(args.steps)]
     # Warm up (compile) both.
     st, _ = trainer.step(st)

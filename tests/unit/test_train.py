@@ -82,3 +82,10 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing written half-way
+
+
+def test_bench_step_prints_ratio(tmp_path, capsys):
+    rc = main(["bench", "step", "--rounds", "1", "--steps", "2", "--set", f"run.dir={tmp_path / 'b'}"]
+              + [a for kv in FAST for a in ("--set", kv)])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ratio"] > 0 and out["trainer_step_s"] > 0 and out["plain_step_s"] > 0
