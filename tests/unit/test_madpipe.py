@@ -1,0 +1,158 @@
+"""MadPipe (1F1B* groups, PipeDream DP, MadPipe-DP + Algorithm 1, ILP patterns) and profile validation."""
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxhybrid.planner.chain import Chain, Stage
+from jaxhybrid.planner.costs import LayerCost, Profile, load_profile, profile_from_json, resnet50_chain, \
+    save_profile
+from jaxhybrid.planner.ilp import load_bound, schedule_allocation
+from jaxhybrid.planner.madpipe import Grid, madpipe, madpipe_dp
+from jaxhybrid.planner.pattern import pattern_to_schedule, validate_pattern
+from jaxhybrid.planner.pipedream import group_numbers, one_f_one_b_star_period, pipedream, pipedream_dp, \
+    stage_groups, stage_memory
+
+SMALL = Grid(21, 6, 11)
+
+
+def random_profile(seed, L=10):
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i in range(L):
+        f = float(rng.uniform(0.5, 2.0))
+        # activations shrink along the chain, like a CNN's
+        layers.append(LayerCost(f"l{i}", f, 2 * f, float(rng.uniform(0.05, 0.3)),
+                                float(rng.uniform(0.5, 1.5) * (L - i) / L)))
+    return Profile(1.0, tuple(layers))
+
+
+def test_1f1b_star_groups_fill_the_period_from_the_last_stage():
+    # 4 stages of load 1, free links, T = 2: groups {s3, s4} and {s1, s2}.
+    assert group_numbers([1, 0, 1, 0, 1, 0, 1], 2.0)[::2] == [2, 2, 1, 1]
+    # Figure 3's shape: three groups when the loads only pair up partially.
+    assert group_numbers([2, 0, 1, 0, 2, 0, 1, 0, 1], 3.0)[::2] == [3, 2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_1f1b_star_first_stage_stores_2p_minus_1_with_heavy_links(P):
+    # Sec. 5: every stage and every link loads exactly T, so each resource is its own group and the
+    # first stage keeps 2P - 1 activations (PipeDream assumes P).
+    loads = [1.0] * (2 * P - 1)
+    assert group_numbers(loads, 1.0)[::2] == list(range(2 * P - 1, 0, -2))
+
+
+def test_1f1b_star_period_is_the_smallest_that_fits():
+    chain = Chain.from_profile(random_profile(1), memory=10.0, bandwidth=4.0)
+    stages = [Stage(1, 3, 0), Stage(4, 7, 1), Stage(8, 10, 2)]
+    T = one_f_one_b_star_period(chain, stages)
+    assert np.isfinite(T)
+    assert max(stage_memory(chain, stages, stage_groups(chain, stages, T))) <= chain.memory
+    assert T > max(chain.U(s.first, s.last) for s in stages)  # memory, not load, sets this period
+    smaller = T * (1 - 1e-6)
+    assert max(stage_memory(chain, stages, stage_groups(chain, stages, smaller))) > chain.memory
+
+
+def test_pipedream_dp_matches_brute_force():
+    chain = Chain.from_profile(random_profile(2, L=8), memory=10.0, bandwidth=3.0)
+    P, L = 3, chain.L
+    best = np.inf
+    for j in range(1, P + 1):
+        for cuts in itertools.combinations(range(1, L), j - 1):
+            bounds = [0, *cuts, L]
+            period = 0.0
+            for i in range(j):
+                k, l = bounds[i] + 1, bounds[i + 1]
+                if chain.mem(k, l, j - i) > chain.memory:
+                    period = np.inf
+                period = max(period, chain.U(k, l), chain.C(l) if l < L else 0.0)
+            best = min(best, period)
+    period, stages = pipedream_dp(chain, P)
+    assert period == pytest.approx(best)
+    assert [s.first for s in stages][0] == 1 and stages[-1].last == L
+
+
+@pytest.mark.parametrize("seed,P,M", [(3, 3, 8.0), (3, 3, 10.0), (4, 4, 11.0), (5, 3, 9.0), (6, 4, 16.0)])
+def test_madpipe_never_worse_than_pipedream_and_ilp_pattern_validates(seed, P, M):
+    chain = Chain.from_profile(random_profile(seed), memory=M, bandwidth=2.0)
+    pd = pipedream(chain, P)
+    mp = madpipe(chain, P, iterations=6, grid=SMALL)
+    assert mp.valid_period <= pd.valid_period * (1 + 1e-9)
+    assert np.isfinite(mp.valid_period) or not np.isfinite(pd.valid_period)
+    if mp.stages:
+        assert [s.first for s in mp.stages] == [1] + [s.last + 1 for s in mp.stages[:-1]]
+        assert mp.stages[-1].last == chain.L
+        assert mp.valid_period >= load_bound(chain, list(mp.stages)) * (1 - 1e-9)
+
+
+def test_madpipe_dp_allocation_shape_and_ilp_schedule_is_valid():
+    chain = Chain.from_profile(random_profile(7, L=12), memory=10.0, bandwidth=2.0)
+    T_hat = float(chain.u.sum()) / 2
+    period, stages = madpipe_dp(chain, 4, T_hat, SMALL)
+    assert np.isfinite(period) and stages
+    normal = [s.processor for s in stages if s.processor != 3]
+    assert normal == sorted(set(normal))  # each normal processor holds one stage
+    assert period >= max(chain.U(s.first, s.last) for s in stages) - 1e-9
+    pat = schedule_allocation(chain, stages)
+    assert pat is not None
+    report = validate_pattern(chain, pat)  # dependencies, one op at a time, memory <= M
+    assert max(report["peak_memory"].values()) <= chain.memory
+    # The unrolled pattern is also a schedule the pipeline validator and simulator accept.
+    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.pipeline.validate import validate_schedule
+    sched = pattern_to_schedule(pat, microbatches=6)
+    validate_schedule(sched)
+    assert simulate(sched).makespan > 0
+
+
+def test_validator_rejects_a_broken_pattern():
+    chain = Chain.from_profile(random_profile(8, L=6), memory=100.0, bandwidth=2.0)
+    stages = [Stage(1, 3, 0), Stage(4, 6, 1)]
+    pat = schedule_allocation(chain, stages)
+    broken = type(pat)(pat.period, pat.ops, pat.start, tuple(0 for _ in pat.shift), pat.stages)
+    with pytest.raises(ValueError):
+        validate_pattern(chain, broken)  # all shifts 0: B1 cannot follow F2 of the same batch in time
+    tight = Chain.from_profile(random_profile(8, L=6), memory=1.0, bandwidth=2.0)
+    with pytest.raises(ValueError, match="memory"):
+        validate_pattern(tight, pat)
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["layers"][1].__setitem__("forward_s", -1.0), "layers[1].forward_s"),
+    (lambda d: d["layers"][0].pop("weight_bytes"), "weight_bytes"),
+    (lambda d: d.pop("input_bytes"), "input_bytes"),
+    (lambda d: d["layers"][2].__setitem__("activation_bytes", "big"), "layers[2].activation_bytes"),
+    (lambda d: d["layers"][0].__setitem__("backward_input_s", 0.1), "backward_weight_s"),
+])
+def test_bad_profiles_name_the_field(mutate, field):
+    data = random_profile(9, L=4).to_json()
+    mutate(data)
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        profile_from_json(data)
+
+
+def test_profile_round_trip_and_partition_cli(tmp_path):
+    prof = random_profile(10, L=8)
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+    out = subprocess.run([sys.executable, "-m", "jaxhybrid", "partition", "--profile", str(path),
+                          "--processors", "3", "--memory", "10", "--bandwidth", "2", "--algorithm", "pipedream",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert set(res) >= {"algorithm", "period_s", "valid_period_s", "stages"}
+    assert res["stages"][0]["layers"][0] == 0 and res["stages"][-1]["layers"][1] == 7
+    bad = subprocess.run([sys.executable, "-m", "jaxhybrid", "partition", "--profile", str(path),
+                          "--processors", "2", "--memory", "0.5", "--bandwidth", "2", "--algorithm", "pipedream"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "would fit" in bad.stderr
+
+
+def test_resnet_chain_is_memory_heavy_at_the_front():
+    prof = resnet50_chain()
+    acts = [lc.activation_bytes for lc in prof.layers]
+    assert len(prof.layers) == 50 and acts[0] > 5 * min(acts[-10:-1])
