@@ -63,9 +63,9 @@ def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | li
                      ) -> list[tuple[int, int]]:
     """Blocks ``[first, last)`` of each stage: an explicit list of counts, or an even split.
 
-    The even split gives the remainder to the last stages' predecessors from the front (stage 0 owns the
-    embedding, the last stage the head, so extra blocks go to the first stages except stage 0 when there
-    is a choice). Raises :class:`ConfigError` when there are more stages than blocks.
+    The even split hands the remainder out one block each to the middle stages first, then to stage 0,
+    then the last stage: the first stage also runs the embedding and the last the head and loss.
+    Raises :class:`ConfigError` when there are more stages than blocks.
     """
     if stages < 1:
         raise ConfigError(f"parallel.pipeline={stages} must be >= 1")

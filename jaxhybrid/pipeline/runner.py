@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.config import Config, optimal_checkpoint_interval
+from jaxhybrid.config import Config
 from jaxhybrid.model import Model
 from jaxhybrid.optim.allreduce import allreduce_tree
 from jaxhybrid.pipeline.engine import EventLoop
@@ -53,11 +53,11 @@ class PipelineEngine:
         self.who = who
         if abort_on_error:
             install_abort_on_exception(who, topology.world)
-        interval = cfg.train.checkpoint_interval
-        if cfg.train.remat == "full" and interval == 0:
-            interval = optimal_checkpoint_interval(cfg.model.n_layers, self.num_stages)  # Myelin V-A
+        # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
+        interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
         first, last = topology.blocks
-        self.stage = Stage(model, first, last, remat=cfg.train.remat, checkpoint_interval=interval)
+        self.stage = Stage(model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
+                           checkpoint_interval=interval)
         mb = cfg.microbatch_size
         template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
         if self.num_stages > 1:
@@ -73,6 +73,12 @@ class PipelineEngine:
                               self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat)
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.last_step: dict[str, float] = {}
+
+    def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0) -> None:
+        """Switch to another schedule with the same microbatches (benchmarks and parity sweeps reuse the
+        compiled stage kernels). Pure check first: a bad combination raises on every rank alike."""
+        self.schedule = make_schedule(name, self.num_stages, self.microbatches, split_backward=split_backward,
+                                      pipeline_limit=pipeline_limit)
 
     # -- GradEngine ----------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array) -> dict:
@@ -117,18 +123,27 @@ class PipelineEngine:
     # -- helpers -------------------------------------------------------------------------------------
     def _sum_tied(self, grads: dict) -> dict:
         """Tied embeddings: the first stage's ``embed.wte`` and the last stage's copy read by the head
-        get the sum of both gradients (Megatron's embedding all-reduce), so both copies stay equal."""
+        (``TIED_KEY``) get the sum of both gradients (Megatron's embedding all-reduce), so both copies
+        receive the same update and stay equal."""
+        from jaxhybrid.model.stage import TIED_KEY
+
         if not self.cfg.model.tie_embeddings or self.num_stages == 1:
             return grads
         if self.stage_index not in (0, self.num_stages - 1):
             return grads
-        peer = self.num_stages - 1 if self.stage_index == 0 else 0
-        mine = np.ascontiguousarray(np.asarray(grads["embed"]["wte"], np.float32))
+        first = self.stage_index == 0
+        peer = self.num_stages - 1 if first else 0
+        g = grads["embed"]["wte"] if first else grads[TIED_KEY]
+        mine = np.ascontiguousarray(np.asarray(g, np.float32))
         other = np.empty_like(mine)
         self.topo.row.Sendrecv(mine, dest=peer, sendtag=7, recvbuf=other, source=peer, recvtag=7)
-        total = jnp.asarray(mine + other if self.stage_index == 0 else other + mine)
+        # Same summation order on both ranks (first + last) so the two copies are bit-identical.
+        total = jnp.asarray(mine + other if first else other + mine).astype(g.dtype)
         out = dict(grads)
-        out["embed"] = dict(grads["embed"], wte=total.astype(grads["embed"]["wte"].dtype))
+        if first:
+            out["embed"] = dict(grads["embed"], wte=total)
+        else:
+            out[TIED_KEY] = total
         return out
 
     def gather_events(self) -> list | None:

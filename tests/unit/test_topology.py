@@ -1,0 +1,56 @@
+"""Grid coordinates and layer partitions (pure, no MPI), plus the launcher's command line."""
+import pytest
+
+from jaxhybrid.commands.launch import build_command, rank_environment
+from jaxhybrid.config import ConfigError
+from jaxhybrid.topology import Grid, partition_blocks
+
+
+def test_grid_round_trips_and_rows_are_consecutive():
+    g = Grid(pipeline=4, data=3)
+    assert [g.coords(r) for r in range(4)] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert all(g.rank(*g.coords(r)) == r for r in range(g.size))
+    assert g.row(1) == [4, 5, 6, 7]
+    assert g.column(2) == [2, 6, 10]
+
+
+def test_grid_refuses_wrong_world_size_with_numbers():
+    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
+        Grid(2, 2).check_world(3)
+    with pytest.raises(ValueError, match="rank 8 outside"):
+        Grid(2, 4).coords(8)
+
+
+@pytest.mark.parametrize("n,p,expected", [
+    (4, 2, [(0, 2), (2, 4)]),
+    (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+    (5, 3, [(0, 2), (2, 4), (4, 5)]),  # extras: middle stages first, then stage 0, the head's last
+    (7, 3, [(0, 2), (2, 5), (5, 7)]),
+    (3, 1, [(0, 3)]),
+])
+def test_even_partition(n, p, expected):
+    assert partition_blocks(n, p) == expected
+
+
+def test_explicit_partition_and_errors():
+    assert partition_blocks(6, 3, (1, 2, 3)) == [(0, 1), (1, 3), (3, 6)]
+    with pytest.raises(ConfigError, match="parallel.pipeline=5 stages exceed model.n_layers=4"):
+        partition_blocks(4, 5)
+    with pytest.raises(ConfigError, match=r"parallel.partition=\[1, 2\] must have 3 positive entries"):
+        partition_blocks(6, 3, (1, 2))
+    with pytest.raises(ConfigError, match="summing to model.n_layers=6"):
+        partition_blocks(6, 2, (2, 2))
+
+
+def test_launch_command_and_thread_environment():
+    cmd = build_command(4, ["--", "--config", "c.yaml"], "/x/mpiexec")
+    assert cmd[:3] == ["/x/mpiexec", "-n", "4"]
+    assert cmd[4:] == ["-m", "mpi4py", "-m", "jaxhybrid", "train", "--config", "c.yaml"]
+    env = rank_environment(4, 2, 30, base={})
+    assert env["OMP_NUM_THREADS"] == "1" and env["MPIEXEC_TIMEOUT"] == "30"
+    assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+    env = rank_environment(2, 16, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert env["OMP_NUM_THREADS"] == "8" and "MPIEXEC_TIMEOUT" not in env
+    assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
+    with pytest.raises(ValueError, match="-n 0"):
+        rank_environment(0, 2, 0)
