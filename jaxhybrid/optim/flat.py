@@ -1,0 +1,42 @@
+"""Flat views of a parameter pytree that keep the array dtype (``ravel_pytree`` casts back per leaf).
+
+Myelin keeps the half-precision parameters and gradients as flat device vectors so buckets are plain
+slices; the model still sees a pytree. ``FlatSpec`` converts both ways on the device (jitted) and on
+the host (numpy), in ``jax.tree.leaves`` order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class FlatSpec:
+    """Leaf shapes and offsets of a pytree; ``n`` elements in total."""
+
+    def __init__(self, tree: Any):
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        self.shapes = [tuple(np.shape(x)) for x in leaves]
+        self._dtypes = [np.dtype(jnp.asarray(x).dtype) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+                        for x in leaves]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets = [int(o) for o in np.cumsum([0] + self.sizes[:-1])]
+        self.n = int(sum(self.sizes))
+        self.ravel = jax.jit(lambda t: jnp.concatenate([jnp.ravel(x) for x in self.treedef.flatten_up_to(t)]))
+        self.unravel = jax.jit(self._unravel)
+
+    def dtypes(self) -> dict[str, np.dtype]:
+        return dict(zip(self.paths, self._dtypes))
+
+    def _unravel(self, flat):
+        return self.treedef.unflatten([flat[o:o + s].reshape(shape)
+                                       for o, s, shape in zip(self.offsets, self.sizes, self.shapes)])
+
+    def ravel_host(self, tree: Any, dtype=np.float32) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype).ravel() for x in self.treedef.flatten_up_to(tree)])
+
+    def unravel_host(self, flat: np.ndarray) -> Any:
+        return self._unravel(np.asarray(flat))

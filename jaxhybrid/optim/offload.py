@@ -1,0 +1,304 @@
+"""Host-offloaded optimizer in buckets, overlapped with the bucketed all-reduce (Myelin Sec. V-B, V-C).
+
+Only the compute-precision parameters and gradients stay on the device, as flat vectors of ``phi``
+elements. The fp32 master weights and the optax state live in host memory as buckets of ``bsize``
+elements; per step, for each bucket: fetch it (asynchronously, ``prefetch`` buckets ahead), descale
+and clip its gradient slice, apply the inner optax transform, write the compute-precision copy into
+the device parameter vector in place, and send the bucket back to the host without waiting. Device
+memory for model state is ``4 phi + 16 bsize`` bytes for half precision (V-B) plus ``12 bsize`` per
+prefetched bucket.
+
+V-C: with ``chunks=iter_reduced_chunks(flat_local_grads, comm, k * bsize)`` the ``k`` buckets of a
+chunk update as soon as it is reduced while the next chunk's all-reduce runs. Global-norm clipping
+needs every reduced gradient first, so with ``grad_clip > 0`` the chunks are all reduced before the
+first update (the host-to-device prefetch still overlaps the reduction); with ``grad_clip == 0`` the
+updates themselves overlap.
+
+The state is host data only (:class:`OffloadState`), and ``step`` is functional: it never modifies its
+input state, so a skipped step (overflow agreed across ranks) simply keeps the old state, and
+:meth:`OffloadedOptimizer.state_dict` gives a numpy pytree for orbax that does not depend on the bucket
+size or host backend.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxhybrid.optim.buckets import BucketLayout, check_bucketable
+from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.optim.hoststore import make_store
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class OffloadState:
+    """Host-resident optimizer state: per bucket ``(master, *per_param_leaves)``, plus shared leaves."""
+
+    buckets: tuple
+    shared: tuple
+
+
+def clip_factor(scale, sq, grad_clip: float):
+    """Multiplier applied to loss-scaled gradients: ``1/scale`` times the global-norm clip factor.
+
+    The same expression as ``DeviceUpdater`` so both paths agree bit for bit given the same ``sq``.
+    """
+    inv = 1.0 / scale
+    factor = inv
+    if grad_clip > 0:
+        norm = jnp.sqrt(sq) * inv
+        factor = inv * jnp.minimum(1.0, grad_clip / (norm + 1e-6))
+    return factor, jnp.sqrt(sq) * inv
+
+
+class OffloadedOptimizer:
+    """Wraps an elementwise optax transform (AdamW, Adam, SGD, ...) and runs it on host-resident buckets.
+
+    Args:
+      inner: the optax transform; verified bucketable at construction (ValueError naming it otherwise).
+      bucket_size: elements per bucket (Myelin's bsize), ``0 < bucket_size <= parameter count``.
+      grad_clip: global-norm clip over all gradients (0 disables), applied before any bucket update.
+      compute_dtype: dtype of the device parameter copy ("float32", "bfloat16", "float16").
+      backend: host store, "numpy" or "pinned_host"; None picks per platform (``hoststore``).
+      prefetch: buckets fetched ahead of the one updating.
+      name: label for error messages (e.g. "adamw").
+    """
+
+    def __init__(self, inner: optax.GradientTransformation, bucket_size: int, *, grad_clip: float = 0.0,
+                 compute_dtype: str = "float32", backend: str | None = None, prefetch: int = 1,
+                 name: str | None = None, device: Any = None):
+        if bucket_size <= 0:
+            raise ValueError(f"optim.bucket_size={bucket_size} must be > 0 (elements per offload bucket)")
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping)")
+        if compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype={compute_dtype!r}; choose one of {', '.join(DTYPES)}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch} must be >= 0")
+        self.inner, self.bucket_size, self.grad_clip = inner, int(bucket_size), float(grad_clip)
+        self.compute_dtype, self.prefetch = DTYPES[compute_dtype], int(prefetch)
+        self.split = check_bucketable(inner, name)
+        self.device = device or jax.devices()[0]
+        self.store = make_store(backend, self.device)
+        self.spec: FlatSpec | None = None
+        self.layout: BucketLayout | None = None
+        self.on_bucket: Callable[[int], None] | None = None  # instrumentation (memory probes)
+        split, cdt = self.split, self.compute_dtype
+
+        def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
+            master, per = bucket[0], bucket[1:]
+            g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],)).astype(jnp.float32)
+            g = g * factor.astype(g.dtype)
+            # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
+            # XLA turns optax's division by the scalar bias correction into a multiplication by its
+            # reciprocal, which rounds differently from on-device optax on a real parameter tree.
+            h = max(master.shape[0] // 2, 1)
+            two = lambda x: (x[:h], x[h:])
+            updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
+            new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
+            new_per, new_shared = split.split(new)
+            new_per = tuple(jnp.concatenate(x) for x in new_per)
+            params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))
+            nonfinite = jnp.logical_or(nonfinite, jnp.logical_not(jnp.all(jnp.isfinite(g))))
+            return (new_master, *new_per), new_shared, params, nonfinite
+
+        self._update = jax.jit(update, donate_argnums=(0, 4))
+        self._write = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
+                              donate_argnums=0)
+        self._factor = jax.jit(lambda scale, sq: clip_factor(scale, sq, self.grad_clip))
+        self._sq = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
+        self._init_bucket = jax.jit(lambda m: split.split(inner.init(m)))
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def init(self, params: Any) -> OffloadState:
+        """Copy fp32 ``params`` (a pytree) to host buckets and build the inner state bucket by bucket."""
+        spec = FlatSpec(params)
+        bad = [f"{k} {d}" for k, d in spec.dtypes().items() if d != np.float32]
+        if bad:
+            raise ValueError(f"offloaded master weights must be float32; got {', '.join(bad[:3])}")
+        self.spec, self.layout = spec, BucketLayout(spec.n, self.bucket_size)
+        flat = spec.ravel_host(params)
+        buckets, shared = [], None
+        for s, e in self.layout.all_bounds():
+            per, sh = self._init_bucket(jnp.asarray(flat[s:e]))
+            shared = shared if shared is not None else tuple(np.asarray(x) for x in sh)
+            buckets.append(self.store.from_numpy((flat[s:e], *per)))
+        return OffloadState(tuple(buckets), shared)
+
+    def _need(self) -> BucketLayout:
+        if self.layout is None:
+            raise ValueError("OffloadedOptimizer.init(params) must be called before this method")
+        return self.layout
+
+    # -- device parameters -------------------------------------------------------------------------
+    def device_params(self, state: OffloadState) -> jax.Array:
+        """Flat compute-precision parameters on the device, built bucket by bucket from the masters."""
+        layout = self._need()
+        params = jnp.zeros((layout.n,), self.compute_dtype, device=self.device)
+        for i, (s, _) in enumerate(layout.all_bounds()):
+            (m,) = self.store.fetch((state.buckets[i][0],))
+            params = self._write(params, m, s)
+        return params
+
+    def params_tree(self, flat: jax.Array) -> Any:
+        """The model's pytree view of a flat device vector (a copy; engines that take flat params avoid it)."""
+        return self.spec.unravel(flat)
+
+    def flatten(self, tree: Any) -> jax.Array:
+        """Flatten a gradient pytree on the device, keeping its dtype."""
+        self._need()
+        return self.spec.ravel(tree)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, state: OffloadState, grads: Any = None, params: jax.Array | None = None, *,
+             loss_scale: float = 1.0, finite: bool = True, sq: Any = None,
+             chunks: Iterable[tuple[int, int, jax.Array]] | None = None,
+             global_sum: Callable[[jax.Array], jax.Array] | None = None) -> tuple[OffloadState, jax.Array, dict]:
+        """One optimizer step over all buckets (Myelin V-B), optionally fed by reduced chunks (V-C).
+
+        Args:
+          state: the host state (not modified).
+          grads: gradients of ``loss * loss_scale``: flat ``(phi,)`` device vector or the params pytree.
+          params: flat device parameters to update in place (donated); None builds a new vector.
+          loss_scale: divided out inside each bucket.
+          finite: the overflow decision agreed over all ranks; False skips the step (state unchanged).
+          sq: squared global gradient norm of the scaled gradients (summed over stages); computed here
+            from the gradients (and summed with ``global_sum``) when None.
+          chunks: instead of ``grads``, an iterator of ``(start, end, reduced)`` in order covering
+            ``[0, phi)`` with starts on bucket boundaries (``iter_reduced_chunks``). Always drained.
+          global_sum: sums a scalar over the model-parallel group (pipeline stages).
+
+        Returns:
+          ``(new_state, params, info)``; ``info`` has ``grad_norm``, ``skipped`` and ``nonfinite``
+          (1.0 when a reduced gradient was non-finite: the step was rolled back on this rank and the
+          trainer must agree it with ``global_max`` and keep the old state everywhere).
+        """
+        layout = self._need()
+        if (grads is None) == (chunks is None):
+            raise ValueError("pass exactly one of grads= (flat or pytree) or chunks= (reduced chunk iterator)")
+        pieces = self._pieces(grads, chunks, layout)
+        if not finite:
+            for _ in pieces:  # chunks are collectives: every rank drains them in the same order
+                pass
+            params = params if params is not None else self.device_params(state)
+            return state, params, {"grad_norm": float("nan"), "skipped": True, "nonfinite": 1.0}
+        scale = jnp.float32(loss_scale)
+        fetch = _Prefetcher(self.store, state.buckets, self.prefetch + 1)
+        fetch.top_up(0)
+        own_sq = sq is None
+        if own_sq and self.grad_clip > 0:
+            # The clip factor needs the norm of every reduced gradient before the first bucket update.
+            pieces = list(pieces)
+            sq = self._sum_sq(pieces, global_sum)
+        params = params if params is not None else jnp.zeros((layout.n,), self.compute_dtype, device=self.device)
+        factor, gnorm = self._factor(scale, jnp.float32(sq if sq is not None else 0.0))
+        nonfinite = jnp.zeros((), bool)
+        acc_sq, new_shared, landed, pending = [], None, [None] * layout.count, deque()
+        for s, e, arr in pieces:
+            if own_sq and self.grad_clip == 0:
+                acc_sq.append(self._sq(arr))
+            for i in layout.covered(s, e):
+                bs, _ = layout.bounds(i)
+                out, sh, params, nonfinite = self._update(fetch.get(i), state.shared, arr, bs - s, params, bs,
+                                                          factor, nonfinite)
+                new_shared = new_shared if new_shared is not None else sh
+                pending.append((i, self.store.send_back(out)))
+                del out
+                if self.on_bucket is not None:
+                    self.on_bucket(i)
+                while len(pending) > 1:  # at most one bucket in flight back to the host
+                    j, h = pending.popleft()
+                    landed[j] = self.store.land(h)
+        for j, h in pending:
+            landed[j] = self.store.land(h)
+        if acc_sq:
+            total = sum(acc_sq[1:], acc_sq[0])
+            _, gnorm = self._factor(scale, global_sum(total) if global_sum else total)
+        if bool(nonfinite):
+            return state, self.device_params(state), {"grad_norm": float(gnorm), "skipped": True, "nonfinite": 1.0}
+        new_state = OffloadState(tuple(landed), tuple(np.asarray(x) for x in new_shared))
+        return new_state, params, {"grad_norm": float(gnorm), "skipped": False, "nonfinite": 0.0}
+
+    def _sum_sq(self, pieces: list, global_sum) -> jax.Array:
+        parts = [self._sq(a) for _, _, a in pieces]
+        total = sum(parts[1:], parts[0])
+        return global_sum(total) if global_sum else total
+
+    def _pieces(self, grads, chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
+        if grads is not None:
+            flat = grads if isinstance(grads, jax.Array) and grads.ndim == 1 else self.spec.ravel(grads)
+            if flat.shape != (layout.n,):
+                raise ValueError(f"flat gradients have shape {tuple(flat.shape)}; expected ({layout.n},)")
+            return iter([(0, layout.n, flat)])
+        return _checked(chunks, layout)
+
+    # -- checkpoints and inspection ----------------------------------------------------------------
+    def state_dict(self, state: OffloadState) -> dict:
+        """Numpy pytree: ``master`` (phi,) and each inner leaf (phi,) or shared scalar, by leaf index."""
+        self._need()
+        host = [self.store.to_numpy(b) for b in state.buckets]
+        cols = [np.concatenate([b[c] for b in host]) for c in range(len(host[0]))]
+        out, per, shared = {"master": cols[0]}, iter(cols[1:]), iter(state.shared)
+        out["state"] = {f"{j:03d}": next(per) if p else np.asarray(next(shared))
+                        for j, p in enumerate(self.split.per_param)}
+        return out
+
+    def load_state_dict(self, saved: dict) -> OffloadState:
+        """Rebuild host buckets from :meth:`state_dict` output (any bucket size may have written it)."""
+        layout = self._need()
+        master = np.asarray(saved["master"], np.float32)
+        if master.shape != (layout.n,):
+            raise ValueError(f"checkpoint master has shape {master.shape}; this model has {layout.n} parameters")
+        leaves = [np.asarray(saved["state"][f"{j:03d}"]) for j in range(len(self.split.per_param))]
+        per = [x for x, p in zip(leaves, self.split.per_param) if p]
+        shared = tuple(x for x, p in zip(leaves, self.split.per_param) if not p)
+        buckets = tuple(self.store.from_numpy((master[s:e], *(x[s:e] for x in per))) for s, e in layout.all_bounds())
+        return OffloadState(buckets, shared)
+
+    def master_params(self, state: OffloadState) -> Any:
+        """fp32 master weights as the params pytree (numpy)."""
+        return self.spec.unravel_host(self.state_dict(state)["master"])
+
+    def inner_state(self, state: OffloadState) -> Any:
+        """The inner optax state with per-parameter leaves as params pytrees (compare with plain optax)."""
+        sd = self.state_dict(state)["state"]
+        leaves = [self.spec.unravel_host(sd[f"{j:03d}"]) if p else sd[f"{j:03d}"]
+                  for j, p in enumerate(self.split.per_param)]
+        return self.split.treedef.unflatten(leaves)
+
+
+class _Prefetcher:
+    """Keeps up to ``depth`` buckets fetched ahead (``device_put`` is asynchronous)."""
+
+    def __init__(self, store, buckets: tuple, depth: int):
+        self.store, self.buckets, self.depth = store, buckets, depth
+        self.ready: dict[int, tuple] = {}
+        self.next = 0
+
+    def top_up(self, i: int) -> None:
+        while self.next < min(i + self.depth, len(self.buckets)):
+            self.ready[self.next] = self.store.fetch(self.buckets[self.next])
+            self.next += 1
+
+    def get(self, i: int) -> tuple:
+        self.top_up(i)
+        return self.ready.pop(i)
+
+
+def _checked(chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
+    expect = 0
+    for s, e, arr in chunks:
+        if s != expect or e <= s or arr.shape != (e - s,):
+            raise ValueError(f"reduced chunk [{s}, {e}) of shape {tuple(arr.shape)} does not continue at "
+                             f"element {expect}; chunks must cover [0, {layout.n}) in order")
+        expect = e
+        yield s, e, arr
+    if expect != layout.n:
+        raise ValueError(f"reduced chunks ended at element {expect}; expected {layout.n}")
