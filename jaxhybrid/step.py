@@ -60,13 +60,13 @@ class LocalEngine:
     With ``microbatches == 1`` this is exactly ``jax.value_and_grad`` of the model loss.
     """
 
-    def __init__(self, model: Model, microbatches: int = 1, remat: str = "none"):
+    def __init__(self, model: Model, microbatches: int = 1, remat: str = "none", interval: int = 1):
         self.model = model
         self.microbatches = microbatches
         policy = remat_policy(remat)
 
         def loss_fn(params, tokens, targets):
-            return model.loss(params, tokens, targets, remat=policy)
+            return model.loss(params, tokens, targets, remat=policy, interval=interval)
 
         def step(params, mbs, scale):
             def one(carry, mb):

@@ -54,7 +54,9 @@ def build_engine(cfg: Config, model: Model):
         from jaxhybrid.tensor.engine import TensorEngine
 
         return TensorEngine(cfg.model, cfg)
-    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat)
+    interval = cfg.train.checkpoint_interval or (
+        optimal_checkpoint_interval(cfg.model.n_layers, 1) if remat == "full" else 1)
+    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat, interval=interval)
 
 
 def build_updater(cfg: Config, engine):
@@ -83,10 +85,6 @@ class Trainer:
         self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
         self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
-        if cfg.train.remat == "full" and cfg.train.checkpoint_interval == 0:
-            self.ckpt_interval = optimal_checkpoint_interval(cfg.model.n_layers, cfg.parallel.pipeline)
-        else:
-            self.ckpt_interval = cfg.train.checkpoint_interval
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
         self.run_dir = Path(cfg.run.dir)

@@ -160,13 +160,26 @@ class Model:
     def apply_head(self, p: Params, h: Array, targets: Array, wte: Array | None = None) -> Array:
         return self.head.apply({"params": p} if p else {}, h, targets, wte)
 
+    def apply_blocks(self, ps: list[Params], h: Array, remat: Callable[[Callable], Callable] | None = None,
+                     interval: int = 1) -> Array:
+        """Blocks in order. With ``remat``, each segment of ``interval`` blocks is checkpointed as one
+        unit: only segment inputs stay alive (Myelin Sec. V-A's S_ckp with ac = interval)."""
+        def segment(seg_ps, x):
+            for p in seg_ps:
+                x = self.apply_block(p, x)
+            return x
+
+        step = max(1, interval) if remat else len(ps) or 1
+        seg = remat(segment) if remat else segment
+        for i in range(0, len(ps), step):
+            h = seg(ps[i:i + step], h)
+        return h
+
     def loss(self, params: Params, tokens: Array, targets: Array,
-             remat: Callable[[Callable], Callable] | None = None) -> Array:
-        """Mean next-token loss of the whole model; ``remat`` wraps each block (checkpointing)."""
-        blk = remat(self.apply_block) if remat else self.apply_block
+             remat: Callable[[Callable], Callable] | None = None, interval: int = 1) -> Array:
+        """Mean next-token loss of the whole model; ``remat`` checkpoints segments of ``interval`` blocks."""
         h = self.apply_embed(params["embed"], tokens)
-        for i in range(self.cfg.n_layers):
-            h = blk(params[block_name(i)], h)
+        h = self.apply_blocks([params[block_name(i)] for i in range(self.cfg.n_layers)], h, remat, interval)
         wte = params["embed"]["wte"] if self.cfg.tie_embeddings else None
         return self.apply_head(params["head"], h, targets, wte)
 

@@ -62,3 +62,16 @@ def test_bf16_compute_keeps_fp32_params():
     tok = jax.random.randint(jax.random.key(1), (2, 8), 0, 256)
     g = jax.grad(m.loss)(p, tok, tok)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize("policy,interval", [("full", 2), ("dots", 1), ("full", 3)])
+def test_remat_segments_do_not_change_gradients(policy, interval):
+    from jaxhybrid.model import remat_policy
+    from jaxhybrid.testing import assert_tree_close
+
+    m = Model(PRESETS["gpt-tiny"])
+    p = m.init(jax.random.key(0))
+    tok = jax.random.randint(jax.random.key(1), (2, 8), 0, 256)
+    ref = jax.grad(m.loss)(p, tok, tok)
+    got = jax.grad(lambda q: m.loss(q, tok, tok, remat=remat_policy(policy), interval=interval))(p)
+    assert_tree_close(got, ref, "fp32_kernel", f"remat={policy} interval={interval}")
