@@ -1,0 +1,74 @@
+"""``jaxhybrid plan``: rank parallel layouts of a model on a cluster by predicted step time (no devices).
+
+Prints per plan the predicted step time, the exposed communication time and the memory per device;
+``--json`` prints ``{"plans": [...]}`` best first (feasible plans only); ``--out PLAN.json`` writes the
+best plan with the config overrides that ``jaxhybrid train --set plan.file=PLAN.json`` applies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jaxhybrid.model.config import PRESETS, resolve_model
+from jaxhybrid.planner.costs import load_hardware
+from jaxhybrid.planner.plan import PLAN_KEYS, machine_from_hardware, rank_plans, write_plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a run/model config file")
+    p.add_argument("--gpus", type=int, required=True, help="G, total GPUs")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    p.add_argument("--hardware", required=True, help="configs/hardware name (perlmutter, frontier, summit, "
+                   "h100-node) or a YAML path")
+    p.add_argument("--top", type=int, default=10, help="plans to print")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="force Myelin's optimizer offload on/off (default: try both)")
+    p.add_argument("--no-tensor", action="store_true", help="only G_c = G_r = G_d = 1")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, "
+                   "or 512 for a preset)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: model.max_seq_len)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak flop/s the matmuls reach")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
+
+
+def _model(spec: str):
+    if spec in PRESETS:
+        return resolve_model(spec), 0, 0
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+    from jaxhybrid.config import load_config
+
+    cfg = load_config(path, check=False)
+    return cfg.model, cfg.train.global_batch, cfg.data.seq_len
+
+
+def run(args: argparse.Namespace) -> int:
+    model, gb, seq = _model(args.model)
+    gb = args.global_batch or gb or 512
+    seq = args.seq_len or seq or model.max_seq_len
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    hw = load_hardware(args.hardware)
+    machine = machine_from_hardware(hw, args.gpus_per_node, args.dtype, args.efficiency)
+    plans = rank_plans(model, args.gpus, machine, gb, seq, args.top, not args.no_tensor, args.offload)
+    if args.out:
+        write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq})
+    if args.json:
+        keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s")
+        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans]}))
+        return 0
+    print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
+          f"tokens, {args.dtype} at {args.efficiency:.0%} of peak")
+    print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'2BP':>3} "
+          f"{'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
+    for i, p in enumerate(plans):
+        print(f"{i:2d} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
+              f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {'y' if p['split_backward'] else 'n':>3} "
+              f"{p['remat']:>5} {'y' if p['offload'] else 'n':>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
+              f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
+    return 0

@@ -1,0 +1,136 @@
+"""Ranked plans: every feasible layout of G GPUs, best predicted step time first.
+
+A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe or 1F1B, with or
+without the 2BP split), activation recomputation (none, or Myelin's checkpoint interval) and optimizer
+offload. Each is scored by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device
+exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
+``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.planner.comm_model import Network
+from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
+
+PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
+             "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float) -> Machine:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    peak = float(hw["peak_tflops"][dtype]) * 1e12
+    return Machine(peak * efficiency, float(hw["memory_bytes"]), Network.from_hardware(hw, gpus_per_node),
+                   DTYPE_BYTES[dtype])
+
+
+def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True, offload: bool | None = None,
+            schedules=("1f1b", "gpipe"), remats=("none", "full"), max_microbatch: int = 64):
+    """All layouts of ``gpus`` GPUs that the config validation would accept."""
+    offloads = (False, True) if offload is None else (offload,)
+    for pipe in _divisors(gpus):
+        if pipe > cfg.n_layers:
+            continue
+        for data in _divisors(gpus // pipe):
+            rest = gpus // (pipe * data)
+            grids = [(1, 1, 1)] if not tensor else [
+                (c, r, rest // (c * r)) for c in _divisors(rest) for r in _divisors(rest // c)]
+            if not tensor and rest != 1:
+                continue
+            if global_batch % data:
+                continue
+            for gc, gr, gd in grids:
+                if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (gc, gr)):
+                    continue
+                for b in _divisors(global_batch // data):
+                    m = global_batch // (data * b)
+                    if b > max_microbatch or (pipe > 1 and m < pipe):
+                        continue
+                    scheds = schedules if pipe > 1 else ("gpipe",)
+                    for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
+                        if split and pipe == 1:
+                            continue
+                        yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
+
+
+def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
+               tensor: bool = True, offload: bool | None = None) -> list[dict]:
+    """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix."""
+    if gpus < 1 or global_batch < 1 or seq < 1:
+        raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
+    plans, smallest = [], None
+    for lay in layouts(cfg, gpus, global_batch, tensor, offload):
+        r = evaluate(cfg, lay, machine, seq)
+        if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
+            smallest = (r["memory_per_device_bytes"], lay)
+        if r["memory_per_device_bytes"] <= machine.memory_bytes:
+            plans.append({**asdict(lay), **r})
+    if smallest is None:
+        raise ValueError(f"no layout of {gpus} GPUs is valid for {cfg.name} (n_layers={cfg.n_layers}, "
+                         f"global batch {global_batch}); use a GPU count that divides the batch and the layers")
+    if not plans:
+        more = _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor)
+        raise ValueError(
+            f"{cfg.name} ({cfg.param_count() / 1e9:.3g}B parameters) does not fit on {gpus} GPUs with "
+            f"{machine.memory_bytes / 1e9:.3g} GB each: the leanest layout ({_describe(smallest[1])}) needs "
+            f"{smallest[0] / 1e9:.3g} GB per device; {more}")
+    plans.sort(key=lambda p: p["predicted_step_s"])
+    return plans[:top]
+
+
+def _describe(lay: Layout) -> str:
+    return (f"pipeline={lay.pipeline} data={lay.data} tensor={lay.tensor_col}x{lay.tensor_row}x"
+            f"{lay.tensor_depth} microbatch={lay.microbatch_size} offload={lay.offload} remat={lay.remat}")
+
+
+def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
+    g = gpus * 2
+    while g <= gpus * 4096:
+        fits = any(evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes
+                   for lay in layouts(cfg, g, global_batch * g // gpus, tensor, True, ("1f1b",), ("full",), 1))
+        if fits:
+            return f"{g} GPUs would fit (same batch per GPU, offload and recomputation on)"
+        g *= 2
+    return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
+
+
+def plan_overrides(plan: dict, global_batch: int) -> dict:
+    """The nested config overrides of a plan (keys of :class:`jaxhybrid.config.Config`)."""
+    return {"parallel": {k: plan[k] for k in ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")}
+            | {"partition": list(plan["partition"]) if plan["pipeline"] > 1 else []},
+            "pipeline": {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
+                         "microbatches": plan["microbatches"]},
+            "optim": {"offload": plan["offload"]},
+            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
+
+
+def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
+    Path(path).write_text(json.dumps({**meta, "plan": plan, "config": plan_overrides(plan, meta["global_batch"])},
+                                     indent=1))
+
+
+def load_plan_overrides(path: str | Path) -> dict:
+    """Read a plan file from ``jaxhybrid plan --out`` and return its nested config overrides."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"plan file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"plan file {p} is not valid JSON: {e}") from None
+    cfg = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(cfg, dict) or not {"parallel", "pipeline", "optim"} <= set(cfg):
+        raise ValueError(f"plan file {p} has no 'config' with parallel/pipeline/optim overrides; "
+                         f"write it with `jaxhybrid plan ... --out {p.name}`")
+    return cfg

@@ -1,0 +1,189 @@
+"""Predicted step time, communication and memory of one layout of a transformer (device-free).
+
+Compute: flop counts over ``peak x efficiency``, divided over the tensor grid. Communication: AxoNN eqs.
+4-9 for every matmul of a block (optimization A: the attention output and MLP down projections are
+transposed), synchronous (AxoNN Assumption 4), plus the pipeline's point-to-point messages and the
+data-parallel all-reduce (eq. 8). The pipeline makespan and stashed microbatches come from the schedule
+simulator; memory from Myelin's model (:mod:`jaxhybrid.planner.memory`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
+from jaxhybrid.planner.memory import block_activation_bytes, boundary_bytes, optimal_checkpoint_interval, \
+    param_state_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipeline: int
+    data: int
+    tensor_col: int
+    tensor_row: int
+    tensor_depth: int
+    microbatch_size: int
+    microbatches: int
+    schedule: str
+    split_backward: bool
+    offload: bool
+    remat: str
+
+    @property
+    def tensor(self) -> int:
+        return self.tensor_col * self.tensor_row * self.tensor_depth
+
+
+def block_matmuls(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(k, n, transposed) of a block's matmuls in order; every second one transposed (optimization A)."""
+    d, f = cfg.d_model, cfg.d_ff
+    if cfg.kind == "llama":
+        kvd = cfg.kv_heads * cfg.head_dim
+        return [(d, d + 2 * kvd, False), (d, d, True), (d, 2 * f, False), (f, d, True)]
+    return [(d, 3 * d, False), (d, d, True), (d, f, False), (f, d, True)]
+
+
+def block_params(cfg: ModelConfig) -> int:
+    return (cfg.param_count() - _embed_params(cfg) - _head_params(cfg)) // cfg.n_layers
+
+
+def _embed_params(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.d_model + (cfg.max_seq_len * cfg.d_model if cfg.kind == "gpt2" else 0)
+
+
+def _head_params(cfg: ModelConfig) -> int:
+    # With a pipeline the last stage holds its own copy of a tied table; count it there.
+    return cfg.vocab_size * cfg.d_model + 2 * cfg.d_model
+
+
+def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple[int, ...]:
+    """Blocks per stage minimising the largest stage, the last stage also carrying the head."""
+    if stages == 1:
+        return (n_layers,)
+    best = None
+    for last in range(1, n_layers - stages + 2):
+        rest = n_layers - last
+        per = math.ceil(rest / (stages - 1))
+        load = max(last + head_in_blocks, per)
+        if best is None or load < best[0]:
+            best = (load, last)
+    last = best[1]
+    rest = n_layers - last
+    q, r = divmod(rest, stages - 1)
+    return tuple([q + 1] * r + [q] * (stages - 1 - r) + [last])
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
+                      ) -> tuple[float, float, float]:
+    """(makespan, peak stashed microbatches, peak residual microbatches) with F = 1 (scale-free).
+
+    Uses the schedule simulator; very long schedules fall back to the closed forms
+    (m + p - 1)(F + B) for GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
+    """
+    if p * m <= 4096:
+        from jaxhybrid.pipeline.schedule import make_schedule
+        from jaxhybrid.pipeline.simulate import Costs, simulate
+
+        def run(act, res):
+            costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
+                          activation_bytes=(act,) * p, residual_bytes=(res,) * p,
+                          message_bytes=(msg,) * p, bandwidth=1.0)
+            return simulate(make_schedule(schedule, p, m, split), costs)
+
+        r = run(1.0, 0.0)
+        act = max(s.peak_bytes for s in r.per_rank)
+        res = max(s.peak_bytes for s in run(0.0, 1.0).per_rank) if split else 0.0
+        return r.makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
+    span = (1 + bi + bw)
+    make = m * span + (p - 1) * ((1 + bi) if split else span) + 2 * (p - 1) * msg
+    live = m if schedule == "gpipe" else min(m, p)
+    return make, float(live), float(m - live) if split else 0.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a layout runs on: peak flop/s of the dtype times an efficiency, memory, network."""
+
+    flops_per_s: float
+    memory_bytes: float
+    net: Network
+    dtype_bytes: int = 2
+
+
+def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_size: int = 1 << 24) -> dict:
+    """Predicted step time, exposed communication and peak memory per device of one layout."""
+    b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
+    tokens = b * seq
+    d = cfg.d_model
+    mm = block_matmuls(cfg)
+    attn_flops = 4 * b * seq * seq * d  # QK^T and AV
+    f_blk = (2 * tokens * sum(k * n for k, n, _ in mm) + attn_flops) / (machine.flops_per_s * ts)
+    f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
+    parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / f_blk)
+    bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
+    per_blk = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_fwd": 0.0, "all_reduce_bwd": 0.0,
+               "all_reduce_data": 0.0}
+    for k, n, tr in mm:
+        t = comm_time(layer_comm_volumes(tokens, k, n, lay.tensor_col, lay.tensor_row, lay.tensor_depth,
+                                         lay.data, tr), bw_, db)
+        for key in per_blk:
+            per_blk[key] += t[key]
+    head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, lay.tensor_col, lay.tensor_row,
+                                        lay.tensor_depth, lay.data), bw_, db)
+    # Bottleneck stage: per-microbatch F, BI, BW (2BP: BI ~ the input-gradient matmuls, BW ~ the weight ones)
+    nb = max(parts)
+    last_extra = f_head if lay.pipeline == 1 or parts[-1] == nb else 0.0
+    fwd_comm = nb * (per_blk["all_gather"] + per_blk["all_reduce_fwd"])
+    bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
+    recompute = lay.remat == "full"
+    F = nb * f_blk + last_extra + fwd_comm
+    BI = nb * f_blk + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)
+    BW = nb * (f_blk - attn_flops / (machine.flops_per_s * ts)) + last_extra + nb * per_blk["reduce_scatter"]
+    # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
+    msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
+    span = 2 * ts
+    gpn = machine.net.gpus_per_node
+    p2p_bw = machine.net.intra_bandwidth(span) if span <= gpn and gpn % span == 0 else \
+        machine.net.inter_node / min(ts, gpn)
+    msg = msg_bytes / p2p_bw if lay.pipeline > 1 else 0.0
+    make, act_mb, res_mb = pipeline_makespan(lay.schedule if lay.pipeline > 1 else "gpipe", lay.pipeline,
+                                             lay.microbatches, lay.split_backward, round(BI / F, 3),
+                                             round(BW / F, 3), round(msg / F, 4))
+    makespan = make * F
+    phi_blk = block_params(cfg)
+    stage_phi = [n_ * phi_blk for n_ in parts]
+    stage_phi[0] += _embed_params(cfg)
+    stage_phi[-1] += _head_params(cfg) if (lay.pipeline > 1 or not cfg.tie_embeddings) else 2 * d
+    data_ar = nb * per_blk["all_reduce_data"] + (head["all_reduce_data"] if parts[-1] == nb else 0.0)
+    offload_s = 0.0
+    if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
+        offload_s = 2 * 12 * max(stage_phi) / ts / machine.net.host_to_device
+    step = makespan + data_ar + offload_s
+    tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm)
+    comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
+    # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
+    act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
+    blk_full = block_activation_bytes(seq, b, d, cfg.n_heads, db, "none") / act_shard
+    bnd = boundary_bytes(seq, b, d, db) / act_shard
+    residual = 16 * bnd  # weight-gradient residuals: inputs and output gradients of the 4 matmuls
+    mem = 0.0
+    for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
+        state = param_state_bytes(phi, lay.offload, bucket_size, ts)
+        if recompute:
+            ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
+            stash = math.ceil(n_ / ac) * bnd
+            transient = min(ac, n_) * blk_full
+        else:
+            stash, transient = n_ * blk_full, 0.0
+        if s == len(parts) - 1:
+            transient += tokens * cfg.vocab_size * 4 / ts  # fp32 logits for the loss
+        mem = max(mem, state + act_mb * stash + res_mb * n_ * residual + transient)
+    return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem,
+            "compute_s": makespan - (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm),
+            "partition": list(parts)}
