@@ -1,0 +1,151 @@
+"""``jaxhybrid bench stage``: the 2BP stage kernels timed side by side in one run.
+
+Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``backward_input`` and
+``backward_weight`` (single, and on K microbatches concatenated as 2BP Fig. 2), plus a plain reference
+(``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
+interleave the variants so machine noise hits all alike; each figure is the median over rounds of
+``block_until_ready`` timings. Prints JSON with ``split_over_fused = (input + weight) / fused``
+(goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="run config YAML (model, data.seq_len, microbatch size, dtype)")
+    p.add_argument("--model", default=None, help="model preset (overrides the config's)")
+    p.add_argument("--blocks", default="4", help="N (a middle stage of N blocks) or LO:HI (block range)")
+    p.add_argument("--microbatch-size", type=int, default=None, help="default: the config's, else 4")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--remat", default="none", choices=["none", "dots", "full"])
+    p.add_argument("--concat", type=int, default=4, help="K microbatches for the concatenated weight pass")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds (median reported)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def _block_range(spec: str, n: int) -> tuple[int, int]:
+    if ":" in spec:
+        lo, hi = (int(v) for v in spec.split(":"))
+        return lo, hi
+    k = int(spec)
+    if k < 1 or k > n:
+        raise ValueError(f"--blocks {k} must be in [1, n_layers={n}]")
+    lo = 1 if k + 2 <= n else 0  # a middle stage when the model has room for one
+    return lo, lo + k
+
+
+def _stage_flops(cfg, blocks: int, mb: int, seq: int, last: bool) -> float:
+    """Forward matmul flops of the blocks (+ vocab projection): 2 * tokens * weights + causal-free
+    attention 4 * mb * seq^2 * d per block (Narayanan et al. count)."""
+    d, f, kvd = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    w = d * (d + 2 * kvd) + d * d + (2 if cfg.kind == "gpt2" else 3) * d * f
+    tok = mb * seq
+    return blocks * (2.0 * tok * w + 4.0 * mb * seq * seq * d) + (2.0 * tok * d * cfg.vocab_size if last else 0.0)
+
+
+def _time(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.config import load_config
+    from jaxhybrid.model import Model, block_name, resolve_model
+    from jaxhybrid.model.stage import Stage, concat_weight_residuals
+    from jaxhybrid.testing import max_rel_err
+
+    cfg = load_config(args.config) if args.config else None
+    mcfg = resolve_model(args.model) if args.model else (cfg.model if cfg else resolve_model("gpt-small-cpu"))
+    dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "float32")
+    mb = args.microbatch_size or (cfg.microbatch_size if cfg else 4)
+    seq = args.seq_len or (cfg.data.seq_len if cfg else min(128, mcfg.max_seq_len))
+    if mb < 1 or seq < 1 or args.concat < 1 or args.repeats < 1:
+        raise ValueError(f"--microbatch-size {mb}, --seq-len {seq}, --concat {args.concat}, --repeats "
+                         f"{args.repeats} must all be >= 1")
+    lo, hi = _block_range(args.blocks, mcfg.n_layers)
+    model = Model(mcfg, compute_dtype=dtype)
+    stage = Stage(model, lo, hi, remat=args.remat)
+    params = stage.slice_params(model.init(jax.random.key(0), seq))
+    rng = np.random.default_rng(0)
+    if stage.is_first:
+        xs = [jnp.asarray(rng.integers(0, mcfg.vocab_size, (mb, seq)), jnp.int32) for _ in range(args.concat)]
+    else:
+        xs = [jnp.asarray(rng.standard_normal((mb, seq, mcfg.d_model)), model.dtype) for _ in range(args.concat)]
+    tgt = jnp.asarray(rng.integers(0, mcfg.vocab_size, (mb, seq)), jnp.int32) if stage.is_last else None
+    x = xs[0]
+
+    # Plain reference: jax.vjp of the same slice (fused by XLA as it likes), fwd and bwd in separate jits.
+    def apply(p, h):
+        if stage.is_first:
+            h = model.apply_embed(p["embed"], h)
+        for i in range(lo, hi):
+            h = model.apply_block(p[block_name(i)], h)
+        return model.apply_head(p["head"], h, tgt, stage.wte(p)) if stage.is_last else h
+
+    diff = (lambda p, h: jax.vjp(lambda q: apply(q, h), p)) if stage.is_first else (lambda p, h: jax.vjp(apply, p, h))
+    ref_fwd = jax.jit(diff)
+    ref_bwd = jax.jit(lambda vjp, dy: vjp(dy))
+
+    y, res = stage.forward(params, x, tgt)
+    dy = jnp.ones_like(y) if stage.is_last else jnp.asarray(rng.standard_normal(y.shape), y.dtype)
+    dx, wr = stage.backward_input(res, dy)
+    g_split = stage.backward_weight(params, wr)
+    _, (dx_f, g_fused) = y, stage.backward(res, dy)
+    yr, vjp = ref_fwd(params, x)
+    ref = ref_bwd(vjp, dy)
+    ref_g, ref_dx = (ref[0], None) if stage.is_first else ref
+    err = max(max_rel_err(g_split, ref_g), max_rel_err(g_fused, ref_g),
+              0.0 if dx is None else max(max_rel_err(dx, ref_dx), max_rel_err(dx_f, ref_dx)))
+    wrs = [wr] + [stage.backward_input(stage.forward(params, xi, tgt)[1], dy)[1] for xi in xs[1:]]
+    wr_cat = concat_weight_residuals(wrs)
+    jax.block_until_ready(stage.backward_weight(params, wr_cat))
+    g_sum = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[stage.backward_weight(params, w) for w in wrs])
+    concat_err = max_rel_err(stage.backward_weight(params, wr_cat), g_sum)
+
+    names = ["forward", "backward_fused", "backward_input", "backward_weight", "backward_weight_concat",
+             "concat", "ref_forward", "ref_backward"]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(args.repeats):
+        times["forward"].append(_time(stage.forward, params, x, tgt))
+        times["backward_fused"].append(_time(stage.backward, res, dy))
+        times["backward_input"].append(_time(stage.backward_input, res, dy))
+        times["backward_weight"].append(_time(stage.backward_weight, params, wr))
+        times["backward_weight_concat"].append(_time(stage.backward_weight, params, wr_cat) / args.concat)
+        times["concat"].append(_time(concat_weight_residuals, wrs) / args.concat)
+        times["ref_forward"].append(_time(ref_fwd, params, x))
+        times["ref_backward"].append(_time(ref_bwd, vjp, dy))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    split = med["backward_input"] + med["backward_weight"]
+    fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
+    out = {
+        "model": mcfg.name, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
+        "remat": args.remat, "concat_k": args.concat, "repeats": args.repeats,
+        "forward_s": med["forward"], "backward_fused_s": med["backward_fused"],
+        "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],
+        "backward_weight_concat_s": med["backward_weight_concat"], "concat_s": med["concat"],
+        "split_over_fused": split / med["backward_fused"],
+        "split_over_plain_vjp": split / med["ref_backward"],
+        "fused_over_plain_vjp": med["backward_fused"] / med["ref_backward"],
+        "concat_weight_over_single": med["backward_weight_concat"] / med["backward_weight"],
+        "plain_vjp_forward_s": med["ref_forward"], "plain_vjp_backward_s": med["ref_backward"],
+        "grad_max_rel_err": err, "concat_sum_max_rel_err": concat_err,
+        "residual_bytes": Stage.residual_bytes(res), "weight_residual_bytes": Stage.weight_residual_bytes(wr),
+        "plain_vjp_residual_bytes": int(sum(v.nbytes for v in jax.tree.leaves(vjp))),
+        "forward_tflops": fl / med["forward"] / 1e12, "backward_split_tflops": 2 * fl / split / 1e12,
+        "backward_fused_tflops": 2 * fl / med["backward_fused"] / 1e12,
+        "goal_split_over_fused": 1.05, "device": jax.devices()[0].device_kind,
+    }
+    if not args.json:
+        for k, v in out.items():
+            print(f"{k:>28}: {v}")
+    print(json.dumps(out))
+    return 0

@@ -1,0 +1,185 @@
+"""The 2BP split of a backward pass (2BP Sec. 3, backward-p1 / backward-p2) with the "taps" pattern.
+
+Every weighted sublayer of the model goes through the injected ops object (``ops.dense``,
+``ops.layer_norm``, ``ops.rms_norm``, ``ops.logits``; the embedding is tapped at the stage level).
+:class:`TapOps` wraps the model's ops and, per call site ("site"):
+
+* mode ``"tap"`` (forward): records the site's input and adds a zero "tap" tensor to its output. The
+  input pass takes ``jax.vjp`` with respect to (stage input, taps); the tap cotangents are then
+  dL/d(site output), i.e. exactly what each site's weight gradient needs.
+* mode ``"replay"`` (weight pass): recomputes each site from its *recorded* input with the live
+  parameters and adds ``sum(site_output * tap_cotangent)`` to a scalar. The gradient of that scalar with
+  respect to the parameters is the stage's full weight gradient (backward-p2); everything else the replay
+  traces is dead code that XLA removes. Because every record has a leading batch dim, the records and
+  cotangents of K microbatches concatenated along the batch give the SUM of their K weight gradients in
+  one larger matmul per site (2BP Fig. 2).
+* mode ``"discover"``: records the shapes of the site outputs (for building the zero taps).
+* mode ``"plain"``: the wrapped ops unchanged (forward-only recomputation segments).
+
+The norms are sites too (their scale/bias gradients are weight gradients); the attention core and the
+loss have no parameters and are replaced by cheap placeholders in replay mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.model.layers import Ops
+
+Array = jax.Array
+
+
+class Tape:
+    """Per-trace mutable state of a :class:`TapOps` (one trace, one tape; never shared across traces).
+
+    Attributes:
+      mode: tap | replay | discover | plain.
+      taps: zero tensors added to the site outputs, in site order (tap mode).
+      records: distinct site inputs, in first-use order (tap mode fills; replay mode reads).
+      site_index: for each site, the position of its input in ``records`` (llama's gate and up share one).
+      cots: tap cotangents dL/d(site output), in site order (replay mode).
+      shapes: ShapeDtypeStruct of each site output (discover mode).
+    """
+
+    def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None):
+        if mode not in ("tap", "replay", "discover", "plain"):
+            raise ValueError(f"Tape mode {mode!r}; choose tap, replay, discover or plain")
+        self.mode = mode
+        self.taps = list(taps or [])
+        self.records = list(records or [])
+        self.site_index = list(site_index)
+        self.cots = list(cots or [])
+        self.shapes: list[jax.ShapeDtypeStruct] = []
+        self.acc = jnp.zeros((), jnp.float32)
+        self.i = 0
+
+    def site(self, fn: Callable[[Any], Array], x: Any) -> Array:
+        """Apply one weighted site ``fn`` (input -> output, weights closed over) per the tape's mode."""
+        if self.mode == "replay":
+            y = fn(self.records[self.site_index[self.i]])
+            # d/dW sum(y * c) = the site's weight gradient for output cotangent c (exact for any dtype:
+            # the cotangent arriving at y is c itself, as in the fused backward).
+            self.acc = self.acc + jnp.sum((y * self.cots[self.i].astype(y.dtype)).astype(jnp.float32))
+            self.i += 1
+            return y
+        y = fn(x)
+        if self.mode == "discover":
+            self.shapes.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+        elif self.mode == "tap":
+            # Deduplicate by identity: sites that read the same tensor (llama gate/up) store it once.
+            pos = next((j for j, r in enumerate(self.records) if r is x), None)
+            if pos is None:
+                pos = len(self.records)
+                self.records.append(x)
+            self.site_index.append(pos)
+            tap = self.taps[self.i]
+            if tap.shape != y.shape or tap.dtype != y.dtype:
+                raise ValueError(f"tap {self.i}: {tap.shape} {tap.dtype} != site output {y.shape} {y.dtype}")
+            y = y + tap
+            self.i += 1
+        return y
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TapOps(Ops):
+    """Wraps another ops object (the reference or a tensor-parallel one) and routes weighted sites
+    through a :class:`Tape`. Model code is unchanged: it still calls ``ops.dense(x, kernel, bias)``."""
+
+    inner: Ops = dataclasses.field(default_factory=Ops)
+    tape: Tape = dataclasses.field(default_factory=lambda: Tape("plain"))
+
+    def __getattr__(self, name):  # extra methods of a custom inner ops object
+        return getattr(object.__getattribute__(self, "inner"), name)
+
+    def dense(self, x, kernel, bias=None, *, name=""):
+        return self.tape.site(lambda v: self.inner.dense(v, kernel, bias, name=name), x)
+
+    def layer_norm(self, x, scale, bias, eps):
+        return self.tape.site(lambda v: self.inner.layer_norm(v, scale, bias, eps), x)
+
+    def rms_norm(self, x, scale, eps):
+        return self.tape.site(lambda v: self.inner.rms_norm(v, scale, eps), x)
+
+    def logits(self, h, kernel):
+        return self.tape.site(lambda v: self.inner.logits(v, kernel), h)
+
+    def attention(self, q, k, v):
+        if self.tape.mode == "replay":  # no parameters: its output is dead in the weight pass
+            return q
+        return self.inner.attention(q, k, v)
+
+    def embed(self, ids, table):
+        return self.inner.embed(ids, table)
+
+    def cross_entropy(self, logits, targets):
+        if self.tape.mode == "replay":
+            return jnp.zeros((), jnp.float32)
+        return self.inner.cross_entropy(logits, targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Placeholder for a stage parameter inside stored residuals (no data: the live params are re-inserted
+    by the input pass, so residuals never hold per-microbatch copies of the weights)."""
+
+    index: int
+
+
+jax.tree_util.register_dataclass(ParamSlot, data_fields=[], meta_fields=["index"])
+
+
+def strip_params(tree: Any, params: Any) -> Any:
+    """Replace leaves of ``tree`` that ARE (by identity, at trace time) leaves of ``params`` with slots."""
+    ids = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [ParamSlot(ids[id(v)]) if id(v) in ids else v for v in leaves])
+
+
+def fill_params(tree: Any, params: Any) -> Any:
+    """Inverse of :func:`strip_params`: put the live parameter arrays back into the slots."""
+    leaves = jax.tree.leaves(params)
+    return jax.tree.map(lambda v: leaves[v.index] if isinstance(v, ParamSlot) else v, tree,
+                        is_leaf=lambda v: isinstance(v, ParamSlot))
+
+
+def keep_all_but_casts(prim, *_, **__) -> bool:
+    """Remat policy for "none": save every intermediate except dtype casts, so that compute-dtype copies
+    of the float32 master weights are recast in the input pass from the (slotted) masters instead of
+    being stored per microbatch. Activation casts are recomputed from their saved inputs (cheap)."""
+    return prim.name != "convert_element_type"
+
+
+def remat_save_policy(remat: str):
+    """The jax.checkpoint policy that decides what the forward keeps for the input pass."""
+    if remat == "none":
+        return keep_all_but_casts
+    if remat == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"remat={remat!r} has no save policy (full uses segment recomputation)")
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` (arrays or ShapeDtypeStructs); slots count zero."""
+    total = 0
+    for v in jax.tree.leaves(tree):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            total += int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+    return total
+
+
+def concat_batch(trees: list[Any]) -> Any:
+    """Concatenate pytrees of identical structure leaf by leaf along axis 0 (the microbatch batch dim)."""
+    if not trees:
+        raise ValueError("concat of an empty list of weight residuals; pass at least one")
+    first = jax.tree.structure(trees[0])
+    for k, t in enumerate(trees[1:], 1):
+        if jax.tree.structure(t) != first:
+            raise ValueError(f"weight residuals {k} have another structure than 0 (different stage or "
+                             f"sequence length?): {jax.tree.structure(t)} vs {first}")
+    if len(trees) == 1:
+        return trees[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)

@@ -1,0 +1,203 @@
+"""A pipeline stage: a contiguous slice of blocks with jitted forward / backward-p1 / backward-p2 kernels.
+
+A :class:`Stage` owns blocks ``[first_block, last_block)``; the first stage also owns the embedding and
+the last one the head and the loss. Its four kernels are pure, jitted once per input shape, and built on
+the taps split of :mod:`jaxhybrid.model.backprop` (2BP Sec. 3):
+
+* ``forward(params, x, targets=None) -> (y, residuals)``
+* ``backward_input(residuals, dy) -> (dx, weight_residuals)``       (2BP backward-p1)
+* ``backward_weight(params, weight_residuals) -> dparams``          (2BP backward-p2; also on several
+  microbatches concatenated with :func:`concat_weight_residuals`, returning the SUM of their gradients)
+* ``backward(residuals, dy) -> (dx, dparams)``                       (fused, for schedules without 2BP)
+
+Tied embeddings: a last stage that is not also the first gets the token table as its own parameter
+``TIED_KEY = "embed_wte_copy"`` (Megatron's copy); :func:`assemble_grads` adds its gradient to
+``embed.wte``. Kernel construction and the whole-model ``custom_vjp`` live in ``stage_kernels.py``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.model import backprop as bp
+from jaxhybrid.model.stage_kernels import Residuals, StageKernels, WeightResiduals
+from jaxhybrid.model.transformer import Model, block_name
+
+TIED_KEY = "embed_wte_copy"
+REMATS = ("none", "dots", "full")
+
+
+def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
+    """Weight residuals of K microbatches as one batch (2BP Fig. 2): backward_weight on the result
+    returns the sum of the K microbatches' weight gradients."""
+    idx = {w.site_index for w in wrs}
+    if len(idx) > 1:
+        raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
+    recs, cots = bp.concat_batch([(w.records, w.cots) for w in wrs])
+    return WeightResiduals(records=recs, cots=cots, site_index=wrs[0].site_index)
+
+
+class Stage(StageKernels):
+    """Blocks ``[first_block, last_block)`` of ``model`` (see module docstring).
+
+    Args:
+      model: the whole model (its ops object and compute dtype are used as they are).
+      first_block, last_block: the block range; ``0 <= first < last <= n_layers``.
+      num_stages_hint: pipeline depth G_inter, used to pick Myelin's checkpoint interval when
+        ``remat="full"`` and ``checkpoint_interval == 0``.
+      remat: what the forward keeps for the input pass: ``none`` (all activations), ``dots`` (matmul
+        outputs without batch dims; the rest is recomputed in backward_input) or ``full`` (only the inputs
+        of segments of ``ac`` blocks; backward_input recomputes each segment).
+      checkpoint_interval: Myelin's ac (blocks per segment, Sec. V-A), only with ``remat="full"``;
+        0 = ``optimal_checkpoint_interval(n_layers, num_stages_hint)`` or 1 (every block) without a hint.
+    """
+
+    def __init__(self, model: Model, first_block: int, last_block: int, *, num_stages_hint: int | None = None,
+                 remat: str = "none", checkpoint_interval: int = 0):
+        n = model.cfg.n_layers
+        if not (isinstance(first_block, int) and isinstance(last_block, int)) or not 0 <= first_block < last_block <= n:
+            raise ValueError(f"stage block range [{first_block}, {last_block}) is empty or outside the model's "
+                             f"{n} blocks; need 0 <= first_block < last_block <= {n}")
+        if remat not in REMATS:
+            raise ValueError(f"remat={remat!r}; choose none, dots or full")
+        if checkpoint_interval < 0 or (checkpoint_interval > 0 and remat != "full"):
+            raise ValueError(f"checkpoint_interval={checkpoint_interval} with remat={remat!r}: the interval must be "
+                             f">= 0 and is only used with remat='full'")
+        if num_stages_hint is not None and not 1 <= num_stages_hint <= n:
+            raise ValueError(f"num_stages_hint={num_stages_hint} must be in [1, n_layers={n}]")
+        self.model = model
+        self.cfg = model.cfg
+        self.first_block, self.last_block = first_block, last_block
+        self.is_first, self.is_last = first_block == 0, last_block == n
+        self.remat = remat
+        self.num_blocks = last_block - first_block
+        if remat == "full":
+            from jaxhybrid.config import optimal_checkpoint_interval
+
+            ac = checkpoint_interval or (optimal_checkpoint_interval(n, num_stages_hint) if num_stages_hint else 1)
+            self.checkpoint_interval = min(ac, self.num_blocks)
+            self.segments = [(lo, min(lo + ac, last_block)) for lo in range(first_block, last_block, ac)]
+        else:
+            self.checkpoint_interval = 0
+            self.segments = [(first_block, last_block)]
+        names = (["embed"] if self.is_first else []) + [block_name(i) for i in range(first_block, last_block)]
+        names += ["head"] if self.is_last else []
+        if self.is_last and self.cfg.tie_embeddings and not self.is_first:
+            names.append(TIED_KEY)
+        self.param_names: list[str] = names
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return (f"Stage(blocks=[{self.first_block}, {self.last_block}), first={self.is_first}, last={self.is_last}, "
+                f"remat={self.remat!r}, ac={self.checkpoint_interval}, dtype={self.model.compute_dtype})")
+
+    # ---- parameters -------------------------------------------------------------------------------------
+    def slice_params(self, full_params: dict) -> dict:
+        """This stage's parameters from the model's full flat dict (the tied table is shared, not copied)."""
+        missing = [k for k in self.param_names if k != TIED_KEY and k not in full_params]
+        if missing:
+            raise ValueError(f"full params lack {missing} needed by {self!r}")
+        out = {k: full_params[k] for k in self.param_names if k != TIED_KEY}
+        if TIED_KEY in self.param_names:
+            out[TIED_KEY] = full_params["embed"]["wte"]
+        return out
+
+    def init_params(self, rng: jax.Array) -> dict:
+        """The stage's slice of ``model.init(rng)`` (layout-independent: same values as the whole model)."""
+        return self.slice_params(self.model.init(rng))
+
+    def wte(self, params: dict):
+        if not self.cfg.tie_embeddings:
+            return None
+        return params["embed"]["wte"] if self.is_first else params[TIED_KEY]
+
+    # ---- residual bookkeeping -----------------------------------------------------------------------------
+    @staticmethod
+    def residual_bytes(residuals: Residuals) -> int:
+        """Bytes the residuals keep alive between forward and backward_input (the stage's live parameters,
+        referenced so the input pass can use them, are not counted: they are not per-microbatch copies)."""
+        return bp.tree_bytes((residuals.vjp, residuals.records, residuals.seg_inputs, residuals.targets))
+
+    @staticmethod
+    def weight_residual_bytes(wr: WeightResiduals) -> int:
+        """Bytes kept between backward_input and backward_weight (site inputs and their output cotangents)."""
+        return bp.tree_bytes((wr.records, wr.cots))
+
+    def _abstract(self, mb: int, seq: int):
+        p = self.slice_params(self.model.abstract_params(min(seq, self.cfg.max_seq_len)))
+        x = (jax.ShapeDtypeStruct((mb, seq), jnp.int32) if self.is_first
+             else jax.ShapeDtypeStruct((mb, seq, self.cfg.d_model), self.model.dtype))
+        t = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if self.is_last else None
+        return p, x, t
+
+    def activation_bytes(self, mb: int, seq: int) -> int:
+        """Static estimate (no compute) of :meth:`residual_bytes` for one microbatch of ``mb x seq``."""
+        p, x, t = self._abstract(mb, seq)
+        return self.residual_bytes(jax.eval_shape(lambda p, x, t: self.forward(p, x, t)[1], p, x, t))
+
+    def weight_residual_bytes_estimate(self, mb: int, seq: int) -> int:
+        """Static estimate (no compute) of :meth:`weight_residual_bytes` for one microbatch."""
+        p, x, t = self._abstract(mb, seq)
+
+        def chain(p, x, t):
+            y, res = self.forward(p, x, t)
+            return self.backward_input(res, jnp.ones_like(y))[1]
+
+        return self.weight_residual_bytes(jax.eval_shape(chain, p, x, t))
+
+    def output_shape(self, mb: int, seq: int) -> jax.ShapeDtypeStruct:
+        """What forward returns for one microbatch: activations ``[mb, seq, d]`` or the scalar loss."""
+        if self.is_last:
+            return jax.ShapeDtypeStruct((), jnp.float32)
+        return jax.ShapeDtypeStruct((mb, seq, self.cfg.d_model), self.model.dtype)
+
+
+def assemble_grads(stages: list[Stage], grads_list: list[dict]) -> dict:
+    """Full-model gradients (the model's flat dict) from per-stage gradients; the tied head copy's
+    gradient is added to ``embed.wte`` (Megatron's tied-embedding all-reduce, here a local sum)."""
+    if len(stages) != len(grads_list):
+        raise ValueError(f"{len(stages)} stages but {len(grads_list)} gradient dicts")
+    full: dict[str, Any] = {}
+    tied = []
+    for s, g in zip(stages, grads_list):
+        for k, v in g.items():
+            if k == TIED_KEY:
+                tied.append(v)
+            elif k in full:
+                raise ValueError(f"parameter {k!r} is owned by two stages; block ranges overlap")
+            else:
+                full[k] = v
+    names = stages[0].model.names
+    missing = [k for k in names if k not in full]
+    if missing:
+        raise ValueError(f"stages do not cover the model: no gradients for {missing}")
+    if tied:
+        full["embed"] = dict(full["embed"], wte=full["embed"]["wte"] + sum(tied[1:], tied[0]))
+    return {k: full[k] for k in names}
+
+
+def make_stages(model: Model, partition: list[int], **kw) -> list[Stage]:
+    """Stages from blocks-per-stage counts (``parallel.partition``), e.g. ``[3, 3, 2]`` for 8 blocks."""
+    if sum(partition) != model.cfg.n_layers or any(b < 1 for b in partition):
+        raise ValueError(f"partition {list(partition)} must be positive and sum to n_layers={model.cfg.n_layers}")
+    bounds = [0]
+    for b in partition:
+        bounds.append(bounds[-1] + b)
+    return [Stage(model, lo, hi, num_stages_hint=len(partition), **kw) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def model_loss_via_stages(stages: list[Stage], params_list: list[dict], tokens, targets) -> jax.Array:
+    """The whole model's loss as a chain of the stages' ``custom_vjp`` functions: ``jax.grad`` of this
+    runs exactly the kernels the pipeline calls (forward, backward_input, backward_weight)."""
+    if len(stages) != len(params_list):
+        raise ValueError(f"{len(stages)} stages but {len(params_list)} parameter dicts")
+    h = tokens
+    for s, p in zip(stages, params_list):
+        h = s.as_function()(p, h, targets if s.is_last else None)
+    return h
+
+
+__all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals",
+           "make_stages", "model_loss_via_stages"]

@@ -1,0 +1,281 @@
+"""The jitted kernels of a :class:`~jaxhybrid.model.stage.Stage` and their residual pytrees.
+
+Two ways of keeping what backward-p1 needs (chosen by ``remat``):
+
+* "saved" (remat none / dots): the forward takes ``jax.vjp`` of the tapped stage under a
+  ``jax.checkpoint`` save policy and returns the vjp's residuals, with the stage's parameters replaced by
+  :class:`~jaxhybrid.model.backprop.ParamSlot` placeholders, plus the site inputs (records) that
+  backward-p2 will need.
+* "segments" (remat full, Myelin's interval ac): the forward keeps only the inputs of each segment of ac
+  blocks; backward-p1 recomputes one segment at a time (in reverse) and emits the records there.
+
+Either way backward-p1 returns the tap cotangents, and backward-p2 is one params-only gradient of the
+replayed sites (see :mod:`jaxhybrid.model.backprop`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxhybrid.model import backprop as bp
+from jaxhybrid.model.transformer import block_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A hashable Python value carried through ``jit`` outputs as pytree metadata."""
+
+    value: Any
+
+
+jax.tree_util.register_dataclass(Static, data_fields=[], meta_fields=["value"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What forward leaves for backward_input (one microbatch). ``params`` references the live stage
+    parameters (not counted as residual memory); exactly one of ``vjp``+``records`` (saved mode) or
+    ``seg_inputs``+``targets`` (segment mode) is set."""
+
+    params: Any
+    vjp: Any = None
+    records: Any = None
+    seg_inputs: Any = None
+    targets: Any = None
+    site_index: tuple = ()
+    out_shape: tuple = ()
+    out_dtype: str = ""
+
+
+jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "records", "seg_inputs", "targets"],
+                                 meta_fields=["site_index", "out_shape", "out_dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightResiduals:
+    """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
+    output cotangents (``cots``) and, statically, which record each site reads. Every leaf has the
+    microbatch as its leading dim, so several can be concatenated along it."""
+
+    records: Any
+    cots: Any
+    site_index: tuple = ()
+
+    @property
+    def batch(self) -> int:
+        return int(jax.tree.leaves(self.records)[0].shape[0])
+
+
+jax.tree_util.register_dataclass(WeightResiduals, data_fields=["records", "cots"], meta_fields=["site_index"])
+
+
+class StageKernels:
+    """Kernel construction and the public kernel wrappers; :class:`Stage` supplies the block range."""
+
+    def __init__(self):
+        self.trace_counts = {"forward": 0, "backward_input": 0, "backward_weight": 0, "backward": 0}
+        saved = self.remat != "full"
+        self._fwd = jax.jit(self._forward_saved if saved else self._forward_segments)
+        self._bi = jax.jit(self._bi_saved if saved else self._bi_segments)
+        self._bw = jax.jit(self._bw_kernel)
+        self._fused = jax.jit(self._fused_kernel)
+        self._fn = None
+
+    # ---- the stage as a function of (params, x) through a given ops tape --------------------------------
+    def _run(self, tape, params, x, targets, lo, hi, embed: bool, head: bool):
+        m = dataclasses.replace(self.model, ops=bp.TapOps(self.model.ops, tape))
+        h = tape.site(lambda t: m.apply_embed(params["embed"], t), x) if embed else x
+        for i in range(lo, hi):
+            h = m.apply_block(params[block_name(i)], h)
+        return m.apply_head(params["head"], h, targets, self.wte(params)) if head else h
+
+    def _segment(self, s: int, mode: str, params, x, targets, taps=None):
+        lo, hi = self.segments[s]
+        tape = bp.Tape(mode, taps=taps)
+        y = self._run(tape, params, x, targets, lo, hi, self.is_first and s == 0,
+                      self.is_last and s == len(self.segments) - 1)
+        return y, tape
+
+    def _tapped_vjp(self, s: int, params, x, targets, policy=None):
+        """``jax.vjp`` of segment ``s`` w.r.t. (x, taps) (taps only when x are tokens); returns
+        (y, vjp, records, site_index)."""
+        shapes = []
+        jax.eval_shape(lambda p, x, t: shapes.extend(self._segment(s, "discover", p, x, t)[1].shapes) or 0,
+                       params, x, targets)
+        taps = [jnp.zeros(sh.shape, sh.dtype) for sh in shapes]
+        index: list[int] = []
+        tokens_in = self.is_first and s == 0
+
+        def f(*diff):
+            xx, tp = (x, diff[0]) if tokens_in else diff
+            y, tape = self._segment(s, "tap", params, xx, targets, tp)
+            index.extend(tape.site_index)
+            return y, tape.records
+
+        if policy is not None:
+            f = jax.checkpoint(f, policy=policy)
+        primals = (taps,) if tokens_in else (x, taps)
+        y, vjp, records = jax.vjp(f, *primals, has_aux=True)
+        return y, vjp, records, tuple(index)
+
+    @staticmethod
+    def _split_cts(cts, tokens_in: bool):
+        return (None, cts[0]) if tokens_in else cts
+
+    # ---- saved mode (remat none / dots) ------------------------------------------------------------------
+    def _forward_saved(self, params, x, targets):
+        self.trace_counts["forward"] += 1
+        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, bp.remat_save_policy(self.remat))
+        return y, bp.strip_params(vjp, params), records, Static(index)
+
+    def _bi_saved(self, params, vjp, dy):
+        self.trace_counts["backward_input"] += 1
+        return self._split_cts(bp.fill_params(vjp, params)(dy), self.is_first)
+
+    # ---- segment mode (remat full, checkpoint interval ac) -----------------------------------------------
+    def _forward_segments(self, params, x, targets):
+        self.trace_counts["forward"] += 1
+        keep, h = [], x
+        for s in range(len(self.segments)):
+            if s:
+                keep.append(h)
+            h, _ = self._segment(s, "plain", params, h, targets)
+        return h, keep
+
+    def _bi_segments(self, params, seg_inputs, targets, dy):
+        self.trace_counts["backward_input"] += 1
+        recs, cots, index, g = [], [], [], dy
+        for s in reversed(range(len(self.segments))):
+            _, vjp, r, idx = self._tapped_vjp(s, params, seg_inputs[s], targets)
+            g, c = self._split_cts(vjp(g), self.is_first and s == 0)
+            recs.insert(0, r), cots.insert(0, c), index.insert(0, idx)
+        offsets = [sum(len(r) for r in recs[:k]) for k in range(len(recs))]
+        flat_index = tuple(o + i for o, idx in zip(offsets, index) for i in idx)
+        return g, [x for r in recs for x in r], [x for c in cots for x in c], Static(flat_index)
+
+    # ---- backward-p2 and fused --------------------------------------------------------------------------
+    def _bw_kernel(self, params, wr: WeightResiduals):
+        self.trace_counts["backward_weight"] += 1
+
+        def replay(p):
+            tape = bp.Tape("replay", records=wr.records, site_index=wr.site_index, cots=wr.cots)
+            first = wr.records[0]
+            x = first if self.is_first else jnp.zeros((*first.shape[:2], self.cfg.d_model), self.model.dtype)
+            tgt = jnp.zeros(first.shape[:2], jnp.int32) if self.is_last else None
+            self._run(tape, p, x, tgt, self.first_block, self.last_block, self.is_first, self.is_last)
+            if tape.i != len(wr.cots):
+                raise ValueError(f"weight pass replayed {tape.i} sites but has {len(wr.cots)} cotangents")
+            return tape.acc
+
+        return jax.grad(replay)(params)
+
+    def _fused_kernel(self, res: Residuals, dy):
+        self.trace_counts["backward"] += 1
+        if self.remat == "full":
+            dx, recs, cots, idx = self._bi_segments(res.params, res.seg_inputs, res.targets, dy)
+            wr = WeightResiduals(recs, cots, idx.value)
+        else:
+            dx, cots = self._bi_saved(res.params, res.vjp, dy)
+            wr = WeightResiduals(res.records, cots, res.site_index)
+        return dx, self._bw_kernel(res.params, wr)
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def forward(self, params, x, targets=None):
+        """Run the stage on one microbatch. First stage: ``x`` int32 tokens ``[mb, T]``; others:
+        activations ``[mb, T, d]`` in the compute dtype. Last stage: returns the mean loss (float32 scalar)
+        over the microbatch and needs ``targets`` int32 ``[mb, T]``. Returns ``(y, residuals)``."""
+        x, targets = self._check_inputs(params, x, targets)
+        if self.remat == "full":
+            y, keep = self._fwd(params, x, targets)
+            res = Residuals(params, seg_inputs=[x] + list(keep), targets=targets)
+        else:
+            y, vjp, records, idx = self._fwd(params, x, targets)
+            res = Residuals(params, vjp=vjp, records=records, site_index=idx.value)
+        return y, dataclasses.replace(res, out_shape=tuple(y.shape), out_dtype=str(jnp.dtype(y.dtype)))
+
+    def backward_input(self, residuals: Residuals, dy):
+        """2BP backward-p1: ``(dx, weight_residuals)``; ``dx`` is None on the first stage (tokens)."""
+        dy = self._check_cotangent(residuals, dy)
+        if self.remat == "full":
+            dx, recs, cots, idx = self._bi(residuals.params, residuals.seg_inputs, residuals.targets, dy)
+            return dx, WeightResiduals(recs, cots, idx.value)
+        dx, cots = self._bi(residuals.params, residuals.vjp, dy)
+        return dx, WeightResiduals(residuals.records, cots, residuals.site_index)
+
+    def backward_weight(self, params, weight_residuals: WeightResiduals):
+        """2BP backward-p2: the parameter gradients (the stage's param dict structure). On residuals
+        concatenated with ``concat_weight_residuals`` this is the sum over those microbatches."""
+        self._check_params(params)
+        if not isinstance(weight_residuals, WeightResiduals):
+            raise ValueError(f"backward_weight needs WeightResiduals, got {type(weight_residuals).__name__}")
+        return self._bw(params, weight_residuals)
+
+    def backward(self, residuals: Residuals, dy):
+        """Fused backward (input and weight gradients in one jit): ``(dx, dparams)``."""
+        dy = self._check_cotangent(residuals, dy)
+        return self._fused(residuals, dy)
+
+    def as_function(self):
+        """``f(params, x, targets) -> y`` as a ``jax.custom_vjp`` whose backward is backward_input then
+        backward_weight, so ``jax.grad`` through a chain of stages runs the pipeline's kernels."""
+        if self._fn is None:
+            @jax.custom_vjp
+            def f(params, x, targets):
+                return self.forward(params, x, targets)[0]
+
+            def f_fwd(params, x, targets):
+                return self.forward(params, x, targets)
+
+            def f_bwd(res, dy):
+                dx, wr = self.backward_input(res, dy)
+                return self.backward_weight(res.params, wr), dx, None
+
+            f.defvjp(f_fwd, f_bwd)
+            self._fn = f
+        return self._fn
+
+    # ---- validation (before any compile) ----------------------------------------------------------------
+    def _check_params(self, params):
+        if not isinstance(params, dict) or sorted(params) != sorted(self.param_names):
+            got = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(f"{self!r} expects params {sorted(self.param_names)}, got {got}; use slice_params")
+        bad = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
+               if jnp.dtype(v.dtype) != jnp.float32]
+        if bad:
+            raise ValueError(f"stage params must be float32 masters; not float32: {bad[:4]}")
+
+    def _check_inputs(self, params, x, targets):
+        self._check_params(params)
+        c, dt = self.cfg, jnp.dtype(self.model.dtype)
+        x = jnp.asarray(x)
+        if self.is_first:
+            if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"first stage takes int tokens [mb, T]; got {x.dtype} {tuple(x.shape)}")
+            x = x.astype(jnp.int32)
+        elif x.ndim != 3 or x.shape[-1] != c.d_model or x.dtype != dt:
+            raise ValueError(f"{self!r} takes activations [mb, T, {c.d_model}] {dt}; got {x.dtype} "
+                             f"{tuple(x.shape)} (the stage was built for compute dtype {dt})")
+        if x.shape[1] > c.max_seq_len:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={c.max_seq_len}")
+        if self.is_last:
+            if targets is None:
+                raise ValueError(f"{self!r} is the last stage: forward needs targets int [mb, T]")
+            targets = jnp.asarray(targets)
+            if targets.shape != x.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
+                raise ValueError(f"targets {targets.dtype} {tuple(targets.shape)} must be int {tuple(x.shape[:2])}")
+            targets = targets.astype(jnp.int32)
+        else:
+            targets = None
+        return x, targets
+
+    def _check_cotangent(self, res, dy):
+        if not isinstance(res, Residuals):
+            raise ValueError(f"expected the Residuals returned by forward, got {type(res).__name__}")
+        dy = jnp.asarray(dy)
+        if tuple(dy.shape) != res.out_shape or str(jnp.dtype(dy.dtype)) != res.out_dtype:
+            raise ValueError(f"cotangent {dy.dtype} {tuple(dy.shape)} does not match the forward output "
+                             f"{res.out_dtype} {res.out_shape} of {self!r}")
+        return dy
