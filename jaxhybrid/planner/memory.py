@@ -4,7 +4,7 @@
 * With the bucketed host offload: 4 phi + 16 bsize (fp16 theta and grad stay; one bucket of fp32 theta,
   Adam state and descaled gradient visits the device at a time).
 * AxoNN shards parameter state over the tensor grid: phi / (G_d G_r G_c) per device (Alg. 1, DIVIDE_WEIGHTS).
-* Stashed microbatches per pipeline rank come from the schedule (:func:`stashed_microbatches`).
+* Stashed microbatches per pipeline rank come from the schedule module (:func:`stashed_microbatches`).
 * Checkpointing (Myelin Sec. V-A): M_activation = G_inter (N / (G_inter ac) + 1 + ac) layer outputs, with
   ac the factor of N / G_inter closest to sqrt(N).
 """
@@ -43,28 +43,18 @@ def myelin_activation_units(n_layers: int, g_inter: int, ac: int) -> float:
 
 
 def stashed_microbatches(schedule: str, stages: int, microbatches: int, split_backward: bool = False,
-                         ) -> list[float]:
-    """Peak microbatches whose activations a rank keeps, per rank (stage r on rank r).
+                         ) -> list[int]:
+    """Peak microbatches each rank keeps, from the schedule generator's rows (the simulator's count).
 
-    Closed forms: GPipe keeps all m; 1F1B keeps min(m, N - rank). 2BP (split backward) keeps, after the
-    input gradient, the weight-gradient residuals (inputs of the weighted layers and output gradients) of
-    microbatches whose weight pass is deferred: with the weight passes at the end (2BP Fig. 2) a rank holds
-    them for every microbatch it has finished; we count them as half a microbatch each (the weight pass
-    needs the layer inputs and output gradients, not the whole forward stash).
+    GPipe keeps all m; 1F1B keeps min(m, N - rank); with 2BP a microbatch stays until its weight pass
+    (the residuals of the input pass), which 2BP runs last, so every rank keeps all m.
     """
     if stages < 1 or microbatches < 1:
         raise ValueError(f"stages={stages} and microbatches={microbatches} must be >= 1")
-    out = []
-    for r in range(stages):
-        if schedule == "gpipe":
-            live = microbatches
-        elif schedule in ("1f1b", "1f1b-star", "myelin", "zb-h1"):
-            live = min(microbatches, stages - r)
-        else:
-            raise ValueError(f"unknown schedule {schedule!r} for the memory model; use gpipe or 1f1b")
-        residual = 0.5 * (microbatches - live) if split_backward else 0.0
-        out.append(live + residual)
-    return out
+    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.validate import peak_stashed
+
+    return peak_stashed(make_schedule(schedule, stages, microbatches, split_backward))
 
 
 def block_activation_bytes(seq: int, microbatch: int, d_model: int, n_heads: int, dtype_bytes: int = 2,

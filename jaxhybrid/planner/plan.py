@@ -95,12 +95,22 @@ def _describe(lay: Layout) -> str:
 
 
 def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
+    """Double the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
+    lower memory per device), microbatch 1, as many microbatches as stages, offload and recomputation on."""
     g = gpus * 2
     while g <= gpus * 4096:
-        fits = any(evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes
-                   for lay in layouts(cfg, g, global_batch * g // gpus, tensor, True, ("1f1b",), ("full",), 1))
-        if fits:
-            return f"{g} GPUs would fit (same batch per GPU, offload and recomputation on)"
+        for pipe in _divisors(g):
+            rest = g // pipe
+            if pipe > cfg.n_layers or (not tensor and rest > 1):
+                continue
+            for c in _divisors(rest):
+                for r in _divisors(rest // c):
+                    if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (c, r)):
+                        continue
+                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, True, "full")
+                    if evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes:
+                        return (f"{g} GPUs would fit ({_describe(lay)}; offload and recomputation on; "
+                                f"at least {pipe} microbatches per step)")
         g *= 2
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
 

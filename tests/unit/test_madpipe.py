@@ -156,3 +156,22 @@ def test_resnet_chain_is_memory_heavy_at_the_front():
     prof = resnet50_chain()
     acts = [lc.activation_bytes for lc in prof.layers]
     assert len(prof.layers) == 50 and acts[0] > 5 * min(acts[-10:-1])
+
+
+def test_profiled_costs_from_the_stage_kernels_plan_on_a_laptop(tmp_path):
+    """Profile a one-block model on this device (the 2BP stage kernels), save, reload and partition it."""
+    import dataclasses
+
+    from jaxhybrid.model.config import PRESETS
+    from jaxhybrid.planner.profile import profile_model
+
+    cfg = dataclasses.replace(PRESETS["gpt-tiny"], n_layers=1, d_model=32, d_ff=64, max_seq_len=16)
+    prof = profile_model(cfg, microbatch=2, seq=16, repeats=1)
+    assert len(prof.layers) == 1 and prof.input_bytes == 2 * 16 * 4
+    for lc in prof.layers:
+        assert lc.forward_s > 0 and lc.backward_s > 0 and lc.weight_bytes > 0
+        assert lc.backward_input_s > 0 and lc.backward_weight_s > 0
+    assert prof.layers[0].activation_bytes == 0  # the last layer's output is the loss
+    save_profile(prof, tmp_path / "p.json")
+    chain = Chain.from_profile(load_profile(tmp_path / "p.json"), memory=1e9, bandwidth=1e9)
+    assert np.isfinite(pipedream(chain, 1).valid_period)

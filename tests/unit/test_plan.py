@@ -1,0 +1,84 @@
+"""Ranked plans: feasibility against the device memory, JSON keys, plan files -> config, clear failures."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxhybrid.config import config_from_dict
+from jaxhybrid.model.config import PRESETS
+from jaxhybrid.planner.costs import load_hardware
+from jaxhybrid.planner.plan import PLAN_KEYS, load_plan_overrides, machine_from_hardware, rank_plans, write_plan
+from jaxhybrid.planner.step_model import Layout, evaluate
+
+
+def _machine(hw="h100-node", gpn=8, memory=None):
+    h = load_hardware(hw)
+    if memory is not None:
+        h = {**h, "memory_bytes": memory}
+    return machine_from_hardware(h, gpn, "bfloat16", 0.5)
+
+
+@pytest.mark.parametrize("memory", [80e9, 12e9])
+def test_plans_respect_device_memory_and_are_ranked(memory):
+    m = _machine(memory=memory)
+    plans = rank_plans(PRESETS["gpt2-1.3b"], 8, m, global_batch=32, seq=1024, top=1000)
+    assert plans
+    assert all(p["memory_per_device_bytes"] <= memory for p in plans)
+    times = [p["predicted_step_s"] for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        assert set(PLAN_KEYS) <= set(p)
+        assert p["pipeline"] * p["data"] * p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] == 8
+        assert p["microbatch_size"] * p["microbatches"] * p["data"] == 32
+        assert sum(p["partition"]) == PRESETS["gpt2-1.3b"].n_layers
+    if memory < 20e9:  # 1.3B x 20 bytes = 26 GB: only sharded or offloaded layouts fit
+        assert all(p["offload"] or p["pipeline"] * p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1
+                   for p in plans)
+
+
+def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    base = Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "none")
+    r0 = evaluate(cfg, base, m, 1024)
+    assert r0["comm_s"] == 0
+    off = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, True, "none"), m, 1024)
+    assert off["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
+    tp = evaluate(cfg, Layout(1, 1, 2, 2, 2, 4, 8, "gpipe", False, False, "none"), m, 1024)
+    assert tp["memory_per_device_bytes"] < r0["memory_per_device_bytes"] and tp["comm_s"] > 0
+    remat = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "full"), m, 1024)
+    assert remat["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
+    assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
+
+
+def test_model_that_cannot_fit_says_which_constraint_and_what_would():
+    with pytest.raises(ValueError, match=r"does not fit on 2 GPUs.*needs .* GB per device; \d+ GPUs would fit"):
+        rank_plans(PRESETS["myelin-100b"], 2, _machine("summit", 6), global_batch=64, seq=512)
+
+
+def test_plan_file_round_trips_into_a_valid_config(tmp_path):
+    plans = rank_plans(PRESETS["gpt2-small"], 8, _machine(), global_batch=16, seq=1024, top=50)
+    piped = next(p for p in plans if p["pipeline"] > 1)
+    path = tmp_path / "plan.json"
+    write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024})
+    over = load_plan_overrides(path)
+    cfg = config_from_dict({"model": "gpt2-small", "data": {"seq_len": 1024}, **over})
+    assert cfg.parallel.pipeline == piped["pipeline"] and cfg.pipeline.schedule == piped["schedule"]
+    assert cfg.microbatch_size == piped["microbatch_size"] and cfg.optim.offload == piped["offload"]
+    assert list(cfg.parallel.partition) == piped["partition"]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="config"):
+        load_plan_overrides(tmp_path / "bad.json")
+
+
+def test_plan_cli_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jaxhybrid", "plan", "--model", "gpt2-small", "--gpus", "4",
+                          "--gpus-per-node", "4", "--hardware", "perlmutter", "--top", "3", "--global-batch", "8",
+                          "--json", "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)["plans"]
+    assert 1 <= len(plans) <= 3 and set(PLAN_KEYS) <= set(plans[0])
+    assert json.loads((tmp_path / "p.json").read_text())["plan"]["predicted_step_s"] == plans[0]["predicted_step_s"]
+    bad = subprocess.run([sys.executable, "-m", "jaxhybrid", "plan", "--model", "gpt2-small", "--gpus", "4",
+                          "--gpus-per-node", "4", "--hardware", "cpu"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bandwidth" in bad.stderr
