@@ -126,10 +126,12 @@ def check_bucketable(inner: optax.GradientTransformation, name: str | None = Non
     grads = [jnp.asarray(rng.normal(size=7), jnp.float32) for _ in range(steps)]
     pieces = [(0, 3), (3, 7)]
 
+    init, update = jax.jit(inner.init), jax.jit(inner.update)  # eager optax would compile op by op
+
     def run(lo, hi):
-        x, st, outs = p[lo:hi], inner.init(p[lo:hi]), []
+        x, st, outs = p[lo:hi], init(p[lo:hi]), []
         for g in grads:
-            u, st = inner.update(g[lo:hi], st, x)
+            u, st = update(g[lo:hi], st, x)
             x = optax.apply_updates(x, u)
             outs.append(np.asarray(u))
         return np.stack(outs), split.split(st)[1]

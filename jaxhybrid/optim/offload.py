@@ -94,7 +94,7 @@ class OffloadedOptimizer:
 
         def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
             master, per = bucket[0], bucket[1:]
-            g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],)).astype(jnp.float32)
+            g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
             g = g * factor.astype(g.dtype)
             # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
             # XLA turns optax's division by the scalar bias correction into a multiplication by its
@@ -110,6 +110,8 @@ class OffloadedOptimizer:
             return (new_master, *new_per), new_shared, params, nonfinite
 
         self._update = jax.jit(update, donate_argnums=(0, 4))
+        self._upcast = jax.jit(lambda g, off, n: jax.lax.dynamic_slice(g, (off,), (n,)).astype(jnp.float32),
+                               static_argnums=2)
         self._write = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
                               donate_argnums=0)
         self._factor = jax.jit(lambda scale, sq: clip_factor(scale, sq, self.grad_clip))
@@ -206,7 +208,12 @@ class OffloadedOptimizer:
                 acc_sq.append(self._sq(arr))
             for i in layout.covered(s, e):
                 bs, _ = layout.bounds(i)
-                out, sh, params, nonfinite = self._update(fetch.get(i), state.shared, arr, bs - s, params, bs,
+                g, goff = arr, bs - s
+                if arr.dtype != jnp.float32:
+                    # Myelin's 4 bsize descale buffer: upcast this bucket's slice in its own program, so
+                    # the update sees float32 gradients exactly as the on-device mixed-precision step.
+                    g, goff = self._upcast(arr, goff, layout.bounds(i)[1] - bs), 0
+                out, sh, params, nonfinite = self._update(fetch.get(i), state.shared, g, goff, params, bs,
                                                           factor, nonfinite)
                 new_shared = new_shared if new_shared is not None else sh
                 pending.append((i, self.store.send_back(out)))
@@ -302,3 +309,36 @@ def _checked(chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array
         yield s, e, arr
     if expect != layout.n:
         raise ValueError(f"reduced chunks ended at element {expect}; expected {layout.n}")
+
+
+class OffloadUpdater:
+    """The trainer's updater interface (like ``DeviceUpdater``) over :class:`OffloadedOptimizer`.
+
+    ``apply`` takes the params pytree the engine used and returns the new compute-precision pytree;
+    ``stats`` matches ``DeviceUpdater.stats`` so the norm and overflow are agreed the same way.
+    """
+
+    def __init__(self, transform: optax.GradientTransformation, cfg, backend: str | None = None):
+        from jaxhybrid.optim.updater import _stats
+
+        o = cfg.optim
+        self.opt = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
+                                      compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw")
+        self.stats = jax.jit(_stats)
+
+    def init(self, params) -> OffloadState:
+        return self.opt.init(params)
+
+    def compute_params(self, params):
+        return jax.tree.map(lambda x: jnp.asarray(x, self.opt.compute_dtype), params)
+
+    def apply(self, params, opt_state, grads, scale, sq, nonfinite):
+        new_state, flat, info = self.opt.step(opt_state, self.opt.flatten(grads), loss_scale=scale,
+                                              finite=not bool(nonfinite), sq=sq)
+        return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"])
+
+    def state_dict(self, opt_state) -> dict:
+        return self.opt.state_dict(opt_state)
+
+    def load_state_dict(self, like, saved) -> OffloadState:
+        return self.opt.load_state_dict(saved)

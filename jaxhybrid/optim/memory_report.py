@@ -1,0 +1,72 @@
+"""Memory accounting for model state, with and without host offload (Myelin Sec. V-B).
+
+Without offload a mixed-precision step holds ``20 phi`` bytes on the device (4 phi fp32 masters,
+4 phi fp32 gradients, 2 phi + 2 phi half-precision copies, 8 phi Adam moments); with offload only the
+compute copies of parameters and gradients stay (4 phi in half precision) plus the bucket working set:
+``16 bsize`` (4 master + 8 moments + 4 fp32 descaled gradient) and ``12 bsize`` per prefetched bucket.
+:func:`live_device_bytes` measures what JAX actually holds, for the benchmark's side-by-side numbers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: bool = False,
+                      bucket_size: int = 0, state_bytes_per_param: int = 8, prefetch: int = 1) -> dict:
+    """Bytes held for parameters, gradients and optimizer state, by location and component.
+
+    Args:
+      params: phi, the number of parameters this process owns (its stage).
+      compute_dtype: dtype of the device parameters and gradients.
+      offload: masters and optimizer state on host in buckets of ``bucket_size`` elements.
+      state_bytes_per_param: optimizer state bytes per parameter (Adam: 8).
+      prefetch: buckets fetched ahead (each adds a master + state bucket on the device).
+    """
+    if compute_dtype not in _BYTES:
+        raise ValueError(f"compute_dtype={compute_dtype!r}; choose one of {', '.join(_BYTES)}")
+    c = _BYTES[compute_dtype]
+    half = c < 4
+    if not offload:
+        device = {"params_master": 4 * params, "params_compute": c * params if half else 0,
+                  "grads_compute": c * params if half else 0, "grads_fp32": 4 * params,
+                  "optimizer_state": state_bytes_per_param * params}
+        host = {}
+    else:
+        bucket = (4 + state_bytes_per_param) * bucket_size
+        device = {"params_compute": c * params, "grads_compute": c * params,
+                  "buckets": bucket + 4 * bucket_size + prefetch * bucket}
+        host = {"params_master": 4 * params, "optimizer_state": state_bytes_per_param * params}
+    return {"params": params, "compute_dtype": compute_dtype, "offload": offload, "bucket_size": bucket_size,
+            "device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values())}
+
+
+def live_device_bytes() -> int:
+    """Bytes of live JAX arrays in device memory (host memory kinds excluded)."""
+    import jax
+
+    total = 0
+    for a in jax.live_arrays():
+        try:
+            kind = a.sharding.memory_kind
+        except Exception:
+            kind = None
+        if kind in (None, "device") and not a.is_deleted():
+            total += a.nbytes
+    return total
+
+
+def write_report(run_dir: str | Path, report: dict) -> Path:
+    """Write ``memory.json`` into the run directory; returns its path."""
+    path = Path(run_dir) / "memory.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def summary_line(report: dict) -> str:
+    gib = 2.0**30
+    return (f"model state: device {report['device_total'] / gib:.3f} GiB, host {report['host_total'] / gib:.3f} GiB "
+            f"(phi={report['params']}, {report['compute_dtype']}, offload={report['offload']})")
