@@ -10,6 +10,7 @@ mask) fails at construction with a ``ValueError`` naming it, instead of training
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,7 @@ def split_state(inner: optax.GradientTransformation, name: str | None = None) ->
     return StateSplit(jax.tree.structure(a), tuple(per))
 
 
+@functools.lru_cache(maxsize=32)
 def check_bucketable(inner: optax.GradientTransformation, name: str | None = None, steps: int = 2) -> StateSplit:
     """Raise ``ValueError`` unless ``inner`` applied to buckets equals ``inner`` on the whole vector.
 

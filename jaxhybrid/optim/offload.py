@@ -21,6 +21,7 @@ size or host backend.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -90,33 +91,8 @@ class OffloadedOptimizer:
         self.spec: FlatSpec | None = None
         self.layout: BucketLayout | None = None
         self.on_bucket: Callable[[int], None] | None = None  # instrumentation (memory probes)
-        split, cdt = self.split, self.compute_dtype
-
-        def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
-            master, per = bucket[0], bucket[1:]
-            g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
-            g = g * factor.astype(g.dtype)
-            # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
-            # XLA turns optax's division by the scalar bias correction into a multiplication by its
-            # reciprocal, which rounds differently from on-device optax on a real parameter tree.
-            h = max(master.shape[0] // 2, 1)
-            two = lambda x: (x[:h], x[h:])
-            updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
-            new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
-            new_per, new_shared = split.split(new)
-            new_per = tuple(jnp.concatenate(x) for x in new_per)
-            params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))
-            nonfinite = jnp.logical_or(nonfinite, jnp.logical_not(jnp.all(jnp.isfinite(g))))
-            return (new_master, *new_per), new_shared, params, nonfinite
-
-        self._update = jax.jit(update, donate_argnums=(0, 4))
-        self._upcast = jax.jit(lambda g, off, n: jax.lax.dynamic_slice(g, (off,), (n,)).astype(jnp.float32),
-                               static_argnums=2)
-        self._write = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
-                              donate_argnums=0)
-        self._factor = jax.jit(lambda scale, sq: clip_factor(scale, sq, self.grad_clip))
-        self._sq = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
-        self._init_bucket = jax.jit(lambda m: split.split(inner.init(m)))
+        (self._update, self._upcast, self._write, self._factor, self._sq,
+         self._init_bucket) = _programs(inner, self.split, self.compute_dtype, self.grad_clip)
 
     # -- set-up ------------------------------------------------------------------------------------
     def init(self, params: Any) -> OffloadState:
@@ -279,6 +255,38 @@ class OffloadedOptimizer:
         leaves = [self.spec.unravel_host(sd[f"{j:03d}"]) if p else sd[f"{j:03d}"]
                   for j, p in enumerate(self.split.per_param)]
         return self.split.treedef.unflatten(leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(inner, split, cdt, grad_clip: float):
+    """The jitted per-bucket programs, shared by optimizers with the same transform (compile once)."""
+
+    def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
+        master, per = bucket[0], bucket[1:]
+        g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
+        g = g * factor.astype(g.dtype)
+        # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
+        # XLA turns optax's division by the scalar bias correction into a multiplication by its
+        # reciprocal, which rounds differently from on-device optax on a real parameter tree.
+        h = max(master.shape[0] // 2, 1)
+        two = lambda x: (x[:h], x[h:])
+        updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
+        new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
+        new_per, new_shared = split.split(new)
+        new_per = tuple(jnp.concatenate(x) for x in new_per)
+        params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))
+        nonfinite = jnp.logical_or(nonfinite, jnp.logical_not(jnp.all(jnp.isfinite(g))))
+        return (new_master, *new_per), new_shared, params, nonfinite
+
+    update_j = jax.jit(update, donate_argnums=(0, 4))
+    upcast_j = jax.jit(lambda g, off, n: jax.lax.dynamic_slice(g, (off,), (n,)).astype(jnp.float32),
+                       static_argnums=2)
+    write_j = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
+                      donate_argnums=0)
+    factor_j = jax.jit(lambda scale, sq: clip_factor(scale, sq, grad_clip))
+    sq_j = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
+    init_j = jax.jit(lambda m: split.split(inner.init(m)))
+    return update_j, upcast_j, write_j, factor_j, sq_j, init_j
 
 
 class _Prefetcher:
