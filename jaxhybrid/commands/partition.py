@@ -24,6 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=("madpipe", "pipedream"), default="madpipe")
     p.add_argument("--grid", default="101,11,51", help="MadPipe grid sizes of t_P, m_P, V")
     p.add_argument("--iterations", type=int, default=10, help="K of MadPipe's Algorithm 1")
+    p.add_argument("--profile-model", default="", help="profile this model preset's stage kernels on the current "
+                   "device first and write the profile to --profile")
+    p.add_argument("--microbatch-size", type=int, default=1, help="with --profile-model")
+    p.add_argument("--seq-len", type=int, default=0, help="with --profile-model (default: max_seq_len)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--json", action="store_true")
 
 
@@ -50,6 +55,14 @@ def smallest_fit(profile, args) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.processors < 1:
         raise ValueError(f"--processors={args.processors} must be >= 1")
+    if args.profile_model:
+        from jaxhybrid.model.config import resolve_model
+        from jaxhybrid.planner.costs import save_profile
+        from jaxhybrid.planner.profile import profile_model
+
+        cfg = resolve_model(args.profile_model)
+        save_profile(profile_model(cfg, args.microbatch_size, args.seq_len or cfg.max_seq_len, args.dtype),
+                     args.profile)
     profile = load_profile(args.profile)
     chain = Chain.from_profile(profile, args.memory, args.bandwidth)
     if args.algorithm == "madpipe":

@@ -78,7 +78,11 @@ def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple
     return tuple([q + 1] * r + [q] * (stages - 1 - r) + [last])
 
 
-@functools.lru_cache(maxsize=4096)
+def _sig2(x: float) -> float:
+    return float(f"{x:.2g}")
+
+
+@functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
                       ) -> tuple[float, float, float]:
     """(makespan, peak stashed microbatches, peak residual microbatches) with F = 1 (scale-free).
@@ -86,7 +90,7 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     Uses the schedule simulator; very long schedules fall back to the closed forms
     (m + p - 1)(F + B) for GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
     """
-    if p * m <= 4096:
+    if p * m <= 2048:
         from jaxhybrid.pipeline.schedule import make_schedule
         from jaxhybrid.pipeline.simulate import Costs, simulate
 
@@ -152,9 +156,11 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     p2p_bw = machine.net.intra_bandwidth(span) if span <= gpn and gpn % span == 0 else \
         machine.net.inter_node / min(ts, gpn)
     msg = msg_bytes / p2p_bw if lay.pipeline > 1 else 0.0
+    # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
+    # the thousands of layouts of a search with a few hundred simulations.
     make, act_mb, res_mb = pipeline_makespan(lay.schedule if lay.pipeline > 1 else "gpipe", lay.pipeline,
-                                             lay.microbatches, lay.split_backward, round(BI / F, 3),
-                                             round(BW / F, 3), round(msg / F, 4))
+                                             lay.microbatches, lay.split_backward, _sig2(BI / F),
+                                             _sig2(BW / F), _sig2(msg / F))
     makespan = make * F
     phi_blk = block_params(cfg)
     stage_phi = [n_ * phi_blk for n_ in parts]
