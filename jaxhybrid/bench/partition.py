@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 from jaxhybrid.planner.chain import Chain
@@ -64,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
                                   "madpipe_valid_period_s": _fmt(mp.valid_period),
                                   "madpipe_stages": len(mp.stages), "madpipe_note": mp.note,
                                   "pipedream_wall_s": round(t1 - t0, 4), "madpipe_wall_s": round(t2 - t1, 3)})
-                    if not args.json:
-                        c = cases[-1]
-                        print(f"{net:12s} P={P} M={M:2d}GB beta={beta}GB/s  PD {c['pipedream_valid_period_s']}"
-                              f"  MP {c['madpipe_valid_period_s']}  ({c['madpipe_wall_s']} s)", flush=True)
+                    c = cases[-1]  # progress: stdout for the table, stderr when stdout is the JSON
+                    print(f"{net:12s} P={P} M={M:2d}GB beta={beta}GB/s  PD {c['pipedream_valid_period_s']}"
+                          f"  MP {c['madpipe_valid_period_s']}  ({c['madpipe_wall_s']} s)", flush=True,
+                          file=sys.stderr if args.json else sys.stdout)
             gm = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
             summary.setdefault(net, {})[str(M)] = {"geomean_pipedream_over_madpipe": gm and round(gm, 4),
                                                    "cases_both_valid": len(ratios)}

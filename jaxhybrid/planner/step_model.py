@@ -131,6 +131,10 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
     parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / f_blk)
     bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
+    # Ranks: tensor grid innermost, then pipeline stages, then data replicas (ARCHITECTURE.md), so a data
+    # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
+    bw_["data"] = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row,
+                                   lay.tensor_depth * lay.pipeline, lay.data)["data"]
     per_blk = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_fwd": 0.0, "all_reduce_bwd": 0.0,
                "all_reduce_data": 0.0}
     for k, n, tr in mm:
