@@ -175,3 +175,19 @@ def test_profiled_costs_from_the_stage_kernels_plan_on_a_laptop(tmp_path):
     save_profile(prof, tmp_path / "p.json")
     chain = Chain.from_profile(load_profile(tmp_path / "p.json"), memory=1e9, bandwidth=1e9)
     assert np.isfinite(pipedream(chain, 1).valid_period)
+
+
+def test_bench_partition_quick_json(capsys):
+    import argparse
+
+    from jaxhybrid.bench import partition as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert bench.run(p.parse_args(["--json", "--quick", "--networks", "transformer", "--grid", "21,6,11",
+                                   "--iterations", "4"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["cases"]) == 4 and out["madpipe_worse_cases"] == 0
+    assert set(out["geomean_by_memory_gb"]["transformer"]) == {"4", "8"}
+    for c in out["cases"]:
+        assert {"pipedream_valid_period_s", "madpipe_valid_period_s", "madpipe_wall_s"} <= set(c)
