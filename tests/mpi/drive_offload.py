@@ -1,0 +1,133 @@
+"""MPI driver for the offloaded optimizer (run by tests/mpi/test_offload_mpi.py under
+``mpirun -n 2 python -m mpi4py``).
+
+Case ``data`` (G_data = 2 over a ``Split`` communicator, Myelin V-C): each rank holds the gradient of its
+half of the batch; the offloaded AdamW is fed by ``iter_reduced_chunks`` (chunks of k x bsize, k = 1, 2)
+and must equal, bit for bit after 5 steps, on-device AdamW (``DeviceUpdater``) applied to the sum of both
+halves' gradients. Rank 1 injects an overflow at step 2: the agreed decision skips the step everywhere
+and leaves the host state unchanged.
+
+Case ``pipeline`` (G_inter = 2, the real ``PipelineEngine``): each rank offloads its own stage; 5 steps
+of ``OffloadUpdater`` must equal 5 steps of ``DeviceUpdater`` bit for bit on both stages, with the
+clip norm summed over stages and an injected overflow (infinite loss scale) skipped on both ranks.
+Rank 0 prints ``CASE name ok|FAIL`` lines; the exit code is 1 if any case failed.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from mpi4py import MPI
+
+from jaxhybrid.optim.allreduce import iter_reduced_chunks
+from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadUpdater
+from jaxhybrid.optim.updater import DeviceUpdater
+from jaxhybrid.testing import assert_tree_close
+
+WORLD = MPI.COMM_WORLD
+TX = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.01)
+SHAPES = {"w1": (8, 16), "b1": (16,), "block": {"w2": (16, 16), "b2": (16,)}, "out": (16, 4)}
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["block"]["w2"] + p["block"]["b2"])
+    err = h @ p["out"] - y
+    return jnp.sum(err * err) / 12.0  # the global batch has 12 rows: pre-divided (Myelin IV-B)
+
+
+GRAD = jax.jit(jax.grad(_loss))
+
+
+def case_data(k: int) -> None:
+    comm = WORLD.Split(0, WORLD.rank)  # the data column, made on all ranks
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s) * 0.5, jnp.float32), SHAPES,
+                          is_leaf=lambda s: isinstance(s, tuple))
+    data = [(rng.normal(size=(12, 8)).astype(np.float32), rng.normal(size=(12, 4)).astype(np.float32))
+            for _ in range(5)]
+    bsize = 37  # 480 parameters: does not divide
+    opt = OffloadedOptimizer(TX, bsize, grad_clip=1e3, name="adamw")
+    ref = DeviceUpdater(TX, 1e3)
+    st, rp, rs = opt.init(params), params, ref.init(params)
+    flat = opt.device_params(st)
+    me = comm.rank
+    for step, (x, y) in enumerate(data):
+        halves = [GRAD(opt.params_tree(flat), x[r * 6:(r + 1) * 6], y[r * 6:(r + 1) * 6]) for r in (0, 1)]
+        local = opt.flatten(halves[me])
+        if step == 2 and me == 1:
+            local = local.at[5].set(jnp.inf)  # injected overflow on one rank
+        nonfinite = comm.allreduce(float(not bool(jnp.all(jnp.isfinite(local)))), op=MPI.MAX)
+        before = opt.state_dict(st)
+        st, flat, info = opt.step(st, chunks=iter_reduced_chunks(local, comm, k * bsize),
+                                  params=flat, finite=not nonfinite)
+        g = jax.tree.map(jnp.add, *[GRAD(rp, x[r * 6:(r + 1) * 6], y[r * 6:(r + 1) * 6]) for r in (0, 1)])
+        sq, _ = ref.stats(g)
+        rp, rs, _ = ref.apply(rp, rs, g, 1.0, sq, jnp.float32(nonfinite))
+        if step == 2:
+            assert info["skipped"], "injected overflow did not skip the step"
+            assert_tree_close(opt.state_dict(st), before, "exact", f"rank {me} state after skipped step")
+    assert_tree_close(opt.master_params(st), rp, "exact", f"rank {me} k={k} masters")
+    assert_tree_close(opt.inner_state(st), rs, "exact", f"rank {me} k={k} adam state")
+    comm.Free()
+
+
+def case_pipeline() -> None:
+    from jaxhybrid.config import config_from_dict
+    from jaxhybrid.model import Model
+    from jaxhybrid.pipeline.runner import PipelineEngine
+    from jaxhybrid.topology import Topology
+
+    cfg = config_from_dict({
+        "model": {"name": "gpt-tiny", "vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32,
+                  "max_seq_len": 8},
+        "data": {"seq_len": 8}, "train": {"steps": 5, "global_batch": 4},
+        "optim": {"warmup_steps": 1, "grad_clip": 0.05, "bucket_size": 250, "offload": True},
+        "parallel": {"pipeline": 2, "data": 1}, "pipeline": {"schedule": "1f1b", "microbatches": 2}})
+    engine = PipelineEngine(cfg, Model(cfg.model), Topology.from_config(cfg))
+    tx = TX
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 32, (4, 9)).astype(np.int32) for _ in range(5)]
+
+    def run(updater):
+        params = engine.init_params(jax.random.key(0))
+        state = updater.init(params)
+        for i, b in enumerate(batches):
+            scale = np.inf if i == 3 else 1.0  # injected overflow travels the real path
+            _, grads = engine.loss_and_grads(params, b, scale)
+            sq, nonfinite = updater.stats(grads)
+            sq, nonfinite = engine.global_sum(sq), engine.global_max(nonfinite)
+            params, state, _ = updater.apply(params, state, grads, scale, sq, nonfinite)
+            assert (float(nonfinite) == 1.0) == (i == 3), f"step {i}: nonfinite={float(nonfinite)}"
+        return params, state
+
+    off = OffloadUpdater(tx, cfg)
+    p_dev, _ = run(DeviceUpdater(tx, cfg.optim.grad_clip))
+    p_off, s_off = run(off)
+    assert_tree_close(p_off, p_dev, "exact", f"stage {engine.stage_index} device params")
+    assert_tree_close(off.opt.master_params(s_off), p_dev, "exact", f"stage {engine.stage_index} masters")
+    engine.close()
+
+
+def main() -> int:
+    failures = 0
+    for name, fn in (("data-k1", lambda: case_data(1)), ("data-k2", lambda: case_data(2)),
+                     ("pipeline-2stage", case_pipeline)):
+        try:
+            fn()
+            ok = 1
+        except Exception:
+            traceback.print_exc()
+            ok = 0
+        ok = WORLD.allreduce(ok, op=MPI.MIN)
+        failures += 1 - ok
+        if WORLD.rank == 0:
+            print(f"CASE {name} {'ok' if ok else 'FAIL'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
