@@ -59,9 +59,11 @@ class TensorEngine:
       cfg: the run config (parallel.data/tensor_*, pipeline.microbatches, tensor.optimizations,
         train.global_batch, train.remat, precision.compute_dtype).
       devices: devices for the mesh (default: all).
+      compiler_options: XLA options for the step's compile (tests pass a low backend optimization
+        level to halve compile time; numerics of the collectives and matmuls do not depend on it).
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg, devices=None):
+    def __init__(self, model_cfg: ModelConfig, cfg, devices=None, compiler_options: dict | None = None):
         devs = list(jax.devices() if devices is None else devices)
         self.shape = MeshShape.from_config(cfg)
         self.shape.check(len(devs))
@@ -94,7 +96,7 @@ class TensorEngine:
 
         rep = NamedSharding(self.mesh, P())
         self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
-                             out_shardings=(rep, self.shardings))
+                             out_shardings=(rep, self.shardings), compiler_options=compiler_options)
 
     def init_params(self, rng: jax.Array):
         """``Model.init`` values (reference ops, run as LocalEngine runs it), placed with the tensor shardings.

@@ -81,24 +81,21 @@ class TensorOps(Ops):
         if name not in SITES:
             raise ValueError(f"TensorOps.dense: unknown site {name!r}; known sites: {', '.join(SITES)}")
         lay = self.layout(name)
-        y = Linear3D(self.mesh, lay, self.switches)(x, kernel, bias)
+        with jax.named_scope(f"axonn_{name}"):  # lets jaxhybrid.tensor.hlo attribute collectives to sites
+            y = Linear3D(self.mesh, lay, self.switches)(x, kernel, bias)
         if lay.out_ax != STREAM and "A" not in self.letters:
-            y = self.relayout(y, lay.out_ax, STREAM)
+            with jax.named_scope("axonn_relayout"):
+                y = self.relayout(y, lay.out_ax, STREAM)
         return y
 
     def relayout(self, y, src: str, dst: str):
-        """Move features from axis ``src`` to ``dst``: all-gather over src, keep this dst block.
+        """Move features from axis ``src`` to ``dst`` (the no-A baseline's layer-boundary communication).
 
-        Local: ``[b, T, n/G_src]`` (replicated over dst) -> ``[b, T, n/G_dst]`` (replicated over src).
+        Local ``[b, T, n/G_src]`` (replicated over dst) -> ``[b, T, n/G_dst]`` (replicated over src): an
+        all-gather over src keeps this device's dst block. Its backward is the same move from dst to src
+        (a custom_vjp: autodiff would transpose the gather into an all-reduce of the full ``[b, T, n]``).
         """
-        n_dst = y.shape[-1] // self.mesh.shape[dst]
-
-        def f(yl):
-            full = lax.all_gather(yl, src, axis=yl.ndim - 1, tiled=True, to="invarying")
-            return lax.dynamic_slice_in_dim(full, lax.axis_index(dst) * n_dst, n_dst, axis=yl.ndim - 1)
-
-        nd = y.ndim
-        return self._smap(f, P(BATCH, *[None] * (nd - 2), src), P(BATCH, *[None] * (nd - 2), dst))(y)
+        return _relayout(self.mesh, src, dst, y)
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v):
@@ -150,7 +147,8 @@ class TensorOps(Ops):
 
     def logits(self, h, kernel):
         """The vocabulary projection as a normal 3D layer: [B, T, d] x [d, V] -> [B, T, V] over column."""
-        return Linear3D(self.mesh, NORMAL, self.switches)(h, kernel).astype(jnp.float32)
+        with jax.named_scope("axonn_head.logits"):
+            return Linear3D(self.mesh, NORMAL, self.switches)(h, kernel).astype(jnp.float32)
 
     def cross_entropy(self, logits, targets):
         """Vocabulary-parallel mean cross-entropy. logits local [b, T, V/G_c]; targets local [b, T]."""
@@ -167,3 +165,24 @@ class TensorOps(Ops):
             return lax.psum(jnp.sum(lse - tgt), BATCH) / count
 
         return self._smap(f, (P(BATCH, None, COL), P(BATCH, None)), P())(logits, targets)
+
+
+def _move(mesh: Mesh, src: str, dst: str, y):
+    n_dst = y.shape[-1] // mesh.shape[dst]
+    nd = y.ndim
+
+    def f(yl):
+        full = lax.all_gather(yl, src, axis=nd - 1, tiled=True, to="invarying")
+        return lax.dynamic_slice_in_dim(full, lax.axis_index(dst) * n_dst, n_dst, axis=nd - 1)
+
+    spec = lambda ax: P(BATCH, *[None] * (nd - 2), ax)  # noqa: E731
+    return jax.shard_map(f, mesh=mesh, in_specs=spec(src), out_specs=spec(dst), check_vma=True)(y)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _relayout(mesh, src, dst, y):
+    return _move(mesh, src, dst, y)
+
+
+_relayout.defvjp(lambda mesh, src, dst, y: (_move(mesh, src, dst, y), None),
+                 lambda mesh, src, dst, _, dy: (_move(mesh, dst, src, dy),))
