@@ -151,8 +151,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
     recompute = lay.remat == "full"
     F = nb * f_blk + last_extra + fwd_comm
-    BI = nb * f_blk + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)
-    BW = nb * (f_blk - attn_flops / (machine.flops_per_s * ts)) + last_extra + nb * per_blk["reduce_scatter"]
+    f_attn = attn_flops / (machine.flops_per_s * ts)  # attention core: no weights, backward = 2 x forward
+    BI = nb * (f_blk + f_attn) + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)
+    BW = nb * (f_blk - f_attn) + last_extra + nb * per_blk["reduce_scatter"]
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
     msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
     span = 2 * ts
