@@ -67,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'2BP':>3} "
           f"{'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):
+        yes = {True: "y", False: "n"}
         print(f"{i:2d} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
-              f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {'y' if p['split_backward'] else 'n':>3} "
-              f"{p['remat']:>5} {'y' if p['offload'] else 'n':>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
+              f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {yes[p['split_backward']]:>3} "
+              f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
               f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
     return 0
