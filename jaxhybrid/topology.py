@@ -116,6 +116,17 @@ class Topology:
         self.row = self.world.Split(color=self.replica, key=self.stage)
         self.p2p = self.row.Dup()
         self.column = self.world.Split(color=self.stage, key=self.replica)
+        self._record_pid()
+
+    def _record_pid(self) -> None:
+        """Under ``jaxhybrid launch``, leave ``rank -> pid`` so a rank killed by a signal (hydra names
+        only its PID) can be reported by rank."""
+        import os
+
+        pid_dir = os.environ.get("JAXHYBRID_PID_DIR")
+        if pid_dir and os.path.isdir(pid_dir):
+            with open(os.path.join(pid_dir, f"rank{self.rank}.pid"), "w") as f:
+                f.write(f"{os.getpid()} rank {self.rank} (stage {self.stage}, replica {self.replica})")
 
     @classmethod
     def from_config(cls, cfg: Config, comm: Any = None) -> "Topology":

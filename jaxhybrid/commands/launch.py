@@ -5,15 +5,23 @@ uncaught exception on any rank aborts the whole job (mpich alone would leave the
 ``MPIEXEC_TIMEOUT`` as the last resort, and one thread pool per rank sized to the cores available:
 ``OMP_NUM_THREADS`` and XLA's CPU thread flags get ``cores // N`` threads each (oversubscribed ranks
 whose pools spin starve each other, facts.md).
+
+A rank killed by a signal leaves no Python message; hydra names only its PID. Each rank records
+``rank -> pid`` in a directory given by ``JAXHYBRID_PID_DIR`` (see :mod:`jaxhybrid.topology`), and the
+launcher, which relays the job's output, translates hydra's ``PID n`` into ``rank r (stage i, replica j)``.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+PID_DIR_ENV = "JAXHYBRID_PID_DIR"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mpiexec", default="", help="mpiexec to use (default: the one next to this Python)")
     p.add_argument("--cores", type=int, default=0, help="cores to share among the ranks (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run")
+    p.add_argument("--script", default="", help="run this Python file on every rank instead of `jaxhybrid "
+                   "train` (drivers, benchmarks); the remaining arguments are its own")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `jaxhybrid train` (after --)")
 
 
@@ -59,21 +69,53 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     return env
 
 
-def build_command(n: int, train_args: list[str], mpiexec: str) -> list[str]:
+def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "") -> list[str]:
     args = list(train_args)
     if args and args[0] == "--":
         args = args[1:]
+    if script:
+        return [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", script, *args]
     if args and args[0] == "train":
         args = args[1:]
     return [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "train", *args]
 
 
+def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
+    """Hydra's ``PID n`` lines -> ``rank r (...)`` using the pid files the ranks wrote."""
+    names = {}
+    for f in pid_dir.glob("rank*.pid"):
+        pid, _, who = f.read_text().partition(" ")
+        names[pid.strip()] = who.strip()
+    out = []
+    for line in output_lines:
+        m = re.search(r"PID (\d+) RUNNING AT", line)
+        if m and m.group(1) in names:
+            out.append(f"{names[m.group(1)]} (pid {m.group(1)})")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     env = rank_environment(args.n, int(cores or 1), args.timeout)
-    cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec))
+    cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT")
         print(" ".join(f"{k}={env[k]!r}" for k in keys if k in env) + " " + " ".join(cmd))
         return 0
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="jaxhybrid-pids-") as pid_dir:
+        env[PID_DIR_ENV] = pid_dir
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # relay the job's output, remembering hydra's report
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if "RUNNING AT" in line:
+                tail.append(line)
+        rc = proc.wait()
+        if rc != 0:
+            for who in name_dead_ranks(tail, Path(pid_dir)):
+                print(f"jaxhybrid launch: {who} ended abnormally; the job was stopped (exit code {rc})",
+                      file=sys.stderr, flush=True)
+        return rc

@@ -65,16 +65,18 @@ class EventLoop:
       transport: a :class:`~jaxhybrid.pipeline.transport.Transport`.
       concat: joins weight residuals of several microbatches for a concatenated ``BW`` (2BP Fig. 2).
       progress: called after every task and message (the watchdog's heartbeat).
+      waiting: called with what the loop is about to wait for (named in the watchdog's report).
       weight_budget: message-driven 2BP: most microbatches whose weight pass may wait.
     """
 
     def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
                  concat: Callable[[list[Any]], Any] | None = None, progress: Callable[[str], None] | None = None,
-                 weight_budget: int = 0):
+                 weight_budget: int = 0, waiting: Callable[[str], None] | None = None):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.num_stages = len(self.stage_to_rank)
         self.transport, self.concat = transport, concat
         self.progress = progress or (lambda what: None)
+        self.waiting = waiting or (lambda what: None)
         self.weight_budget = weight_budget or self.num_stages
         self.recorder = Recorder(rank)
 
@@ -129,6 +131,9 @@ class EventLoop:
         return True
 
     def _take(self, env: Envelope) -> Any:
+        if env not in self.mailbox:
+            src = self.stage_to_rank[env.stage - 1 if env.kind is MsgKind.ACT else env.stage + 1]
+            self.waiting(f"waiting for {env} from pipeline rank {src}")
         while env not in self.mailbox:
             self._receive_into_mailbox(block=True)
         return self.mailbox.pop(env)

@@ -36,9 +36,10 @@ class PipelineEngine:
       model: the whole :class:`~jaxhybrid.model.Model` (this rank builds the stage it runs).
       topology: this rank's :class:`~jaxhybrid.topology.Topology`.
       abort_on_error: install the excepthook that aborts the MPI job on any uncaught exception.
+      stage: an existing Stage for this rank's blocks, to reuse its compiled kernels (sweeps, benches).
     """
 
-    def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True):
+    def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True, stage: Any = None):
         from jaxhybrid.model.stage import Stage
 
         pl = cfg.pipeline
@@ -56,8 +57,11 @@ class PipelineEngine:
         # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
         interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
         first, last = topology.blocks
-        self.stage = Stage(model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
-                           checkpoint_interval=interval)
+        if stage is not None and (stage.first_block, stage.last_block) != (first, last):
+            raise ValueError(f"{who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
+                             f"the topology assigns [{first}, {last})")
+        self.stage = stage or Stage(model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
+                                    checkpoint_interval=interval)
         mb = cfg.microbatch_size
         template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
         if self.num_stages > 1:
@@ -70,7 +74,8 @@ class PipelineEngine:
         from jaxhybrid.model.stage import concat_weight_residuals
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
-                              self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat)
+                              self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat,
+                              waiting=self.watchdog.note)
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.last_step: dict[str, float] = {}
 

@@ -66,6 +66,10 @@ class Watchdog:
         self._last = time.monotonic()
         self._doing = doing
 
+    def note(self, doing: str) -> None:
+        """Say what the rank is doing now without counting it as progress (e.g. waiting for a message)."""
+        self._doing = doing
+
     def arm(self, doing: str = "pipeline step") -> None:
         self.beat(doing)
         self._armed = True
@@ -79,7 +83,7 @@ class Watchdog:
     def message(self) -> str:
         idle = time.monotonic() - self._last
         return (f"jaxhybrid watchdog: {self.who} made no progress for {idle:.1f} s (deadline "
-                f"{self.deadline_s:g} s); last progress: {self._doing}; {self.report()}")
+                f"{self.deadline_s:g} s); now: {self._doing}; {self.report()}")
 
     def _watch(self) -> None:
         step = min(0.1, self.deadline_s / 4)

@@ -1,0 +1,186 @@
+"""MPI driver (run by tests/mpi/test_mpi_pipeline.py under ``mpirun -n P*D python -m mpi4py``).
+
+For one grid ``(G_inter, G_data)`` it loops over many (schedule x 2BP x transport) cases in one job,
+reusing each rank's compiled stage, and checks the trainer's step (engine -> global grad stats ->
+AdamW) for 3 steps against the single-device LocalEngine run on the same global batches: every step's
+loss and the parameters after 3 steps, leaf by leaf, within TOLERANCES["fp32_parity"]. With
+``--bad-input`` it first checks that bad layouts are refused with the same message on every rank.
+Rank 0 prints one ``CASE`` line per case and ``SUMMARY``; the exit code is 1 if any case failed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from jaxhybrid.config import config_from_dict
+from jaxhybrid.model import Model
+from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.pipeline.runner import PipelineEngine
+from jaxhybrid.step import LocalEngine
+from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.topology import Topology
+
+STEPS, SEQ = 3, 8
+WORLD = MPI.COMM_WORLD
+
+
+def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, **extra):
+    tree = {"model": {"name": "gpt-tiny", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 2,
+                      "d_ff": 64, "max_seq_len": 16, "tie_embeddings": tied},
+            "data": {"seq_len": SEQ}, "train": {"steps": STEPS, "global_batch": 4 * p * d},
+            # eps=1e-3: Adam divides by sqrt(v); on gradients that are zero in exact arithmetic (the key
+            # bias: softmax ignores it) float noise of 1e-9 would become a full +-lr step, on either side.
+            "optim": {"warmup_steps": 1, "grad_clip": 0.0 if tied else 1.0, "bucket_size": 1000, "eps": 1e-3},
+            "parallel": {"pipeline": p, "data": d},
+            "pipeline": {"schedule": schedule, "microbatches": m, "split_backward": split, "transport": transport,
+                         "watchdog_s": 60.0}}
+    for k, v in extra.items():
+        tree.setdefault(k.split(".")[0], {})[k.split(".")[1]] = v
+    return config_from_dict(tree)
+
+
+def batches(cfg):
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, SEQ + 1)).astype(np.int32)
+            for _ in range(STEPS)]
+
+
+_UPDATERS: dict = {}
+
+
+def train(engine, cfg, data):
+    """The trainer's step (jaxhybrid.train.Trainer.step) without data loading and writers. Returns the
+    losses, the first step's gradients and the parameters after the last step."""
+    key = (cfg.optim, cfg.train.steps)
+    if key not in _UPDATERS:  # one compiled optimizer per configuration, shared by the cases
+        _UPDATERS[key] = DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
+    updater = _UPDATERS[key]
+    params = engine.init_params(jax.random.key(cfg.train.seed))
+    state = updater.init(params)
+    losses, first = [], None
+    for b in data:
+        loss, grads = engine.loss_and_grads(params, b, 1.0)
+        first = jax.tree.map(np.asarray, grads) if first is None else first
+        sq, nonfinite = updater.stats(grads)
+        sq, nonfinite = engine.global_sum(sq), engine.global_max(nonfinite)
+        params, state, _ = updater.apply(params, state, grads, 1.0, sq, nonfinite)
+        losses.append(float(loss))
+    return losses, first, jax.tree.map(np.asarray, params)
+
+
+def reference(cfg, data):
+    """Single device, computed on rank 0 and broadcast (other ranks skip its compilation)."""
+    out = None
+    if WORLD.rank == 0:
+        out = train(LocalEngine(Model(cfg.model)), cfg, data)
+    return WORLD.bcast(out, root=0)
+
+
+def same_on_all_ranks(fn) -> str:
+    """Run ``fn`` expecting ValueError on every rank; return the message after checking all agree."""
+    try:
+        fn()
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    msgs = WORLD.allgather(msg)
+    if len(set(msgs)) != 1 or msg == "no error":
+        raise AssertionError(f"bad input not refused identically: {msgs}")
+    return msg
+
+
+def bad_input_checks(p, d):
+    n = WORLD.size
+    m1 = same_on_all_ranks(lambda: Topology.from_config(make_cfg(p + 1, d, "1f1b", 2 * (p + 1), False)))
+    m2 = same_on_all_ranks(lambda: make_cfg(5, 1, "naive", 1, False))
+    topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
+    cfg = make_cfg(p, d, "1f1b", 1, True)  # valid for 1f1b; zb-h1 with 1 microbatch < p stages is not
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="zb-h1"))
+    m3 = same_on_all_ranks(lambda: PipelineEngine(cfg, Model(cfg.model), topo, abort_on_error=False))
+    for m, want in ((m1, f"!= world size {n}"), (m2, "exceed model.n_layers=4"), (m3, "zb-h1")):
+        if want not in m:
+            raise AssertionError(f"expected {want!r} in {m!r}")
+    if WORLD.rank == 0:
+        print(f"BADINPUT ok: {m1} | {m2} | {m3}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pipeline", type=int, required=True)
+    ap.add_argument("--data", type=int, required=True)
+    ap.add_argument("--cases", default="naive,gpipe,1f1b-1,1f1b-2,zb-h1,myelin,1f1b")
+    ap.add_argument("--mpi4py-cases", default="", help="schedules also run over the mpi4py transport")
+    ap.add_argument("--tied", action="store_true", help="also a tied-embedding 1f1b case")
+    ap.add_argument("--bad-input", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="write and check a merged trace of one case")
+    a = ap.parse_args()
+    p, d = a.pipeline, a.data
+    if a.bad_input:
+        bad_input_checks(p, d)
+    cases = [(n, s, "mpi4jax", False) for n in a.cases.split(",") for s in (False, True)
+             if not (n == "zb-h1" and not s)]
+    cases += [(n, True, "mpi4py", False) for n in a.mpi4py_cases.split(",") if n]
+    if a.tied:
+        cases.append(("1f1b", True, "mpi4jax", True))
+    topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
+    refs, engines, failures = {}, {}, 0
+    for name, split, transport, tied in cases:
+        m = p if name == "1f1b-1" else 2 * p
+        cfg = make_cfg(p, d, name, m, split, transport, tied)
+        status = "ok"
+        t0 = time.perf_counter()
+        try:
+            if tied not in refs:
+                refs[tied] = reference(cfg, batches(cfg))
+            ref_losses, ref_grads, ref_params = refs[tied]
+            key = (transport, tied, m)
+            if key not in engines:  # later cases switch schedules on it: kernels compile once per shape
+                engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
+            engine = engines[key]
+            engine.set_schedule(name, split)
+            losses, grads, params = train(engine, cfg, batches(cfg))
+            what = f"[{name} 2bp={split} {transport} tied={tied} rank {topo.rank}]"
+            assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
+            # slice_params of the reference gives the tied copy the whole table's gradient (both uses).
+            mine = engine.stage.slice_params
+            assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
+            assert_tree_close(params, mine(ref_params), "fp32_parity", what + " params")
+            if a.trace and name == "1f1b" and split:
+                with tempfile.TemporaryDirectory() as tmp:
+                    info = engine.write_trace(tmp)
+                    if topo.rank == 0:
+                        import os
+
+                        files = sorted(os.listdir(tmp))
+                        assert files == ["trace.json", "trace.png"], files
+                        print(f"TRACE bubble_ratio={info['bubble_ratio']:.3f} makespan_s={info['makespan_s']:.4f}",
+                              flush=True)
+        except Exception as e:  # noqa: BLE001 (reported per case, job continues)
+            status = f"FAIL {type(e).__name__}: {e}"
+            traceback.print_exc()
+        statuses = WORLD.gather(status, root=0)
+        bad = [s for s in (statuses or []) if s != "ok"]
+        failures += bool(bad) if WORLD.rank == 0 else 0
+        if WORLD.rank == 0:
+            print(f"CASE grid={p}x{d} {name} 2bp={split} {transport} tied={tied}: "
+                  f"{'ok' if not bad else bad[0]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    for e in engines.values():
+        e.close()
+    failures = WORLD.bcast(failures, root=0)
+    if WORLD.rank == 0:
+        print(f"SUMMARY grid={p}x{d} cases={len(cases)} failures={failures}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

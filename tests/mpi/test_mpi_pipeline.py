@@ -1,0 +1,75 @@
+"""MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
+(tests/mpi/drive_parity.py), and three fault jobs check that a failing, killed or stuck rank ends the
+job within 10 s with a message naming the rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``)."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+BIN = Path(sys.executable).parent
+SCHEDULES = ["naive", "gpipe", "1f1b-1", "1f1b-2", "zb-h1", "myelin", "1f1b"]
+
+pytestmark = pytest.mark.mpi
+
+
+def _env(timeout: int) -> dict:
+    env = dict(os.environ)
+    env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+                "PYTHONPATH": str(ROOT)})
+    return env
+
+
+def _mpirun(n: int, script: str, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "mpirun"), "-n", str(n), sys.executable, "-m", "mpi4py", str(HERE / script), *args]
+    return subprocess.run(cmd, env=_env(timeout), cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def _expected_cases(extra: int) -> int:
+    return 2 * len(SCHEDULES) - 1 + extra  # zb-h1 always splits its backward
+
+
+@pytest.mark.parametrize("p,d,flags,extra", [
+    (2, 1, ["--bad-input", "--trace", "--tied", "--mpi4py-cases", "1f1b,myelin"], 3),
+    (1, 2, [], 0),
+    (2, 2, ["--mpi4py-cases", "myelin"], 1),
+    (4, 1, [], 0),
+], ids=["2x1", "1x2", "2x2", "4x1"])
+def test_parity_every_schedule(p, d, flags, extra):
+    """3 steps of losses, step-1 gradients and final params equal the single-device trainer's
+    (fp32_parity, leaf by leaf) for every schedule with and without 2BP."""
+    r = _mpirun(p * d, "drive_parity.py", "--pipeline", str(p), "--data", str(d), *flags)
+    out = r.stdout + r.stderr
+    cases = re.findall(r"^CASE .*$", r.stdout, re.M)
+    assert r.returncode == 0, f"grid {p}x{d} failed (rc {r.returncode}):\n" + out[-6000:]
+    assert f"SUMMARY grid={p}x{d} cases={_expected_cases(extra)} failures=0" in r.stdout, out[-4000:]
+    assert len(cases) == _expected_cases(extra) and all(": ok" in c for c in cases), "\n".join(cases)
+    if "--bad-input" in flags:
+        assert "BADINPUT ok: parallel.pipeline(3) x parallel.data(1) = 3 != world size 2" in r.stdout
+    if "--trace" in flags:
+        assert re.search(r"TRACE bubble_ratio=0\.\d+", r.stdout), out[-2000:]
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("exception", r"rank 1 \(stage 1, replica 0\) failed: RuntimeError: injected failure"),
+    ("kill", r"rank 1 \(stage 1, replica 0\) \(pid \d+\) ended abnormally"),
+    ("hang", r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from pipeline rank 1"),
+])
+def test_fault_ends_job_naming_the_rank(tmp_path, mode, expect):
+    stamp = tmp_path / "stamp"
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "120", "--script",
+           str(HERE / "drive_fault.py"), "--", "--mode", mode, "--deadline", "2", "--stamp", str(stamp)]
+    r = subprocess.run(cmd, env=_env(120), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    ended = time.time()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert stamp.exists(), "the fault was never injected:\n" + out[-3000:]
+    took = ended - float(stamp.read_text())
+    assert took < 10, f"{mode}: the job took {took:.1f} s to end after the fault"
+    assert re.search(expect, out), out[-3000:]
