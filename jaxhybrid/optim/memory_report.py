@@ -43,12 +43,14 @@ def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: b
             "device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values())}
 
 
-def live_device_bytes() -> int:
-    """Bytes of live JAX arrays in device memory (host memory kinds excluded)."""
+def live_device_bytes(exclude: set | None = None) -> int:
+    """Bytes of live JAX arrays in device memory (host memory kinds and ids in ``exclude`` left out)."""
     import jax
 
     total = 0
     for a in jax.live_arrays():
+        if exclude and id(a) in exclude:
+            continue
         try:
             kind = a.sharding.memory_kind
         except Exception:

@@ -1,0 +1,155 @@
+"""``jaxhybrid bench offload``: host-offloaded optimizer against the on-device mixed-precision step.
+
+In one run, on the same model, batch and AdamW: (1) the non-offloaded step (fp32 masters, optax on the
+device, ``DeviceUpdater``) and (2) the offloaded step (compute-dtype params and gradients as flat device
+vectors, masters and Adam state on host in buckets, Myelin V-B), timed in interleaved rounds; device
+bytes measured as the peak of live device arrays during each optimizer phase, next to Myelin's model
+(``20 phi`` vs ``4 phi + 16 bsize``); both host stores timed; and (3) the V-C sweep: ``mpirun -n 2``
+runs the chunk-fed offloaded step (all-reduce chunks of ``k x bsize``) for k in 1, 2, 4, 8, beside the
+all-reduce alone and the optimizer alone. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
+    p.add_argument("--model", default=None, help="model preset (overrides the config's model)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--compute-dtype", default="bfloat16", help="Myelin's 4 phi assumes half precision")
+    p.add_argument("--bucket-size", type=int, default=0,
+                   help="elements per bucket; 0 = optim.bucket_size, capped at params // 64")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-sweep", action="store_true", help="skip the mpirun -n 2 k sweep")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def _others(own) -> set:
+    """Ids of live device arrays that are not this path's own persistent state (excluded from its peak)."""
+    import jax
+
+    mine = {id(x) for x in jax.tree.leaves(own)}
+    return {id(a) for a in jax.live_arrays()} - mine
+
+
+def _peak(probe: list, others: set) -> None:
+    from jaxhybrid.optim.memory_report import live_device_bytes
+
+    probe[0] = max(probe[0], live_device_bytes(exclude=others))
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxhybrid.config import load_config
+    from jaxhybrid.model import Model
+    from jaxhybrid.optim import DeviceUpdater, build_transform
+    from jaxhybrid.optim.memory_report import model_state_bytes
+    from jaxhybrid.optim.offload import OffloadedOptimizer
+    from jaxhybrid.step import LocalEngine
+
+    over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])
+    cfg = load_config(args.config, over + [f"precision.compute_dtype={args.compute_dtype}"])
+    model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
+    engine = LocalEngine(model, cfg.pipeline.microbatches)
+    params = jax.jit(model.init)(jax.random.key(cfg.train.seed))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    bsize = args.bucket_size or min(cfg.optim.bucket_size, max(n // 64, 1))
+    tx = build_transform(cfg.optim, cfg.train.steps)
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)).astype(np.int32)
+
+    dev = DeviceUpdater(tx, cfg.optim.grad_clip)
+    base = {"params": jax.tree.map(jnp.array, params)}
+    base["state"] = dev.init(base["params"])
+    base_peak = [0]
+
+    def baseline_step():
+        others = _others(base)
+        loss, g = engine.loss_and_grads(base["params"], batch, 1.0)
+        sq, nf = dev.stats(g)
+        _peak(base_peak, others)  # masters + Adam state + fp32 gradients are all live here
+        base["params"], base["state"], _ = dev.apply(base["params"], base["state"], g, 1.0, sq, nf)
+        float(loss)
+
+    opts = {b: OffloadedOptimizer(tx, bsize, grad_clip=cfg.optim.grad_clip,
+                                  compute_dtype=cfg.precision.compute_dtype, backend=b, name="adamw")
+            for b in ("numpy", "pinned_host")}
+    runs = {}
+    for name, opt in opts.items():
+        st = opt.init(params)
+        runs[name] = {"opt": opt, "state": st, "flat": opt.device_params(st), "peak": [0]}
+
+    def offload_step(name):
+        r = runs[name]
+        opt = r["opt"]
+        r["others"] = _others(r["flat"])
+        tree = opt.params_tree(r["flat"])
+        loss, g = engine.loss_and_grads(tree, batch, 1.0)
+        del tree  # an engine fed flat parameters holds no pytree copy during the optimizer phase
+        flat_g = opt.flatten(g)
+        sq = jnp.sum(jnp.square(flat_g.astype(jnp.float32)))
+        del g
+        r["state"], r["flat"], _ = opt.step(r["state"], flat_g, r["flat"], sq=sq)
+        float(loss)
+
+    main_backend = OffloadedOptimizer(tx, bsize, name="adamw").store.name
+    baseline_step()
+    for name in runs:
+        offload_step(name)  # compile
+    times = {"baseline": [], **{k: [] for k in runs}}
+    for _ in range(args.rounds):
+        for key in times:
+            fn = baseline_step if key == "baseline" else (lambda k=key: offload_step(k))
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            times[key].append((time.perf_counter() - t0) / args.steps)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    for name, r in runs.items():  # one untimed step each with a live-array probe after every bucket
+        r["opt"].on_bucket = lambda i, r=r: _peak(r["peak"], r["others"])
+        offload_step(name)
+        r["opt"].on_bucket = None
+    model_base = model_state_bytes(n, compute_dtype=cfg.precision.compute_dtype)
+    model_off = model_state_bytes(n, compute_dtype=cfg.precision.compute_dtype, offload=True, bucket_size=bsize)
+    goal_bytes = (4 * n + 16 * bsize) * 1.05
+    out = {"model": cfg.model.name, "params": int(n), "bucket_size": int(bsize), "buckets": -(-n // bsize),
+           "compute_dtype": cfg.precision.compute_dtype, "device": jax.devices()[0].platform,
+           "host_backend": main_backend,
+           "device_bytes_baseline": int(base_peak[0]), "device_bytes_offload": int(runs[main_backend]["peak"][0]),
+           "device_bytes_model_baseline": model_base["device_total"],
+           "device_bytes_model_offload": model_off["device_total"], "host_bytes_offload": model_off["host_total"],
+           "goal_device_bytes": goal_bytes,
+           "device_bytes_goal_met": runs[main_backend]["peak"][0] <= goal_bytes,
+           "step_time_baseline_s": med["baseline"], "step_time_offload_s": med[main_backend],
+           "step_time_ratio": med[main_backend] / med["baseline"], "step_time_goal": 1.2,
+           "host_backend_step_s": {k: med[k] for k in runs},
+           "host_backend_device_bytes": {k: int(r["peak"][0]) for k, r in runs.items()}}
+    if not args.no_sweep:
+        out.update(_sweep(n, bsize, cfg.precision.compute_dtype))
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return 0
+
+
+def _sweep(n: int, bsize: int, dtype: str) -> dict:
+    root = Path(__file__).resolve().parents[2]
+    mpirun = Path(sys.executable).parent / "mpirun"
+    env = dict(os.environ, MPIEXEC_TIMEOUT="300", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    cmd = [str(mpirun), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "jaxhybrid.bench.offload_sweep",
+           "--params", str(n), "--bucket-size", str(bsize), "--dtype", dtype]
+    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=330)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"k sweep under mpirun failed (rc={res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+    return json.loads(lines[-1])
