@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.pipeline.trace import Event
@@ -89,7 +90,8 @@ class EventLoop:
         if schedule.num_microbatches != tokens.shape[0]:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.num_microbatches} microbatches, "
                              f"the batch has {tokens.shape[0]}")
-        self.params, self.tokens = params, tokens
+        # Host tokens: slicing numpy is free, slicing a device array is an eager op per microbatch.
+        self.params, self.tokens = params, np.asarray(tokens)
         self.cot = jnp.float32(cotangent)
         self.mailbox: dict[Envelope, Any] = {}
         self.residuals: dict[tuple[int, int], Any] = {}
@@ -115,7 +117,8 @@ class EventLoop:
             loss = self.losses[0]
             for x in self.losses[1:]:
                 loss = loss + x
-        return StepResult(loss, self.grads, time.perf_counter() - start)
+        self.wall_s = time.perf_counter() - start
+        return StepResult(loss, self.grads, self.wall_s)
 
     # -- messages ------------------------------------------------------------------------------------
     def _receive_into_mailbox(self, block: bool) -> bool:

@@ -92,7 +92,7 @@ class PipelineEngine:
 
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         t0 = time.perf_counter()
-        mbs = jnp.asarray(split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches))
+        mbs = split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)
         self.watchdog.arm("pipeline phase")

@@ -73,3 +73,21 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, expect):
     took = ended - float(stamp.read_text())
     assert took < 10, f"{mode}: the job took {took:.1f} s to end after the fault"
     assert re.search(expect, out), out[-3000:]
+
+
+def test_bench_pipeline_prints_side_by_side_json():
+    """`jaxhybrid bench pipeline` relaunches itself under mpiexec and prints the measured ratios (values
+    are machine-dependent: only their presence and consistency are checked, never timings)."""
+    import json
+
+    cmd = [sys.executable, "-m", "jaxhybrid", "bench", "pipeline", "--stages", "2", "--schedule", "1f1b-1",
+           "--model", "gpt-tiny", "--seq", "16", "--microbatch-size", "2", "--rounds", "1", "--warmup", "1",
+           "--json"]
+    r = subprocess.run(cmd, env=_env(300), cwd=ROOT, capture_output=True, text=True, timeout=330)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("throughput_fused", "throughput_split", "gain", "theoretical_gain", "event_loop_overhead"):
+        assert key in out, out
+    assert out["gain"] == pytest.approx(out["throughput_split"] / out["throughput_fused"])
+    assert out["theoretical_gain"] == pytest.approx(9 / 7)  # 2BP Table 1, 1F1B-1, N = 2
+    assert 0 <= out["event_loop_overhead"] < 1

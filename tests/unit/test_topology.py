@@ -54,3 +54,13 @@ def test_launch_command_and_thread_environment():
     assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, 2, 0)
+
+
+def test_bench_theoretical_gain_is_2bp_table1():
+    """The bench's theoretical gain for 1F1B-1 is 2BP Table 1's 3(2N-1) / (N-1+3N)."""
+    from jaxhybrid.bench.pipeline import default_microbatches, theoretical_gain
+
+    for n in (2, 4):
+        m = default_microbatches("1f1b-1", n)
+        assert m == n and default_microbatches("1f1b-2", n) == 2 * n and default_microbatches("naive", n) == 1
+        assert theoretical_gain("1f1b-1", n, m) == pytest.approx(3 * (2 * n - 1) / (n - 1 + 3 * n))

@@ -1,0 +1,163 @@
+"""``jaxhybrid bench pipeline --stages P --schedule NAME [--json]``: pipeline throughput with and without 2BP.
+
+Started as one process, it relaunches itself under the venv's ``mpiexec`` with ``P`` ranks (thread pools
+sized to ``cores // P``). Every rank builds its stage once; the fused schedule and its 2BP twin (and the
+same 2BP schedule over the other transport) then run the same model and batch, interleaved in rounds so
+machine noise hits all alike. A step is timed from a barrier to the slowest rank's end of the pipeline
+phase (no optimizer). Printed JSON:
+
+- ``throughput_fused`` / ``throughput_split``: tokens/s; ``gain`` = split / fused;
+- ``theoretical_gain``: the simulated makespan ratio with F = BI = BW (2BP Table 1 for naive, GPipe,
+  1F1B-1, 1F1B-2; the same simulator for the others);
+- ``event_loop_overhead``: on the 2BP run, the largest over ranks of wall time spent neither in stage
+  kernels nor on messages (blocked receives, sends, receives), over the rank's wall time;
+- ``message_fraction``: time on messages over wall time (same run); ``throughput_split_<other>`` and
+  ``transport_ratio`` (this transport over the other) for the transport choice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+WORKER_FLAG = "--worker"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages P (= MPI ranks)")
+    p.add_argument("--schedule", default="1f1b-1")
+    p.add_argument("--microbatches", type=int, default=0, help="default: what the schedule implies (P or 2P)")
+    p.add_argument("--model", default="gpt-small-cpu", help="model preset")
+    p.add_argument("--layers", type=int, default=0, help="override n_layers (default: preset, at least P)")
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cores", type=int, default=0, help="cores shared by the ranks (default: all)")
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+
+
+def default_microbatches(schedule: str, p: int) -> int:
+    if schedule.startswith("1f1b-") and schedule[5:].isdigit():
+        return int(schedule[5:]) * p
+    return 1 if schedule == "naive" else p
+
+
+def theoretical_gain(schedule: str, p: int, m: int) -> float:
+    """Makespan(fused) / makespan(2BP) with unit F, BI, BW (2BP Table 1's assumption)."""
+    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.simulate import simulate
+
+    fused = simulate(make_schedule(schedule, p, m, split_backward=False)).makespan
+    split = simulate(make_schedule(schedule, p, m, split_backward=True)).makespan
+    return fused / split
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from jaxhybrid.commands.launch import find_mpiexec, rank_environment
+
+    cores = args.cores or len(os.sched_getaffinity(0))
+    env = rank_environment(args.stages, cores, args.timeout)
+    cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
+           "pipeline", *argv, WORKER_FLAG]
+    return subprocess.call(cmd, env=env)
+
+
+def run(args: argparse.Namespace) -> int:
+    m = args.microbatches or default_microbatches(args.schedule, args.stages)
+    from jaxhybrid.pipeline.schedule import make_schedule
+
+    make_schedule(args.schedule, args.stages, m)  # bad input fails here, before any launch
+    if not args.worker:
+        argv = [a for a in sys.argv[sys.argv.index("pipeline") + 1:]] if "pipeline" in sys.argv else []
+        return _launch(args, argv)
+    return _worker(args, m)
+
+
+def _cfg(args: argparse.Namespace, m: int, transport: str):
+    from jaxhybrid.config import config_from_dict
+    from jaxhybrid.model.config import resolve_model
+
+    base = resolve_model(args.model)
+    layers = args.layers or max(base.n_layers, args.stages)
+    return config_from_dict({
+        "model": {"name": args.model, "n_layers": layers, "max_seq_len": max(base.max_seq_len, args.seq)},
+        "data": {"seq_len": args.seq}, "train": {"global_batch": m * args.microbatch_size},
+        "parallel": {"pipeline": args.stages, "data": 1},
+        "pipeline": {"schedule": args.schedule, "microbatches": m, "transport": transport, "watchdog_s": 600.0}})
+
+
+def _step(engine, params, batch, world) -> tuple[float, dict]:
+    from mpi4py import MPI
+
+    world.Barrier()
+    t0 = time.perf_counter()
+    engine.loss_and_grads(params, batch, 1.0)
+    wall = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    rec = engine.loop.recorder
+    loop_wall = engine.loop.wall_s  # this rank's event loop, first task to the end of the flush
+    compute = rec.total("F", "B", "BI", "BW")
+    messages = rec.total("wait", "send", "recv")
+    return wall, {"compute": compute, "messages": messages, "wall": loop_wall}
+
+
+def _worker(args: argparse.Namespace, m: int) -> int:
+    import jax
+    import numpy as np
+
+    from jaxhybrid.model import Model
+    from jaxhybrid.pipeline.runner import PipelineEngine
+    from jaxhybrid.topology import Topology
+
+    other = "mpi4py" if args.transport == "mpi4jax" else "mpi4jax"
+    cfg = _cfg(args, m, args.transport)
+    topo = Topology.from_config(cfg)
+    model = Model(cfg.model)
+    main = PipelineEngine(cfg, model, topo)
+    alt = PipelineEngine(_cfg(args, m, other), model, topo, stage=main.stage)
+    params = main.init_params(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, args.seq + 1)).astype(np.int32)
+    runs = {"fused": (main, False), "split": (main, True), f"split_{other}": (alt, True)}
+    times = {k: [] for k in runs}
+    shares = {k: [] for k in runs}
+    for r in range(args.warmup + args.rounds):
+        for key, (engine, split) in runs.items():
+            engine.set_schedule(args.schedule, split)
+            wall, share = _step(engine, params, batch, topo.world)
+            if r >= args.warmup:
+                times[key].append(wall)
+                shares[key].append(share)
+    tokens = cfg.train.global_batch * args.seq
+    best = {k: min(v) for k, v in times.items()}  # least-disturbed round of each
+    split_shares = shares["split"]
+    overhead = max(1 - (s["compute"] + s["messages"]) / s["wall"] for s in split_shares if s["wall"] > 0)
+    msg_frac = max(s["messages"] / s["wall"] for s in split_shares if s["wall"] > 0)
+    overhead = topo.world.allreduce(overhead, op=_max())
+    msg_frac = topo.world.allreduce(msg_frac, op=_max())
+    if topo.rank == 0:
+        out = {"stages": args.stages, "schedule": args.schedule, "microbatches": m, "model": args.model,
+               "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
+               "throughput_fused": tokens / best["fused"], "throughput_split": tokens / best["split"],
+               "gain": best["fused"] / best["split"],
+               "theoretical_gain": theoretical_gain(args.schedule, args.stages, m),
+               "event_loop_overhead": overhead, "message_fraction": msg_frac,
+               f"throughput_split_{other}": tokens / best[f"split_{other}"],
+               "transport_ratio": best[f"split_{other}"] / best["split"],
+               "step_s": best, "rounds": args.rounds}
+        print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
+    main.close()
+    alt.close()
+    return 0
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
