@@ -59,7 +59,9 @@ class DeviceUpdater:
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
 
     def init(self, params) -> Any:
-        return jax.jit(self.transform.init)(params)
+        # Eager on purpose: a jitted init only builds zeros, so XLA puts every state leaf on one device;
+        # eager zeros_like keeps each parameter's sharding (tensor-parallel params stay sharded).
+        return self.transform.init(params)
 
     def apply(self, params, opt_state, grads, scale, sq, nonfinite):
         return self._apply(params, opt_state, grads, jnp.float32(scale), sq, nonfinite)
