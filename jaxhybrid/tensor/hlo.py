@@ -83,9 +83,11 @@ def collectives(hlo_text: str, mesh_shape: tuple[int, ...]) -> list[MeasuredColl
         p = len(groups[0]) if groups else 1
         if p <= 1:
             continue
-        res = _shape_bytes(m.group("shape"))
-        if m.group("shape").startswith("(") and line.find("-start(") > 0 and op == "all_gather":
-            res //= 2  # async all-gather-start returns (operand, result)
+        shape = m.group("shape")
+        if shape.startswith("(") and "-start(" in line and op == "all_gather":
+            shape = _ARRAY.findall(shape)[-1]  # async all-gather-start returns (operand, result)
+            shape = f"{shape[0]}[{shape[1]}]"
+        res = _shape_bytes(shape)
         buf = {"all_gather": res // p, "reduce_scatter": res * p}.get(op, res)
         name = _OPNAME.search(line)
         out.append(MeasuredCollective(op, _axes(groups[0], mesh_shape), p, buf, name.group(1) if name else ""))
@@ -122,3 +124,34 @@ def add(*dicts: dict) -> dict:
         for k, v in d.items():
             out[k] += v
     return dict(out)
+
+
+_START = re.compile(r"%(\S+) = .*?(all-gather|reduce-scatter|all-reduce|collective-permute)-start\(")
+_DONE = re.compile(r"(all-gather|reduce-scatter|all-reduce|collective-permute)-done\(.*?%(\S+?)\)")
+_COMPUTE = re.compile(r"\s(fusion|dot|convolution|custom-call)\(")
+
+
+def async_overlap(scheduled_hlo: str) -> list[tuple[str, int]]:
+    """For each async collective (``*-start`` .. ``*-done``) in a scheduled module, the number of compute
+    instructions (fusions, dots, convolutions, custom calls) the schedule places between the two: > 0 means
+    the collective overlaps computation. Compiled HLO is printed in schedule order.
+
+    The CPU backend emits no async collectives (every collective is synchronous), so on CPU this is
+    empty; on GPU the latency-hiding scheduler produces the pairs that optimizations B-D rely on.
+    """
+    open_: dict[str, tuple[str, int]] = {}
+    count = 0
+    out = []
+    for line in scheduled_hlo.splitlines():
+        s = _START.search(line)
+        if s:
+            open_[s.group(1)] = (_OPS[s.group(2)], count)
+            continue
+        d = _DONE.search(line)
+        if d and d.group(2) in open_:
+            op, at = open_.pop(d.group(2))
+            out.append((op, count - at))
+            continue
+        if _COMPUTE.search(line):
+            count += 1
+    return out

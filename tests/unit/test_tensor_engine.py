@@ -1,0 +1,127 @@
+"""TensorEngine and the 3D layer: bad input, memory per device, exact init, the 2BP split, switches."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import Model
+from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.step import LocalEngine, split_batch
+from jaxhybrid.tensor.engine import TensorEngine, order_microbatches
+from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
+from jaxhybrid.tensor.mesh import MeshShape, make_mesh
+from jaxhybrid.tensor.sharding import check_layout, is_fully_sharded
+from jaxhybrid.testing import assert_tree_close
+
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _cfg(shape, *extra, check=True):
+    d, dep, r, c = shape
+    return load_config(None, ["model.name=gpt-tiny", "model.n_layers=1", "train.global_batch=8",
+                              "data.seq_len=8", f"parallel.data={d}", f"parallel.tensor_depth={dep}",
+                              f"parallel.tensor_row={r}", f"parallel.tensor_col={c}", *extra], check=check)
+
+
+def test_mesh_product_must_equal_device_count():
+    with pytest.raises(ValueError, match=r"data\(1\) x depth\(2\) x row\(2\) x col\(1\) = 4 != 8 devices"):
+        make_mesh(MeshShape(1, 2, 2, 1))
+    cfg = _cfg((1, 2, 2, 1))
+    with pytest.raises(ValueError, match="= 4 != 8 devices"):
+        TensorEngine(cfg.model, cfg)
+
+
+def test_indivisible_sizes_name_values_and_rule():
+    cfg = _cfg((1, 1, 1, 8), "model.d_model=36", "model.n_heads=4", check=False)
+    with pytest.raises(ValueError, match=r"layer attn.qkv: output features n=108 not divisible by col\(8\).*"
+                                         r"Rule: a dim split over mesh axes must be a multiple"):
+        TensorEngine(cfg.model, cfg)
+    with pytest.raises(ValueError, match=r"batch of 4 sequences per microbatch is not divisible by data\(2\) x "
+                                         r"depth\(4\) = 8"):
+        check_layout(cfg.model.__class__(), MeshShape(2, 4, 1, 1), 4)
+    with pytest.raises(ValueError, match=r"layer mlp.down: input features k=256 not divisible by col\(1\) x "
+                                         r"depth\(512\)"):
+        check_layout(cfg.model.__class__(), MeshShape(1, 512, 1, 1), 512)
+    with pytest.raises(ValueError, match="unknown letters"):
+        TensorEngine(cfg.model, _cfg((1, 2, 2, 2), "tensor.optimizations=ABX"))
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 2), (2, 1, 1, 4), (1, 8, 1, 1)])
+def test_per_device_bytes_of_weights_and_adam_state(shape):
+    cfg = _cfg(shape)
+    eng = TensorEngine(cfg.model, cfg)
+    params = eng.init_params(jax.random.key(0))
+    state = DeviceUpdater(build_transform(cfg.optim, 10), 1.0).init(params)
+    g_tensor = eng.shape.tensor
+    mu, nu = state[0].mu, state[0].nu
+    for tree in (params, mu, nu):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        sharded = [(p, x) for p, x in flat if is_fully_sharded(tuple(getattr(k, "key", "") for k in p))]
+        assert len(sharded) == 6  # wte, qkv, attn_out, mlp_up, mlp_down and the untied head kernel
+        for path, x in sharded:
+            per_device = {s.data.nbytes for s in x.addressable_shards}
+            assert per_device == {x.nbytes // g_tensor}, jax.tree_util.keystr(path)
+
+
+def test_init_is_model_init_bit_for_bit():
+    cfg = _cfg((1, 2, 2, 2))
+    eng = TensorEngine(cfg.model, cfg)
+    got = eng.init_params(jax.random.key(3))
+    assert_tree_close(got, Model(cfg.model).init(jax.random.key(3)), "exact", "init")
+    assert got["block_000"]["attn_out"]["kernel"].sharding.spec == TRANSPOSED.w_spec  # optimization A
+
+
+def test_microbatch_order_matches_split_batch():
+    batch = np.arange(24 * 3).reshape(24, 3)
+    got = order_microbatches(batch, replicas=2, microbatches=3)
+    for m in range(3):
+        for j in range(2):
+            np.testing.assert_array_equal(got[m, j * 4:(j + 1) * 4], split_batch(batch, j, 2, 3)[m])
+
+
+def test_microbatches_and_data_parallel_accumulate_like_single_device():
+    cfg = _cfg((2, 2, 1, 2), "pipeline.microbatches=2")
+    batch = np.random.RandomState(1).randint(0, 256, (8, 9)).astype(np.int32)
+    eng = TensorEngine(cfg.model, cfg, compiler_options=FAST)
+    ref = LocalEngine(Model(cfg.model), microbatches=2)
+    p = ref.init_params(jax.random.key(0))
+    loss, grads = eng.loss_and_grads(jax.device_put(p, eng.shardings), batch, 4.0)
+    loss_r, grads_r = ref.loss_and_grads(p, batch, 4.0)
+    assert_tree_close(loss, loss_r, "fp32_parity", "loss")
+    assert_tree_close(grads, grads_r, "fp32_parity", "grads")
+
+
+@pytest.mark.parametrize("lay", [NORMAL, TRANSPOSED], ids=["normal", "transposed"])
+def test_split_backward_islands_equal_autodiff(lay):
+    """2BP: input_grad and weight_grad run as separate islands give the single-device vjp."""
+    mesh = make_mesh(MeshShape(2, 2, 1, 2))
+    layer = Linear3D(mesh, lay, Switches())
+    k = jax.random.split(jax.random.key(0), 4)
+    x, w = jax.random.normal(k[0], (8, 4, 16)), jax.random.normal(k[1], (16, 8))
+    b, dy = jax.random.normal(k[2], (8,)), jax.random.normal(k[3], (8, 4, 8))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    xs, ws, bs = put(x, lay.x_spec()), put(w, lay.w_spec), put(b, lay.b_spec)
+    y, wg = jax.jit(layer.forward)(xs, ws, bs)
+    dx = jax.jit(layer.input_grad)(put(dy, lay.y_spec()), wg)
+    dw, db = jax.jit(layer.weight_grad, static_argnums=2)(xs, put(dy, lay.y_spec()), True)
+    y_r, vjp = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+    assert_tree_close((y, dx, dw, db), (y_r, *vjp(dy)), "fp32_kernel", "split backward")
+
+
+def test_switches_change_the_lowered_program():
+    """B, C, D off pin the order with optimization barriers; E keeps the gathered W across remat."""
+    def lowered(letters):
+        cfg = _cfg((1, 2, 2, 2), f"tensor.optimizations={letters}", "train.remat=full")
+        eng = TensorEngine(cfg.model, cfg)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              Model(cfg.model).abstract_params(), eng.shardings)
+        return eng._step.lower(params, jax.ShapeDtypeStruct((1, 8, 9), jnp.int32, sharding=eng._batch_sharding),
+                               jnp.float32(1.0)).as_text()
+
+    on, no_e, off = lowered("ABCDE"), lowered("ABCD"), lowered("A")
+    assert on.count("optimization_barrier") < off.count("optimization_barrier")
+    assert on.count("all_gather") < no_e.count("all_gather")  # E: no re-gather in the recomputation

@@ -1,0 +1,79 @@
+"""Collective bytes of the compiled 3D layer equal AxoNN eqs. 4-8 (the planner's comm model).
+
+``jaxhybrid.tensor.hlo`` reads every collective of the compiled, SPMD-partitioned HLO; the predicted
+volumes come from ``jaxhybrid.planner.comm_model.layer_comm_volumes`` (the planner issue's
+implementation of eqs. 4-8), so this is the check of the two against each other.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from jaxhybrid.config import load_config
+from jaxhybrid.tensor import hlo
+from jaxhybrid.tensor.engine import TensorEngine
+from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
+from jaxhybrid.tensor.mesh import MeshShape, factorizations, make_mesh
+from jaxhybrid.tensor.sharding import dense_shapes
+
+B, T, K, N = 8, 4, 32, 64
+
+
+def _layer_hlo(shape, lay):
+    mesh = make_mesh(MeshShape(*shape))
+    layer = Linear3D(mesh, lay, Switches())
+    x = jax.ShapeDtypeStruct((B, T, K), jnp.float32, sharding=NamedSharding(mesh, lay.x_spec()))
+    w = jax.ShapeDtypeStruct((K, N), jnp.float32, sharding=NamedSharding(mesh, lay.w_spec))
+
+    def fwd_bwd(x, w):
+        y, vjp = jax.vjp(layer, x, w)
+        return vjp(y)
+
+    return jax.jit(fwd_bwd).lower(x, w).compile().as_text()
+
+
+@pytest.mark.parametrize("lay", [NORMAL, TRANSPOSED], ids=["normal", "transposed"])
+@pytest.mark.parametrize("shape", factorizations(8), ids=lambda s: "x".join(map(str, s)))
+def test_layer_collective_bytes_equal_eqs_4_to_8(shape, lay):
+    sizes = MeshShape(*shape).sizes()
+    measured = hlo.totals(hlo.collectives(_layer_hlo(shape, lay), shape))
+    predicted = hlo.predicted_layer(B * T // sizes["data"], K, N, sizes, lay.transposed)
+    assert measured == predicted
+
+
+def test_model_dense_sites_match_eqs_4_to_7_and_data_total():
+    """In the whole GPT step every dense site's tensor-axis collectives are eqs. 4-7 of its (k, n).
+
+    Data-axis all-reduces are left out here: XLA combines every gradient all-reduce over data (eq. 8 of
+    all layers, plus the bias and norm gradients, which eqs. 4-8 do not model) into one op.
+    """
+    shape = (2, 2, 2, 1)
+    d, dep, r, c = shape
+    cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layers=1", "train.global_batch=8",
+                             "data.seq_len=8", f"parallel.data={d}", f"parallel.tensor_depth={dep}",
+                             f"parallel.tensor_row={r}", f"parallel.tensor_col={c}"])
+    eng = TensorEngine(cfg.model, cfg, compiler_options={"xla_backend_optimization_level": 0})
+    text = eng.lower(eng.init_params(jax.random.key(0)), np.zeros((8, 9), np.int32)).compile().as_text()
+    measured = hlo.collectives(text, shape)
+    sizes = MeshShape(*shape).sizes()
+    for site, (k, n) in dense_shapes(cfg.model).items():
+        got = {key: v for key, v in hlo.totals(measured, f"axonn_{site}/").items() if "data" not in key[1]}
+        want = {key: v for key, v in hlo.predicted_layer(8 * 8 // d, k, n, sizes, eng.ops.layout(site).transposed
+                                                         if site != "head.logits" else False).items()
+                if "data" not in key[1]}
+        assert got == want, site
+
+
+def test_parse_iota_groups_and_async_pairs():
+    line = ('%ag = f32[8,4]{1,0} all-gather-start(f32[4,4]{1,0} %p), channel_id=1, '
+            'replica_groups=[4,2]<=[2,2,2]T(1,0,2), dimensions={0}, metadata={op_name="x"}')
+    text = line.replace("f32[8,4]{1,0} all-gather-start", "(f32[4,4]{1,0}, f32[8,4]{1,0}) all-gather-start")
+    (c,) = hlo.collectives(text, (1, 2, 2, 2))
+    # iota [2,2,2] transposed (1,0,2): first group {0, 1} -> devices differing in the last (col) axis.
+    assert c.op == "all_gather" and c.axes == ("col",) and c.group_size == 2 and c.buffer_bytes == 64
+    sched = "\n".join([line, "%f = f32[8] fusion(%a), kind=kLoop", "%d = f32[8] dot(%a, %b)",
+                       "%done = f32[8,4] all-gather-done(%ag)"])
+    assert hlo.async_overlap(sched) == [("all_gather", 2)]
