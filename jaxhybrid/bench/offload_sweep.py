@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--params", type=int, required=True)
     ap.add_argument("--bucket-size", type=int, required=True)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
 
     import jax
@@ -42,34 +42,33 @@ def main() -> None:
     state = opt.init(params)
     flat = opt.device_params(state)
 
-    def timed(fn) -> float:
-        fn()  # compile / warm
-        ts = []
-        for _ in range(a.reps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    out = {"sweep_ranks": comm.Get_size(), "allreduce_time_s": {}, "allreduce_optimizer_time_s": {}}
     box = {"state": state, "flat": flat}
 
-    def opt_only():
+    def opt_only(k):
         box["state"], box["flat"], _ = opt.step(box["state"], grads, box["flat"])
 
-    out["optimizer_time_s"] = timed(opt_only)
-    for k in KS:
-        chunk = k * a.bucket_size
-        def reduce_only():
-            allreduce_flat(grads, comm, chunk).block_until_ready()
+    def reduce_only(k):
+        allreduce_flat(grads, comm, k * a.bucket_size).block_until_ready()
 
-        def both():
-            box["state"], box["flat"], _ = opt.step(box["state"], chunks=iter_reduced_chunks(grads, comm, chunk),
-                                                    params=box["flat"])
+    def both(k):
+        box["state"], box["flat"], _ = opt.step(box["state"], chunks=iter_reduced_chunks(grads, comm, k * a.bucket_size),
+                                                params=box["flat"])
+        box["flat"].block_until_ready()
 
-        out["allreduce_time_s"][str(k)] = timed(reduce_only)
-        out["allreduce_optimizer_time_s"][str(k)] = timed(both)
+    kinds = {"optimizer": opt_only, "allreduce": reduce_only, "allreduce_optimizer": both}
+    times = {(name, k): [] for name in kinds for k in KS}
+    for rep in range(a.reps + 1):  # rounds interleave every (kind, k) so machine noise hits all alike
+        for (name, k) in times:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            kinds[name](k)
+            if rep:  # round 0 compiles
+                times[name, k].append(time.perf_counter() - t0)
+    med = {key: float(np.median(v)) for key, v in times.items()}
+    out = {"sweep_ranks": comm.Get_size(), "sweep_reps": a.reps,
+           "optimizer_time_s": float(np.median([med["optimizer", k] for k in KS])),
+           "allreduce_time_s": {str(k): med["allreduce", k] for k in KS},
+           "allreduce_optimizer_time_s": {str(k): med["allreduce_optimizer", k] for k in KS}}
     if world.rank == 0:
         print(json.dumps(out), flush=True)
     comm.Free()
