@@ -186,25 +186,26 @@ class EventLoop:
             dx, wres = self._timed("BI", (mb,), s, lambda: stage.backward_input(res, dy))
             self.wres[(s, mb)] = wres
         else:
-            dx, dp = self._timed("B", (mb,), s, lambda: stage.backward(res, dy))
-            self._accumulate(s, dp)
+            dx, _ = self._timed("B", (mb,), s, lambda: self._accumulated(s, *stage.backward(res, dy)))
         if s > 0:
             self._send(dx, MsgKind.GRAD, mb, s - 1)
 
     def _weight(self, s: int, mbs: tuple[int, ...]) -> None:
         stage = self.stages[s]
         parts = [self.wres.pop((s, m)) for m in mbs]
-        if len(parts) > 1:
-            if self.concat is None:
-                raise ValueError(f"rank {self.rank}: a concatenated BW{mbs} needs a concat function")
-            wres = self.concat(parts)
-        else:
-            wres = parts[0]
-        dp = self._timed("BW", tuple(mbs), s, lambda: stage.backward_weight(self.params[s], wres))
-        self._accumulate(s, dp)
+        if len(parts) > 1 and self.concat is None:
+            raise ValueError(f"rank {self.rank}: a concatenated BW{mbs} needs a concat function")
 
-    def _accumulate(self, s: int, dp: Any) -> None:
+        def weight_pass():  # 2BP Fig. 2: one weight pass over the concatenated microbatches
+            wres = self.concat(parts) if len(parts) > 1 else parts[0]
+            return self._accumulated(s, None, stage.backward_weight(self.params[s], wres))
+
+        self._timed("BW", tuple(mbs), s, weight_pass)
+
+    def _accumulated(self, s: int, dx: Any, dp: Any) -> Any:
+        """Add ``dp`` to the stage's gradient sum (inside the timed kernel window: it is stage work)."""
         self.grads[s] = dp if s not in self.grads else _add(self.grads[s], dp)
+        return dx, self.grads[s]
 
     # -- Myelin Alg. 2 -------------------------------------------------------------------------------
     def _message_driven(self, schedule: Schedule) -> None:
