@@ -103,6 +103,14 @@ def totals(measured: list[MeasuredCollective], scope: str | None = None) -> dict
     return dict(t)
 
 
+def is_tensor_layer_key(key: tuple[str, str]) -> bool:
+    """Keys of eqs. 4-7: gathers/scatters over depth and all-reduces over row or column. All-reduces over
+    data and/or depth are gradient reductions (eq. 8 and the bias gradients, which eqs. 4-8 do not model)
+    that XLA combines across layers into one op, so they cannot be attributed to a single layer."""
+    op, ax = key
+    return not (op == "all_reduce" and ("data" in ax or "depth" in ax))
+
+
 def predicted_layer(m_rows: int, k: int, n: int, sizes: dict[str, int], transposed: bool,
                     bytes_per_elem: int = 4) -> dict[tuple[str, str], int]:
     """AxoNN eqs. 4-8 for one layer, keyed like :func:`totals` (collectives with p > 1 only).

@@ -1,0 +1,137 @@
+"""``jaxhybrid bench tensor``: AxoNN 4D per factorization, and the effect of optimizations A-E (Fig. 3).
+
+For every factorization of the devices into (G_data, G_d, G_r, G_c): the step time, the collective bytes
+of the dense layers read from the compiled HLO against AxoNN eqs. 4-7 (tensor axes) and eq. 8 (data
+axis), and the bytes of the collectives eqs. 4-8 do not model (norm statistics, embedding, vocabulary
+loss, the qkv split). Then, on one factorization with activation recomputation on, the step time as the
+optimizations are switched on one by one (baseline, A, AB, ABC, ABCD, ABCDE), timed in interleaved
+rounds so machine noise hits all alike. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+LADDER = ("", "A", "AB", "ABC", "ABCD", "ABCDE")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny", help="model preset")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices when JAX is not started yet")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ladder-shape", default="1,2,2,2", help="G_data,G_d,G_r,G_c for the A-E ladder")
+    p.add_argument("--only", default="", help="semicolon-separated factorizations to run (default: all)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+
+
+def _cfg(args, shape, letters, remat="none"):
+    from jaxhybrid.config import load_config
+
+    d, dep, r, c = shape
+    return load_config(None, [f"model.name={args.model}", f"model.n_layers={args.layers}",
+                              f"train.global_batch={args.batch}", f"data.seq_len={args.seq}",
+                              f"model.max_seq_len={max(args.seq, 8)}", f"parallel.data={d}",
+                              f"parallel.tensor_depth={dep}", f"parallel.tensor_row={r}",
+                              f"parallel.tensor_col={c}", f"tensor.optimizations={letters}",
+                              f"train.remat={remat}"])
+
+
+def _bytes_report(eng, cfg, shape, hlo_text):
+    from jaxhybrid.tensor import hlo
+    from jaxhybrid.tensor.linear import NORMAL
+    from jaxhybrid.tensor.sharding import dense_shapes
+
+    sizes = eng.shape.sizes()
+    measured = hlo.collectives(hlo_text, shape)
+    m_rows = cfg.train.global_batch * cfg.data.seq_len // sizes["data"]
+    pred_tensor, pred_data, meas_dense = 0, 0, 0
+    for site, (k, n) in dense_shapes(cfg.model).items():
+        lay = NORMAL if site == "head.logits" else eng.ops.layout(site)
+        count = 1 if site == "head.logits" else cfg.model.n_layers
+        for (op, ax), v in hlo.predicted_layer(m_rows, k, n, sizes, lay.transposed).items():
+            if not hlo.is_tensor_layer_key((op, ax)):
+                pred_data += count * v
+            else:
+                pred_tensor += count * v
+        meas_dense += sum(v for key, v in hlo.totals(measured, f"axonn_{site}/").items()
+                          if hlo.is_tensor_layer_key(key))
+    relayout = sum(hlo.totals(measured, "axonn_relayout/").values())
+    data = sum(c.buffer_bytes for c in measured if not hlo.is_tensor_layer_key((c.op, "+".join(c.axes))))
+    total = sum(c.buffer_bytes for c in measured)
+    return {"dense_tensor_axes_measured": meas_dense, "dense_tensor_axes_eqs_4_7": pred_tensor,
+            "grad_allreduce_data_depth_measured": data, "grad_allreduce_eq_8_dense_only": pred_data,
+            "relayout_without_A": relayout, "outside_eqs_4_8": total - meas_dense - relayout - data,
+            "total_measured": total, "dense_match": meas_dense == pred_tensor}
+
+
+def _timed(fns, steps, rounds):
+    import jax
+
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = f()
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / steps)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _engine(args, shape, letters, remat="none"):
+    import jax
+    import numpy as np
+
+    from jaxhybrid.tensor.engine import TensorEngine
+
+    cfg = _cfg(args, shape, letters, remat)
+    eng = TensorEngine(cfg.model, cfg)
+    params = eng.init_params(jax.random.key(0))
+    batch = np.random.RandomState(0).randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
+    text = eng.lower(params, batch).compile().as_text()
+    step = lambda: eng.loss_and_grads(params, batch, 1.0)  # noqa: E731
+    jax.block_until_ready(step())  # compile + warm up
+    return cfg, eng, text, step
+
+
+def run(args: argparse.Namespace) -> int:
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    import jax
+
+    from jaxhybrid.tensor.hlo import async_overlap
+    from jaxhybrid.tensor.mesh import factorizations
+
+    n = len(jax.devices())
+    shapes = ([tuple(int(v) for v in s.split(",")) for s in args.only.split(";")] if args.only
+              else factorizations(n))
+    rows = []
+    for shape in shapes:
+        cfg, eng, text, step = _engine(args, shape, "ABCDE")
+        t = _timed({"step": step}, args.steps, args.rounds)["step"]
+        rows.append({"shape": dict(zip(("data", "depth", "row", "col"), shape)), "step_s": t,
+                     **_bytes_report(eng, cfg, shape, text)})
+        if not args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    ladder_shape = tuple(int(v) for v in args.ladder_shape.split(","))
+    fns, overlap = {}, {}
+    for letters in LADDER:
+        _, _, text, step = _engine(args, ladder_shape, letters, remat="full")
+        fns[letters or "baseline"] = step
+        overlap[letters or "baseline"] = len([c for c in async_overlap(text) if c[1] > 0])
+    times = _timed(fns, args.steps, args.rounds)
+    base = times["baseline"]
+    out = {"model": args.model, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+           "devices": n, "backend": jax.default_backend(), "factorizations": rows,
+           "optimizations": {"shape": list(ladder_shape), "remat": "full",
+                             "step_s": times, "speedup_vs_baseline": {k: base / v for k, v in times.items()},
+                             "async_collectives_overlapping_compute": overlap}}
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
