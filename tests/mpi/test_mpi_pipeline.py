@@ -52,6 +52,7 @@ def test_parity_every_schedule(p, d, flags, extra):
     assert len(cases) == _expected_cases(extra) and all(": ok" in c for c in cases), "\n".join(cases)
     if "--bad-input" in flags:
         assert "BADINPUT ok: parallel.pipeline(3) x parallel.data(1) = 3 != world size 2" in r.stdout
+        assert "BF16 ok" in r.stdout
     if "--trace" in flags:
         assert re.search(r"TRACE bubble_ratio=0\.\d+", r.stdout), out[-2000:]
 
