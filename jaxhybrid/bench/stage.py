@@ -59,8 +59,8 @@ def _time(fn, *args) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.config import load_config
-    from jaxhybrid.model import Model, block_name, resolve_model
-    from jaxhybrid.model.stage import Stage, concat_weight_residuals
+    from jaxhybrid.model import Model, resolve_model
+    from jaxhybrid.model.stage import Stage, concat_weight_residuals, reference_apply
     from jaxhybrid.testing import max_rel_err
 
     cfg = load_config(args.config) if args.config else None
@@ -85,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Plain reference: jax.vjp of the same slice (fused by XLA as it likes), fwd and bwd in separate jits.
     def apply(p, h):
-        if stage.is_first:
-            h = model.apply_embed(p["embed"], h)
-        for i in range(lo, hi):
-            h = model.apply_block(p[block_name(i)], h)
-        return model.apply_head(p["head"], h, tgt, stage.wte(p)) if stage.is_last else h
+        return reference_apply(stage, p, h, tgt)
 
     diff = (lambda p, h: jax.vjp(lambda q: apply(q, h), p)) if stage.is_first else (lambda p, h: jax.vjp(apply, p, h))
     ref_fwd = jax.jit(diff)

@@ -188,6 +188,16 @@ def make_stages(model: Model, partition: list[int], **kw) -> list[Stage]:
     return [Stage(model, lo, hi, num_stages_hint=len(partition), **kw) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def reference_apply(stage: Stage, params: dict, x, targets=None):
+    """The stage's slice through the model's own ``apply_*`` functions (no taps, no kernels): the
+    reference that tests and ``bench stage`` differentiate with plain ``jax.vjp``."""
+    m = stage.model
+    h = m.apply_embed(params["embed"], x) if stage.is_first else x
+    for i in range(stage.first_block, stage.last_block):
+        h = m.apply_block(params[block_name(i)], h)
+    return m.apply_head(params["head"], h, targets, stage.wte(params)) if stage.is_last else h
+
+
 def model_loss_via_stages(stages: list[Stage], params_list: list[dict], tokens, targets) -> jax.Array:
     """The whole model's loss as a chain of the stages' ``custom_vjp`` functions: ``jax.grad`` of this
     runs exactly the kernels the pipeline calls (forward, backward_input, backward_weight)."""
@@ -200,4 +210,4 @@ def model_loss_via_stages(stages: list[Stage], params_list: list[dict], tokens, 
 
 
 __all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals",
-           "make_stages", "model_loss_via_stages"]
+           "make_stages", "model_loss_via_stages", "reference_apply"]
