@@ -93,7 +93,10 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
         params = self.engine.init_params(jax.random.key(self.cfg.train.seed))
-        return TrainState(0, params, self.updater.init(params), loss_scale_from_config(self.cfg.precision))
+        opt_state = self.updater.init(params)
+        # The engine sees the updater's compute copy from step 0 on (offload: bf16/fp16 params, so step 0
+        # and a resumed step get half-precision gradients like every other step; on device: unchanged).
+        return TrainState(0, self.updater.compute_params(params), opt_state, loss_scale_from_config(self.cfg.precision))
 
     def _checkpointer(self) -> Checkpointer:
         return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
