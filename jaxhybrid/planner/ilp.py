@@ -175,14 +175,19 @@ def schedule_allocation(chain: Chain, stages: list[Stage], rel_tol: float = 0.01
     """The smallest period (within ``rel_tol``) of a valid pattern for the allocation; None if even
     ``max_factor`` times the load bound does not fit in memory."""
     lo_T = load_bound(chain, stages)
+    const = processor_constants(chain, stages)
+    for q, c in const.items():  # at any period, a processor holds its weights and one batch of a stage
+        need = c + max(stored_bytes(chain, s) for s in stages if s.processor == q)
+        if need > chain.memory:
+            return None
     pat = solve_pattern(chain, stages, lo_T, time_limit)
     if pat is not None:
         return pat
+    if solve_pattern(chain, stages, max_factor * lo_T, time_limit) is None:  # one ILP rules out the rest
+        return None
     hi_T = lo_T
     while pat is None:
-        lo_T, hi_T = hi_T, hi_T * 1.25
-        if hi_T > max_factor * load_bound(chain, stages):
-            return None
+        lo_T, hi_T = hi_T, min(hi_T * 1.25, max_factor * load_bound(chain, stages))
         pat = solve_pattern(chain, stages, hi_T, time_limit)
     while hi_T - lo_T > rel_tol * hi_T:
         mid = (lo_T + hi_T) / 2

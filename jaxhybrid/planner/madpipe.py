@@ -68,9 +68,10 @@ class _DP:
         self.cum_u = np.cumsum(chain.u)
         self.mem0 = None
 
-    def k_range(self, l: int) -> np.ndarray:
-        """Stage starts worth trying: U(k, l) <= cap and weights + buffers M(k, l, 0) <= M."""
-        k = np.arange(1, l + 1)
+    def k_range(self, l: int, p: int = 1) -> np.ndarray:
+        """Stage starts worth trying: U(k, l) <= cap and weights + buffers M(k, l, 0) <= M; with no
+        normal processor left (p = 0) only k = 1 (the base case: the special one takes layers 1..l)."""
+        k = np.arange(1, l + 1) if p > 0 else np.arange(1, 2)
         ok = (self.ch.U(k, l) <= self.cap * (1 + _EPS)) & (self.ch.mem(k, l, 0) <= self.ch.memory)
         return k[ok]
 
@@ -123,7 +124,7 @@ class _DP:
         for p in range(self.P):
             tab[p, 0, :, :nt, :nm] = self.tg[None, :, None]  # T(0, p, t_P, m_P, V) = t_P
             for l in range(1, self.ch.L + 1):
-                k, nv_l = self.k_range(l), self.v_count(l)
+                k, nv_l = self.k_range(l, p), self.v_count(l)
                 if len(k) == 0 or nv_l == 0:
                     continue
                 normal, special = self.branches(l, p, k, nv_l)
@@ -139,7 +140,7 @@ class _DP:
         l, p, v, t, m = self.ch.L, self.P - 1, 0, 0, 0
         out: list[tuple[int, int, bool]] = []
         while l > 0:
-            k, nv_l = self.k_range(l), self.v_count(l)
+            k, nv_l = self.k_range(l, p), self.v_count(l)
             normal, special = self.branches(l, p, k, nv_l)
             _, _, _, vpi, dti, dmi = self.stage_terms(l, k, nv_l)
             s = special[:, v, t, m]
@@ -195,8 +196,9 @@ def madpipe_partition(chain: Chain, processors: int, iterations: int = 10, grid:
         ub = min(ub, upper + 2 * step)  # slack: grid rounding may cost the DP up to a step
     t_hat, best, best_stages, hist = lb, float("inf"), [], []
     for _ in range(iterations):
-        # Cap the DP at 2 T_hat (and the bracket): a capped run still tells lb <- T_hat exactly.
-        cap = min(ub, 2 * max(t_hat, lb))
+        # Cap the DP at 1.25 T_hat (and the bracket): a capped run still tells lb <- T_hat exactly, and
+        # the DP's work shrinks with the cap (t_P grid and stage lengths).
+        cap = min(ub, 1.25 * max(t_hat, lb))
         T_i, stages = madpipe_dp(chain, processors, t_hat, grid, cap=cap)
         T_i = max(T_i, cap) if not stages else T_i  # capped: we only know T_i >= cap
         tilde = max(T_i, t_hat)
