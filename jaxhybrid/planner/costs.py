@@ -153,8 +153,9 @@ def transformer_chain(n_layers: int = 16, d_model: int = 2048, seq: int = 1024, 
                       vocab: int = 50257, flops_per_s: float = 15.7e12 * 0.5, dtype_bytes: int = 4) -> Profile:
     """A GPT-like chain at sub-block granularity: per block an attention layer and an MLP layer.
 
-    Each layer's a_l is the block's hidden state (what crosses a stage boundary); the attention layer's
-    stash also needs its internals, which are counted into its output as MadPipe counts one tensor per layer.
+    Each layer's a_l is the hidden state it outputs (what crosses a stage boundary). MadPipe's model
+    stores one input tensor per layer and batch, so the layers' internal activations (attention scores,
+    the 4d MLP hidden) are not counted: this chain is light on activations and heavy on weights.
     """
     t = batch * seq
     d = d_model
