@@ -32,7 +32,14 @@ run them at different times; the custom_vjp runs both.
 Optimizations B-E are switches here (A is a layout choice, made by :mod:`jaxhybrid.tensor.ops`). XLA has
 no user-visible async collectives, so a switch that is *off* pins the unoptimised order with a global-view
 ``optimization_barrier`` between islands (inside an island it would merge the varying-axes types of its
-operands), and *on* leaves the islands independent so the latency-hiding scheduler may overlap; see :mod:`jaxhybrid.tensor.hlo` for what the compiled HLO shows.
+operands), and *on* leaves the islands independent so the latency-hiding scheduler may overlap.
+
+What the compiled HLO shows (``jaxhybrid.tensor.hlo``): on the CPU backend every collective is
+synchronous (no ``*-start``/``*-done`` pairs, so nothing can overlap) and the barriers are expanded before
+scheduling: a 2-block GPT on (1, 2, 2, 2) with recomputation compiles to the same sequence of 64
+collectives with B, C, D on or off, and XLA's CSE merges the recomputed all-gathers of unchanged weights,
+so E holds on CPU even when switched off (the lowered program shows the switch: fewer all-gathers with
+E). The overlap itself is a GPU-backend property, measured there with :func:`hlo.async_overlap`.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.tensor.linear import NORMAL, Layout
-from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW, MeshShape
+from jaxhybrid.tensor.mesh import BATCH, COL, ROW, MeshShape
 from jaxhybrid.tensor.ops import EMBED_SPEC, STREAM, TensorOps
 
 MODULE_SITE = {"qkv": "attn.qkv", "attn_out": "attn.out", "mlp_up": "mlp.up", "mlp_gate": "mlp.gate",
@@ -105,6 +105,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 3) -> NamedSharding:
     """Token batches ``[M, rows, seq+1]``: rows over data x depth."""
     return NamedSharding(mesh, P(None, BATCH, *[None] * (ndim - 2)))
 
-
-__all__ = ["check_layout", "param_spec", "param_shardings", "dense_shapes", "is_fully_sharded",
-           "batch_sharding", "DEPTH"]
