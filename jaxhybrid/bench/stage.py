@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     lo, hi = _block_range(args.blocks, mcfg.n_layers)
     model = Model(mcfg, compute_dtype=dtype)
     stage = Stage(model, lo, hi, remat=args.remat)
-    params = stage.slice_params(model.init(jax.random.key(0), seq))
+    params = stage.slice_params(jax.jit(model.init, static_argnums=1)(jax.random.key(0), min(seq, mcfg.max_seq_len)))
     rng = np.random.default_rng(0)
     if stage.is_first:
         xs = [jnp.asarray(rng.integers(0, mcfg.vocab_size, (mb, seq)), jnp.int32) for _ in range(args.concat)]

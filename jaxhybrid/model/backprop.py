@@ -182,4 +182,10 @@ def concat_batch(trees: list[Any]) -> Any:
                              f"sequence length?): {jax.tree.structure(t)} vs {first}")
     if len(trees) == 1:
         return trees[0]
+    return _concat_jit(trees)
+
+
+@jax.jit
+def _concat_jit(trees):
+    # One compiled copy per shape instead of one eager dispatch per leaf.
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
