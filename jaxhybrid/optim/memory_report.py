@@ -72,3 +72,13 @@ def summary_line(report: dict) -> str:
     gib = 2.0**30
     return (f"model state: device {report['device_total'] / gib:.3f} GiB, host {report['host_total'] / gib:.3f} GiB "
             f"(phi={report['params']}, {report['compute_dtype']}, offload={report['offload']})")
+
+
+def report_from_config(cfg, params: int) -> dict:
+    """The report for this process's ``params`` under ``cfg`` (optim.offload, optim.bucket_size,
+    precision.compute_dtype), with the other choice alongside so the saving is visible at start-up."""
+    kw = dict(compute_dtype=cfg.precision.compute_dtype)
+    b = min(cfg.optim.bucket_size, params)
+    chosen = model_state_bytes(params, offload=cfg.optim.offload, bucket_size=b if cfg.optim.offload else 0, **kw)
+    other = model_state_bytes(params, offload=not cfg.optim.offload, bucket_size=0 if cfg.optim.offload else b, **kw)
+    return {**chosen, "alternative": other}

@@ -189,3 +189,17 @@ def test_memory_report_matches_myelin_formulas():
     assert model_state_bytes(phi, compute_dtype="bfloat16", offload=True, bucket_size=b)["device_total"] == 4 * phi + 28 * b
     with pytest.raises(ValueError, match="compute_dtype='int8'"):
         model_state_bytes(phi, compute_dtype="int8")
+
+
+def test_memory_report_from_config_is_written(tmp_path):
+    import json
+
+    from jaxhybrid.config import Config, OptimConfig, PrecisionConfig
+    from jaxhybrid.optim.memory_report import report_from_config, summary_line, write_report
+
+    cfg = Config(optim=OptimConfig(offload=True, bucket_size=100), precision=PrecisionConfig(compute_dtype="bfloat16"))
+    rep = report_from_config(cfg, 10_000)
+    assert rep["device_total"] == 4 * 10_000 + 28 * 100 and rep["alternative"]["device_total"] == 20 * 10_000
+    path = write_report(tmp_path, rep)
+    assert json.loads(path.read_text())["host_total"] == 12 * 10_000
+    assert "offload=True" in summary_line(rep)
