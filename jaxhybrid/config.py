@@ -352,6 +352,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"positive entries summing to model.n_layers={m.n_layers}")
     if o.bucket_size <= 0:
         errors.append(f"optim.bucket_size={o.bucket_size} must be > 0")
+    elif o.offload and o.bucket_size > m.param_count():
+        errors.append(f"optim.bucket_size={o.bucket_size} exceeds the model's {m.param_count()} parameters; "
+                      f"use at most {m.param_count()}")
     if o.allreduce_coarsening < 1:
         errors.append(f"optim.allreduce_coarsening={o.allreduce_coarsening} must be >= 1")
     if not (0 < o.lr < 1) or o.warmup_steps < 0 or o.grad_clip < 0:

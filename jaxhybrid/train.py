@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,9 +146,15 @@ class Trainer:
         ckpt = self._checkpointer()
         if cfg.run.resume:
             st = self.restore(ckpt, st)
+        from jaxhybrid.optim.memory_report import report_from_config, summary_line, write_report
+
+        n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(st.params))
+        mem = report_from_config(cfg, n_params)  # this process's model state, with and without offload
         if writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_report(self.run_dir, mem)
+            print(summary_line(mem), file=sys.stderr, flush=True)
         hw = metrics_lib.load_hardware(cfg.metrics.hardware)
         n_dev = max(1, cfg.world_size * cfg.tensor_size)
         mw = metrics_lib.MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,

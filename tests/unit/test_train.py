@@ -36,10 +36,12 @@ def test_loss_falls_on_real_text(tmp_path):
     assert out["last_loss"] == losses[-1]
 
 
-def test_resume_is_bit_exact(tmp_path):
-    straight = Trainer(_cfg(tmp_path, "train.steps=20", name="a"))
+@pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
+                                           "precision.compute_dtype=bfloat16")], ids=["device", "offload-bf16"])
+def test_resume_is_bit_exact(tmp_path, extra):
+    straight = Trainer(_cfg(tmp_path, "train.steps=20", *extra, name="a"))
     straight.run()
-    first = Trainer(_cfg(tmp_path, "train.steps=20", "checkpoint.every=10", name="b"))
+    first = Trainer(_cfg(tmp_path, "train.steps=20", "checkpoint.every=10", *extra, name="b"))
     # Stop after 10 steps as a crash would: run 10 steps of a 20-step schedule, checkpoint at 10.
     st = first.init_state()
     ckpt = first._checkpointer()
@@ -47,11 +49,14 @@ def test_resume_is_bit_exact(tmp_path):
         st, _ = first.step(st)
     first.save(ckpt, st)
     ckpt.close()
-    resumed = Trainer(_cfg(tmp_path, "train.steps=20", "run.resume=true", name="b"))
+    resumed = Trainer(_cfg(tmp_path, "train.steps=20", "run.resume=true", *extra, name="b"))
     resumed.run()
     assert _losses(tmp_path / "b")[-10:] == _losses(tmp_path / "a")[-10:]
     assert_tree_close(resumed.final_state.params, straight.final_state.params, "exact", "params after resume")
-    assert_tree_close(resumed.final_state.opt_state, straight.final_state.opt_state, "exact", "adam state")
+    state = resumed.updater.state_dict
+    assert_tree_close(state(resumed.final_state.opt_state), state(straight.final_state.opt_state), "exact",
+                      "optimizer state (host-resident when offloaded)")
+    assert (tmp_path / "b" / "memory.json").is_file()
 
 
 def test_overflow_skips_step_and_halves_scale(tmp_path):
