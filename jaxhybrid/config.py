@@ -140,8 +140,18 @@ class Config:
 
     @property
     def world_size(self) -> int:
+        """MPI ranks: G_inter x G_data. In tensor mode (one pipeline stage, a tensor mesh) the data axis
+        is a mesh axis of one process (or of JAX's distributed runtime), not MPI ranks."""
         p = self.parallel
+        if p.pipeline == 1 and self.tensor_size > 1:
+            return 1
         return p.pipeline * p.data
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the whole job: G_inter x G_data x G_d x G_r x G_c."""
+        p = self.parallel
+        return p.pipeline * p.data * self.tensor_size
 
     @property
     def tensor_size(self) -> int:
@@ -368,6 +378,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
                 if dim % ax:
                     errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
+    if p.pipeline > 1 and ts > 1:
+        errors.append(f"parallel.pipeline={p.pipeline} with a tensor mesh of {ts} devices (hybrid pipeline x tensor) "
+                      f"is not supported yet; use parallel.pipeline=1 for tensor parallelism or tensor sizes of 1")
     if world_size is not None and world_size != cfg.world_size:
         errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
                       f"!= world size {world_size}")

@@ -156,7 +156,7 @@ class Trainer:
             write_report(self.run_dir, mem)
             print(summary_line(mem), file=sys.stderr, flush=True)
         hw = metrics_lib.load_hardware(cfg.metrics.hardware)
-        n_dev = max(1, cfg.world_size * cfg.tensor_size)
+        n_dev = cfg.num_devices
         mw = metrics_lib.MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
                                        progress=cfg.metrics.progress, is_writer=writer,
                                        log_every=cfg.train.log_every, start_step=st.step)

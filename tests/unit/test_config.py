@@ -8,7 +8,8 @@ def test_defaults_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: {name: llama-tiny}\ntrain: {steps: 7}\n")
     cfg = load_config(f, ["train.global_batch=32", "parallel.partition=[1,3]", "parallel.pipeline=2",
-                          "pipeline.microbatches=2", "optim.offload=true"])
+                          "pipeline.microbatches=2", "optim.offload=true",
+                          "optim.bucket_size=1000"])
     assert cfg.model.kind == "llama" and cfg.train.steps == 7 and cfg.train.global_batch == 32
     assert cfg.parallel.partition == (1, 3) and cfg.optim.offload is True
     assert cfg.microbatch_size == 16
@@ -70,3 +71,13 @@ def test_optimal_checkpoint_interval():
     assert optimal_checkpoint_interval(48, 4) == 6
     assert optimal_checkpoint_interval(16, 1) == 4
     assert optimal_checkpoint_interval(96, 24) == 4
+
+
+def test_tensor_mode_data_axis_is_a_mesh_axis():
+    from jaxhybrid.config import validate
+
+    cfg = load_config(None, ["parallel.data=2", "parallel.tensor_col=2", "parallel.tensor_row=2"])
+    assert cfg.world_size == 1
+    validate(cfg, world_size=1)
+    with pytest.raises(ConfigError, match="hybrid pipeline x tensor"):
+        load_config(None, ["parallel.pipeline=2", "pipeline.microbatches=2", "parallel.tensor_col=2"])
