@@ -77,13 +77,18 @@ class PipelineEngine:
                               self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat,
                               waiting=self.watchdog.note)
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
+        self.microbatch_size = mb
         self.last_step: dict[str, float] = {}
 
-    def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0) -> None:
-        """Switch to another schedule with the same microbatches (benchmarks and parity sweeps reuse the
-        compiled stage kernels). Pure check first: a bad combination raises on every rank alike."""
-        self.schedule = make_schedule(name, self.num_stages, self.microbatches, split_backward=split_backward,
+    def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0,
+                     microbatches: int | None = None) -> None:
+        """Switch to another schedule (benchmarks and parity sweeps reuse the compiled stage kernels).
+        The microbatch size stays fixed (the transport's message shape); ``microbatches`` may change,
+        and with it the global batch. Pure check first: a bad combination raises on every rank alike."""
+        m = self.microbatches if microbatches is None else microbatches
+        self.schedule = make_schedule(name, self.num_stages, m, split_backward=split_backward,
                                       pipeline_limit=pipeline_limit)
+        self.microbatches = m
 
     # -- GradEngine ----------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array) -> dict:
@@ -92,6 +97,11 @@ class PipelineEngine:
 
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         t0 = time.perf_counter()
+        want = self.replicas * self.microbatches * self.microbatch_size
+        if batch.shape[0] != want:
+            raise ValueError(f"{self.who}: global batch of {batch.shape[0]} sequences; this engine expects "
+                             f"replicas({self.replicas}) x microbatches({self.microbatches}) x microbatch size "
+                             f"({self.microbatch_size}) = {want}")
         mbs = split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)

@@ -28,14 +28,16 @@ from jaxhybrid.step import LocalEngine
 from jaxhybrid.testing import assert_tree_close
 from jaxhybrid.topology import Topology
 
-STEPS, SEQ = 3, 8
+# Every case uses microbatches of MB sequences, so all schedules share one set of compiled stage kernels
+# (1F1B-1's M = P then means a smaller global batch, with its own single-device reference).
+STEPS, SEQ, MB = 3, 8, 2
 WORLD = MPI.COMM_WORLD
 
 
 def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, **extra):
     tree = {"model": {"name": "gpt-tiny", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 2,
                       "d_ff": 64, "max_seq_len": 16, "tie_embeddings": tied},
-            "data": {"seq_len": SEQ}, "train": {"steps": STEPS, "global_batch": 4 * p * d},
+            "data": {"seq_len": SEQ}, "train": {"steps": STEPS, "global_batch": MB * m * d},
             # eps=1e-3: Adam divides by sqrt(v); on gradients that are zero in exact arithmetic (the key
             # bias: softmax ignores it) float noise of 1e-9 would become a full +-lr step, on either side.
             "optim": {"warmup_steps": 1, "grad_clip": 0.0 if tied else 1.0, "bucket_size": 1000, "eps": 1e-3},
@@ -165,14 +167,15 @@ def main() -> int:
         status = "ok"
         t0 = time.perf_counter()
         try:
-            if tied not in refs:
-                refs[tied] = reference(cfg, batches(cfg))
-            ref_losses, ref_grads, ref_params = refs[tied]
-            key = (transport, tied, m)
+            rkey = (tied, cfg.train.global_batch)
+            if rkey not in refs:
+                refs[rkey] = reference(cfg, batches(cfg))
+            ref_losses, ref_grads, ref_params = refs[rkey]
+            key = (transport, tied)
             if key not in engines:  # later cases switch schedules on it: kernels compile once per shape
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
-            engine.set_schedule(name, split)
+            engine.set_schedule(name, split, microbatches=m)
             losses, grads, params = train(engine, cfg, batches(cfg))
             what = f"[{name} 2bp={split} {transport} tied={tied} rank {topo.rank}]"
             assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
