@@ -13,11 +13,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
 
 _REQUIRED = ("name", "forward_s", "backward_s", "weight_bytes", "activation_bytes")
 _OPTIONAL = ("backward_input_s", "backward_weight_s")
-HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
 
 @dataclass(frozen=True)
@@ -77,15 +75,19 @@ def profile_from_json(data: dict) -> Profile:
     return Profile(_number(data["input_bytes"], "input_bytes"), tuple(layers))
 
 
-def load_profile(path: str | Path) -> Profile:
+def read_json(path: str | Path, what: str):
+    """Parse a JSON file; a missing file or bad JSON raises an error naming ``what`` and the path."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"profile not found: {p}")
+        raise FileNotFoundError(f"{what} not found: {p}")
     try:
-        data = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"profile {p} is not valid JSON: {e}") from None
-    return profile_from_json(data)
+        raise ValueError(f"{what} {p} is not valid JSON: {e}") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    return profile_from_json(read_json(path, "profile"))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -93,17 +95,14 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 
 
 def load_hardware(name_or_path: str) -> dict:
-    """A ``configs/hardware`` file by name (``perlmutter``) or path."""
-    p = Path(name_or_path)
-    if not p.is_file():
-        p = HARDWARE_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        names = sorted(f.stem for f in HARDWARE_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"hardware {name_or_path!r} not found; known: {', '.join(names)}")
-    hw = yaml.safe_load(p.read_text())
-    for k in ("name", "peak_tflops", "memory_bytes", "gpus_per_node"):
+    """A ``configs/hardware`` file by name (``perlmutter``) or path: :func:`jaxhybrid.metrics.load_hardware`
+    plus the keys the planner needs."""
+    from jaxhybrid.metrics import load_hardware as load_checked
+
+    hw = load_checked(name_or_path)
+    for k in ("name", "memory_bytes", "gpus_per_node"):
         if k not in hw:
-            raise ValueError(f"hardware file {p} is missing '{k}'")
+            raise ValueError(f"hardware file {name_or_path!r} is missing '{k}'")
     return hw
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
+from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
@@ -133,12 +134,7 @@ def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
 def load_plan_overrides(path: str | Path) -> dict:
     """Read a plan file from ``jaxhybrid plan --out`` and return its nested config overrides."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"plan file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"plan file {p} is not valid JSON: {e}") from None
+    data = read_json(p, "plan file")
     cfg = data.get("config") if isinstance(data, dict) else None
     if not isinstance(cfg, dict) or not {"parallel", "pipeline", "optim"} <= set(cfg):
         raise ValueError(f"plan file {p} has no 'config' with parallel/pipeline/optim overrides; "
