@@ -131,7 +131,9 @@ class Trainer:
             scale = math.inf  # an injected overflow travels the real path: non-finite grads
         batch = self.sampler.batch(st.step)
         loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
-        sq, nonfinite = self.updater.stats(grads)
+        # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
+        norm_view = getattr(self.engine, "norm_view", None)
+        sq, nonfinite = self.updater.stats(norm_view(grads) if norm_view else grads)
         sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
         params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
         finite = not bool(nonfinite)
@@ -182,6 +184,8 @@ class Trainer:
                     self.save(ckpt, st)
             if cfg.checkpoint.at_end:
                 self.save(ckpt, st)
+            if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
+                self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)

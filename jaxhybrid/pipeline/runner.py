@@ -135,6 +135,15 @@ class PipelineEngine:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def norm_view(self, grads: dict) -> dict:
+        """The gradients this rank contributes to the global norm: the last stage's tied-embedding copy
+        holds the same summed gradient as the first stage's ``embed.wte``, so it is counted once."""
+        from jaxhybrid.model.stage import TIED_KEY
+
+        if TIED_KEY in grads and self.stage_index != 0:
+            return {k: v for k, v in grads.items() if k != TIED_KEY}
+        return grads
+
     # -- helpers -------------------------------------------------------------------------------------
     def _sum_tied(self, grads: dict) -> dict:
         """Tied embeddings: the first stage's ``embed.wte`` and the last stage's copy read by the head

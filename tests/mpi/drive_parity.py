@@ -40,7 +40,7 @@ def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, **extra)
             "data": {"seq_len": SEQ}, "train": {"steps": STEPS, "global_batch": MB * m * d},
             # eps=1e-3: Adam divides by sqrt(v); on gradients that are zero in exact arithmetic (the key
             # bias: softmax ignores it) float noise of 1e-9 would become a full +-lr step, on either side.
-            "optim": {"warmup_steps": 1, "grad_clip": 0.0 if tied else 1.0, "bucket_size": 1000, "eps": 1e-3},
+            "optim": {"warmup_steps": 1, "grad_clip": 1.0, "bucket_size": 1000, "eps": 1e-3},
             "parallel": {"pipeline": p, "data": d},
             "pipeline": {"schedule": schedule, "microbatches": m, "split_backward": split, "transport": transport,
                          "watchdog_s": 60.0}}
@@ -71,7 +71,8 @@ def train(engine, cfg, data):
     for b in data:
         loss, grads = engine.loss_and_grads(params, b, 1.0)
         first = jax.tree.map(np.asarray, grads) if first is None else first
-        sq, nonfinite = updater.stats(grads)
+        view = getattr(engine, "norm_view", None)  # as Trainer.step: tied copies counted once
+        sq, nonfinite = updater.stats(view(grads) if view else grads)
         sq, nonfinite = engine.global_sum(sq), engine.global_max(nonfinite)
         params, state, _ = updater.apply(params, state, grads, 1.0, sq, nonfinite)
         losses.append(float(loss))
