@@ -295,8 +295,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 *, check: bool = True) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, then :func:`validate`."""
     tree: dict[str, Any] = load_yaml(path) if path else {}
-    tree = _merge(tree, parse_overrides(list(overrides)))
+    cli = parse_overrides(list(overrides))
+    tree = _merge(tree, cli)
     cfg = _apply(Config(), tree)
+    if cfg.plan.file:
+        # A plan from `jaxhybrid plan --out` sits between the YAML file and the command line.
+        from jaxhybrid.planner.plan import load_plan_overrides
+
+        base = load_yaml(path) if path else {}
+        cfg = _apply(Config(), _merge(_merge(base, load_plan_overrides(cfg.plan.file)), cli))
     if check:
         validate(cfg)
     return cfg

@@ -29,13 +29,6 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = load_config(args.config, overrides, check=False)
-    if cfg.plan.file:
-        from jaxhybrid.planner.plan import load_plan_overrides
-        from jaxhybrid.config import _merge, parse_overrides, load_yaml, config_from_dict
-
-        tree = load_yaml(args.config) if args.config else {}
-        tree = _merge(_merge(tree, load_plan_overrides(cfg.plan.file)), parse_overrides(overrides))
-        cfg = config_from_dict(tree, check=False)
     validate(cfg, launched_world_size())
     from jaxhybrid.train import Trainer
 

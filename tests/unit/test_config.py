@@ -81,3 +81,18 @@ def test_tensor_mode_data_axis_is_a_mesh_axis():
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match="hybrid pipeline x tensor"):
         load_config(None, ["parallel.pipeline=2", "pipeline.microbatches=2", "parallel.tensor_col=2"])
+
+
+def test_plan_file_sits_between_yaml_and_command_line(tmp_path):
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"config": {"parallel": {"pipeline": 2, "data": 1, "partition": [1, 3]},
+                                           "pipeline": {"schedule": "gpipe", "microbatches": 4,
+                                                        "split_backward": True},
+                                           "optim": {"offload": False}, "train": {"global_batch": 8}}}))
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {steps: 3, global_batch: 64}\npipeline: {schedule: 1f1b}\n")
+    cfg = load_config(f, [f"plan.file={plan}", "pipeline.microbatches=8"])
+    assert (cfg.parallel.pipeline, cfg.parallel.partition, cfg.pipeline.schedule) == (2, (1, 3), "gpipe")
+    assert cfg.train.global_batch == 8 and cfg.train.steps == 3 and cfg.pipeline.microbatches == 8
