@@ -69,6 +69,25 @@ def build_updater(cfg: Config, engine):
     return DeviceUpdater(transform, cfg.optim.grad_clip)
 
 
+def _committed(tree, like=None):
+    """Commit uncommitted device arrays. Freshly created arrays are uncommitted and the jit cache keys on
+    that, so without this every jitted step would compile twice (steps 1 and 2). Leaves that are not yet
+    placed go where ``like``'s leaves live: replicated over its mesh (tensor mode) or on its device."""
+    ref = next((x for x in jax.tree.leaves(like if like is not None else tree) if isinstance(x, jax.Array)), None)
+    if ref is None:
+        return tree
+    home = ref.sharding
+    if isinstance(home, jax.sharding.NamedSharding):
+        home = jax.sharding.NamedSharding(home.mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        if not isinstance(x, jax.Array) or getattr(x, "committed", True):
+            return x
+        return jax.device_put(x, x.sharding if len(x.sharding.device_set) > 1 else home)
+
+    return jax.tree.map(place, tree)
+
+
 @dataclass
 class TrainState:
     step: int
@@ -93,11 +112,12 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
-        params = self.engine.init_params(jax.random.key(self.cfg.train.seed))
-        opt_state = self.updater.init(params)
+        params = _committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))
+        opt_state = _committed(self.updater.init(params), like=params)
         # The engine sees the updater's compute copy from step 0 on (offload: bf16/fp16 params, so step 0
         # and a resumed step get half-precision gradients like every other step; on device: unchanged).
-        return TrainState(0, self.updater.compute_params(params), opt_state, loss_scale_from_config(self.cfg.precision))
+        return TrainState(0, _committed(self.updater.compute_params(params)), opt_state,
+                          loss_scale_from_config(self.cfg.precision))
 
     def _checkpointer(self) -> Checkpointer:
         return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
@@ -121,7 +141,8 @@ class Trainer:
             if hasattr(self.updater, "load_state_dict") else \
             jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=jnp.asarray(ref).dtype), st.opt_state, state["opt_state"])
         self.sampler.load_state_dict(meta["sampler"])
-        return TrainState(int(meta["step"]), params, opt_state, st.loss_scale.load_state_dict(meta["loss_scale"]))
+        return TrainState(int(meta["step"]), _committed(params), _committed(opt_state, like=params),
+                          st.loss_scale.load_state_dict(meta["loss_scale"]))
 
     # -- loop --------------------------------------------------------------------------------------
     def step(self, st: TrainState) -> tuple[TrainState, dict]:

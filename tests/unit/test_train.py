@@ -94,3 +94,13 @@ def test_bench_step_prints_ratio(tmp_path, capsys):
               + [a for kv in FAST for a in ("--set", kv)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ratio"] > 0 and out["trainer_step_s"] > 0 and out["plain_step_s"] > 0
+
+
+def test_step_compiles_once(tmp_path):
+    """Fresh arrays are uncommitted and jit keys on that: the trainer commits them so step 2 reuses step 1."""
+    t = Trainer(_cfg(tmp_path, "train.steps=3", "model.n_layers=1"))
+    st = t.init_state()
+    for _ in range(3):
+        st, _ = t.step(st)
+    assert t.engine._step._cache_size() == 1
+    assert t.updater._apply._cache_size() == 1
