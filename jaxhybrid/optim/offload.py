@@ -34,6 +34,7 @@ import optax
 from jaxhybrid.optim.buckets import BucketLayout, check_bucketable
 from jaxhybrid.optim.flat import FlatSpec
 from jaxhybrid.optim.hoststore import make_store
+from jaxhybrid.optim.updater import _stats, clip_factor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -44,19 +45,6 @@ class OffloadState:
 
     buckets: tuple
     shared: tuple
-
-
-def clip_factor(scale, sq, grad_clip: float):
-    """Multiplier applied to loss-scaled gradients: ``1/scale`` times the global-norm clip factor.
-
-    The same expression as ``DeviceUpdater`` so both paths agree bit for bit given the same ``sq``.
-    """
-    inv = 1.0 / scale
-    factor = inv
-    if grad_clip > 0:
-        norm = jnp.sqrt(sq) * inv
-        factor = inv * jnp.minimum(1.0, grad_clip / (norm + 1e-6))
-    return factor, jnp.sqrt(sq) * inv
 
 
 class OffloadedOptimizer:
@@ -327,8 +315,6 @@ class OffloadUpdater:
     """
 
     def __init__(self, transform: optax.GradientTransformation, cfg, backend: str | None = None):
-        from jaxhybrid.optim.updater import _stats
-
         o = cfg.optim
         self.opt = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
                                       compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw")

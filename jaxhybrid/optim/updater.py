@@ -28,6 +28,18 @@ def build_transform(o, total_steps: int) -> optax.GradientTransformation:
                        weight_decay=o.weight_decay)
 
 
+def clip_factor(scale, sq, grad_clip: float):
+    """Multiplier for loss-scaled gradients (``1/scale`` times the global-norm clip factor) and the
+    unscaled global norm. One expression for the on-device and the offloaded path, so both agree bit
+    for bit given the same ``sq``."""
+    inv = 1.0 / scale
+    factor = inv
+    if grad_clip > 0:
+        norm = jnp.sqrt(sq) * inv
+        factor = inv * jnp.minimum(1.0, grad_clip / (norm + 1e-6))
+    return factor, jnp.sqrt(sq) * inv
+
+
 def _stats(grads):
     leaves = jax.tree.leaves(grads)
     sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)
@@ -44,17 +56,13 @@ class DeviceUpdater:
         self.stats = jax.jit(_stats)
 
         def apply(params, opt_state, grads, scale, sq, nonfinite):
-            inv = 1.0 / scale
-            factor = inv
-            if grad_clip > 0:
-                norm = jnp.sqrt(sq) * inv
-                factor = inv * jnp.minimum(1.0, grad_clip / (norm + 1e-6))
+            factor, gnorm = clip_factor(scale, sq, grad_clip)
             g = jax.tree.map(lambda x: x * factor.astype(x.dtype), grads)
             updates, new_state = transform.update(g, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             ok = nonfinite == 0
             pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-            return pick(new_params, params), pick(new_state, opt_state), jnp.sqrt(sq) * inv
+            return pick(new_params, params), pick(new_state, opt_state), gnorm
 
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
 
