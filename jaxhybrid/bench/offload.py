@@ -145,11 +145,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(n: int, bsize: int, dtype: str) -> dict:
+    from jaxhybrid.commands.launch import find_mpiexec, rank_environment
+
     root = Path(__file__).resolve().parents[2]
-    mpirun = Path(sys.executable).parent / "mpirun"
-    env = dict(os.environ, MPIEXEC_TIMEOUT="300", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    cmd = [str(mpirun), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "jaxhybrid.bench.offload_sweep",
+    # The launcher's per-rank settings: threads sized to cores / ranks, a timeout, CPU-only.
+    env = dict(rank_environment(2, len(os.sched_getaffinity(0)), 300), JAX_PLATFORMS="cpu")
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "jaxhybrid.bench.offload_sweep",
            "--params", str(n), "--bucket-size", str(bsize), "--dtype", dtype]
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=330)
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
