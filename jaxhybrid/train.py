@@ -25,6 +25,7 @@ from jaxhybrid.checkpoint import Checkpointer
 from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
 from jaxhybrid.model import Model
 from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.step import LocalEngine
 
@@ -136,13 +137,10 @@ class Trainer:
             raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
         like = {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}
         state, meta = ckpt.restore(step, like)
-        params = jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=ref.dtype), st.params, state["params"])
-        opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"]) \
-            if hasattr(self.updater, "load_state_dict") else \
-            jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=jnp.asarray(ref).dtype), st.opt_state, state["opt_state"])
+        params = place_like(st.params, state["params"])
+        opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"])
         self.sampler.load_state_dict(meta["sampler"])
-        return TrainState(int(meta["step"]), _committed(params), _committed(opt_state, like=params),
-                          st.loss_scale.load_state_dict(meta["loss_scale"]))
+        return TrainState(int(meta["step"]), params, opt_state, st.loss_scale.load_state_dict(meta["loss_scale"]))
 
     # -- loop --------------------------------------------------------------------------------------
     def step(self, st: TrainState) -> tuple[TrainState, dict]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -38,6 +39,12 @@ def clip_factor(scale, sq, grad_clip: float):
         norm = jnp.sqrt(sq) * inv
         factor = inv * jnp.minimum(1.0, grad_clip / (norm + 1e-6))
     return factor, jnp.sqrt(sq) * inv
+
+
+def place_like(like, saved):
+    """Host arrays from a checkpoint, put back with the dtype and sharding of the live tree ``like``
+    (committed, so the restored step reuses the compiled programs of a fresh run)."""
+    return jax.tree.map(lambda ref, x: jax.device_put(np.asarray(x, dtype=ref.dtype), ref.sharding), like, saved)
 
 
 def _stats(grads):
@@ -76,6 +83,9 @@ class DeviceUpdater:
 
     def state_dict(self, opt_state) -> Any:
         return opt_state
+
+    def load_state_dict(self, like, saved) -> Any:
+        return place_like(like, saved)
 
     def compute_params(self, params):
         return params
