@@ -112,11 +112,34 @@ def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None =
     """
     if comm is None or comm.Get_size() == 1:
         return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
+    if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)):
+        return _allreduce_per_device(tree, comm, chunk_elems, scale)
     flat, unravel = ravel_pytree(tree)
     out = allreduce_flat(flat, comm, chunk_elems)
     if scale is not None:
         out = out * jnp.asarray(scale, out.dtype)
     return unravel(out)
+
+
+def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float | None) -> Any:
+    """Hybrid pipeline x tensor: leaves sharded over this rank's tensor mesh. mpi4jax moves single-device
+    buffers only, so each local device reduces its own shards of every leaf (a bucketed all-reduce per
+    device, in device-id order on every rank: the ranks of a data column build identical meshes, so device
+    k holds the same shard indices everywhere) and the leaves are reassembled with their shardings."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shards: dict[Any, list[tuple[int, jax.Array]]] = {}
+    for i, leaf in enumerate(leaves):
+        for sh in leaf.addressable_shards:
+            shards.setdefault(sh.device, []).append((i, sh.data))
+    reduced: dict[tuple[int, Any], jax.Array] = {}
+    for dev in sorted(shards, key=lambda d: d.id):
+        idx, arrs = zip(*shards[dev])
+        for i, r in zip(idx, allreduce_tree(list(arrs), comm, chunk_elems, scale)):
+            reduced[(i, dev)] = r
+    out = [jax.make_array_from_single_device_arrays(
+        leaf.shape, leaf.sharding, [reduced[(i, sh.device)] for sh in leaf.addressable_shards])
+        for i, leaf in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:

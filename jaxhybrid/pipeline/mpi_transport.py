@@ -10,6 +10,12 @@ non-blocking send, so a sender thread owns the sends; the main loop ``Iprobe``s 
 (a 3-int envelope sent with mpi4py just before the payload) and only then calls the jitted receive, so
 it never blocks on a message that has not been sent. :class:`Mpi4pyTransport` stages through host numpy
 buffers with ``Isend`` and ``Improbe``/``Mrecv``.
+
+Hybrid pipeline x tensor (AxoNN-4D item 5): a stage's activations are sharded over the rank's local
+tensor mesh, and mpi4jax refuses multi-device arrays. Given the activation ``sharding``, the mpi4py
+transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one through the
+mesh's first device (a device-side gather, then a single-device send), and both lay a received payload
+out with that sharding before the next stage's kernels read it.
 """
 from __future__ import annotations
 
@@ -49,30 +55,35 @@ def _decode_tag(tag: int) -> Envelope:
 
 
 class _Base:
-    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.template = template
         self.wire = wire_dtype(template.dtype)
         self.journal = Journal()
         self._error: BaseException | None = None
+        self.sharding = sharding  # multi-device layout of payloads (hybrid pipeline x tensor) or None
+        self.home = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else None
+
+    def _laid_out(self, x: jax.Array) -> jax.Array:
+        return x if self.sharding is None else jax.device_put(x, self.sharding)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"rank {self.rank}: pipeline send failed: {self._error!r}") from self._error
 
     def _to_jax(self, buf: np.ndarray) -> jax.Array:
-        x = jnp.asarray(buf)
-        return jax.lax.bitcast_convert_type(x, self.template.dtype) if self.wire != self.template.dtype else x
+        x = buf if self.wire == self.template.dtype else buf.view(np.dtype(self.template.dtype))  # bit-exact
+        return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
 
 
 class Mpi4pyTransport(_Base):
     """Host-staged buffers: ``Isend`` returns at once; ``Improbe``+``Mrecv`` receive a whole message."""
 
-    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
         from mpi4py import MPI
 
-        super().__init__(comm, template)
+        super().__init__(comm, template, sharding)
         self._pending: list[tuple[Any, np.ndarray]] = []
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
 
@@ -124,8 +135,8 @@ class Mpi4jaxTransport(_Base):
     communicator) in order, so the k-th header from a source names its k-th payload.
     """
 
-    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct):
-        super().__init__(comm, template)
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
+        super().__init__(comm, template, sharding)
         self.header_comm = comm.Dup()  # collective on the row: every rank builds its transport together
         self._sendq: queue.Queue = queue.Queue()
         self._sends: dict[int, Any] = {}
@@ -158,7 +169,9 @@ class Mpi4jaxTransport(_Base):
                 y = mpi4jax.recv(jnp.zeros(shape, wire), source, tag=0, comm=comm)
                 return jax.lax.bitcast_convert_type(y, dt) if wire != dt else y
 
-            self._recvs[source] = jax.jit(recv)
+            # Received on the mesh's first device (mpi4jax moves single-device buffers only).
+            home = None if self.home is None else jax.sharding.SingleDeviceSharding(self.home)
+            self._recvs[source] = jax.jit(recv, out_shardings=home)
         return self._recvs[source]
 
     def _sender(self) -> None:
@@ -179,6 +192,8 @@ class Mpi4jaxTransport(_Base):
 
     def send(self, x, dest: int, envelope: Envelope) -> None:
         self._raise_pending()
+        if self.home is not None:  # gather the shards onto one device (dispatched here, async)
+            x = jax.device_put(x, self.home)
         self.journal.sent(dest, envelope)
         self._sendq.put((x, dest, envelope))
 
@@ -193,7 +208,7 @@ class Mpi4jaxTransport(_Base):
         header = np.empty(3, np.int32)
         self.header_comm.Recv(header, source=src, tag=0)
         env = Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2]))
-        payload = self._recv_fn(src)()
+        payload = self._laid_out(self._recv_fn(src)())
         self.journal.received(src, env)
         return Message(env, src, payload)
 
@@ -206,10 +221,11 @@ class Mpi4jaxTransport(_Base):
         self._thread.join(timeout=5)
 
 
-def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct):
-    """``pipeline.transport``: ``mpi4jax`` (design card) or ``mpi4py`` (host-staged Isend)."""
+def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
+    """``pipeline.transport``: ``mpi4jax`` (design card) or ``mpi4py`` (host-staged Isend); ``sharding``:
+    the payloads' layout on this rank's tensor mesh (hybrid layouts), None for single-device stages."""
     if name == "mpi4jax":
-        return Mpi4jaxTransport(comm, template)
+        return Mpi4jaxTransport(comm, template, sharding)
     if name == "mpi4py":
-        return Mpi4pyTransport(comm, template)
+        return Mpi4pyTransport(comm, template, sharding)
     raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax or mpi4py")

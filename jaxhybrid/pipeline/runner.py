@@ -11,6 +11,7 @@ same message.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -56,18 +57,28 @@ class PipelineEngine:
             install_abort_on_exception(who, topology.world)
         # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
         interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
+        # Hybrid pipeline x tensor (AxoNN-4D item 5): this rank's stage runs on its local tensor mesh, with
+        # the tensor ops injected into the (unchanged) model; checks the layout before any compile.
+        self.local = None
+        stage_model = model
+        if cfg.tensor_size > 1:
+            from jaxhybrid.tensor.local import LocalTensor
+
+            self.local = LocalTensor.from_config(cfg)
+            stage_model = dataclasses.replace(model, ops=self.local.ops)
         first, last = topology.blocks
         if stage is not None and (stage.first_block, stage.last_block) != (first, last):
             raise ValueError(f"{who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
                              f"the topology assigns [{first}, {last})")
-        self.stage = stage or Stage(model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
+        self.stage = stage or Stage(stage_model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
                                     checkpoint_interval=interval)
         mb = cfg.microbatch_size
         template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
         if self.num_stages > 1:
             from jaxhybrid.pipeline.mpi_transport import make_transport
 
-            self.transport = make_transport(pl.transport, topology.p2p, template)
+            sharding = self.local.activation_sharding if self.local else None
+            self.transport = make_transport(pl.transport, topology.p2p, template, sharding)
         else:
             self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
         self.watchdog = Watchdog(who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
@@ -92,8 +103,10 @@ class PipelineEngine:
 
     # -- GradEngine ----------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array) -> dict:
-        """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation."""
-        return self.stage.slice_params(self.model.init(rng))
+        """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
+        (placed on the rank's tensor mesh in hybrid layouts)."""
+        params = self.stage.slice_params(self.model.init(rng))
+        return self.local.place(params) if self.local else params
 
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         t0 = time.perf_counter()
@@ -162,7 +175,7 @@ class PipelineEngine:
         other = np.empty_like(mine)
         self.topo.row.Sendrecv(mine, dest=peer, sendtag=7, recvbuf=other, source=peer, recvtag=7)
         # Same summation order on both ranks (first + last) so the two copies are bit-identical.
-        total = jnp.asarray(mine + other if first else other + mine).astype(g.dtype)
+        total = jax.device_put((mine + other if first else other + mine).astype(g.dtype), g.sharding)
         out = dict(grads)
         if first:
             out["embed"] = dict(grads["embed"], wte=total)

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.model.stage import TIED_KEY
 from jaxhybrid.tensor.linear import NORMAL, Layout
 from jaxhybrid.tensor.mesh import BATCH, COL, ROW, MeshShape
 from jaxhybrid.tensor.ops import EMBED_SPEC, STREAM, TensorOps
@@ -79,6 +80,8 @@ def param_spec(path: tuple[str, ...], letters: str) -> P:
     """PartitionSpec of one parameter from its path in the flat ``Model.init`` dict."""
     if path[0] == "embed":
         return EMBED_SPEC if path[-1] == "wte" else P(None, STREAM)
+    if path[0] == TIED_KEY:  # a last pipeline stage's copy of the tied table: laid out as the table
+        return EMBED_SPEC
     if path[0] == "head" and path[-1] == "kernel":
         return NORMAL.w_spec
     if len(path) >= 3 and path[-2] in MODULE_SITE:
@@ -98,7 +101,7 @@ def param_shardings(params: Any, mesh: Mesh, letters: str) -> Any:
 
 def is_fully_sharded(path: tuple[str, ...]) -> bool:
     """True for the parameters split over depth x row x col (the per-device bytes test)."""
-    return path[-1] in ("kernel", "wte")
+    return path[-1] in ("kernel", "wte", TIED_KEY)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 3) -> NamedSharding:

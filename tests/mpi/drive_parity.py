@@ -34,9 +34,15 @@ STEPS, SEQ, MB = 3, 8, 2
 WORLD = MPI.COMM_WORLD
 
 
-def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, **extra):
-    tree = {"model": {"name": "gpt-tiny", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 2,
-                      "d_ff": 64, "max_seq_len": 16, "tie_embeddings": tied},
+TENSOR: dict = {}  # hybrid pipeline x tensor: parallel.tensor_* and tensor.optimizations of every case
+
+
+def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, kind="gpt2", **extra):
+    model = {"name": "gpt-tiny" if kind == "gpt2" else "llama-tiny", "kind": kind, "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 2,
+             "d_ff": 64, "max_seq_len": 16, "tie_embeddings": tied}
+    if kind == "llama":
+        model["n_kv_heads"] = 2
+    tree = {"model": model,
             "data": {"seq_len": SEQ}, "train": {"steps": STEPS, "global_batch": MB * m * d},
             # eps=1e-3: Adam divides by sqrt(v); on gradients that are zero in exact arithmetic (the key
             # bias: softmax ignores it) float noise of 1e-9 would become a full +-lr step, on either side.
@@ -44,7 +50,7 @@ def make_cfg(p, d, schedule, m, split, transport="mpi4jax", tied=False, **extra)
             "parallel": {"pipeline": p, "data": d},
             "pipeline": {"schedule": schedule, "microbatches": m, "split_backward": split, "transport": transport,
                          "watchdog_s": 60.0}}
-    for k, v in extra.items():
+    for k, v in {**TENSOR, **extra}.items():
         tree.setdefault(k.split(".")[0], {})[k.split(".")[1]] = v
     return config_from_dict(tree)
 
@@ -147,38 +153,52 @@ def main() -> int:
     ap.add_argument("--cases", default="naive,gpipe,1f1b-1,1f1b-2,zb-h1,myelin,1f1b")
     ap.add_argument("--mpi4py-cases", default="", help="schedules also run over the mpi4py transport")
     ap.add_argument("--tied", action="store_true", help="also a tied-embedding 1f1b case")
+    ap.add_argument("--tensor", default="", help="D,R,C: hybrid layout, every rank a local (depth, row, col) "
+                    "mesh (the launcher gives each rank D*R*C devices); schedules then also run with llama "
+                    "and without optimization A")
     ap.add_argument("--bad-input", action="store_true")
     ap.add_argument("--trace", action="store_true", help="write and check a merged trace of one case")
     a = ap.parse_args()
     p, d = a.pipeline, a.data
+    if a.tensor:
+        dp, rw, cl = (int(v) for v in a.tensor.split(","))
+        TENSOR.update({"parallel.tensor_depth": dp, "parallel.tensor_row": rw, "parallel.tensor_col": cl})
     if a.bad_input:
         bad_input_checks(p, d)
-    cases = [(n, s, "mpi4jax", False) for n in a.cases.split(",") if n for s in (False, True)
+    # (schedule, 2bp, transport, tied, model kind, tensor optimizations)
+    cases = [(n, s, "mpi4jax", False, "gpt2", "ABCDE") for n in a.cases.split(",") if n for s in (False, True)
              if not (n == "zb-h1" and not s)]
-    cases += [(n, True, "mpi4py", False) for n in a.mpi4py_cases.split(",") if n]
+    cases += [(n, True, "mpi4py", False, "gpt2", "ABCDE") for n in a.mpi4py_cases.split(",") if n]
     if a.tied:
-        cases.append(("1f1b", True, "mpi4jax", True))
+        cases.append(("1f1b", True, "mpi4jax", True, "gpt2", "ABCDE"))
+    if a.tensor:
+        cases += [("1f1b", True, "mpi4jax", False, "llama", "ABCDE"), ("1f1b", True, "mpi4py", False, "gpt2", "BCDE")]
     topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
     if a.bad_input:
         bf16_round_trip(topo)
     refs, engines, failures = {}, {}, 0
-    for name, split, transport, tied in cases:
+    for name, split, transport, tied, kind, letters in cases:
         m = p if name == "1f1b-1" else 2 * p
-        cfg = make_cfg(p, d, name, m, split, transport, tied)
+        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters})
         status = "ok"
         t0 = time.perf_counter()
         try:
-            rkey = (tied, cfg.train.global_batch)
+            rkey = (tied, kind, cfg.train.global_batch)
             if rkey not in refs:
                 refs[rkey] = reference(cfg, batches(cfg))
             ref_losses, ref_grads, ref_params = refs[rkey]
-            key = (transport, tied)
+            key = (transport, tied, kind, letters)
             if key not in engines:  # later cases switch schedules on it: kernels compile once per shape
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
             engine.set_schedule(name, split, microbatches=m)
             losses, grads, params = train(engine, cfg, batches(cfg))
-            what = f"[{name} 2bp={split} {transport} tied={tied} rank {topo.rank}]"
+            what = f"[{name} 2bp={split} {transport} tied={tied} {kind} {letters} rank {topo.rank}]"
+            if a.tensor:  # the stage really runs sharded: every kernel is split over the whole local mesh
+                flat = jax.tree_util.tree_flatten_with_path(engine.init_params(jax.random.key(0)))[0]
+                kernels = [x for path, x in flat if "kernel" in jax.tree_util.keystr(path)]
+                ways = {x.size // x.addressable_shards[0].data.size for x in kernels}
+                assert ways == {cfg.tensor_size}, f"{what} kernels split {ways} ways, want {cfg.tensor_size}"
             assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
             # slice_params of the reference gives the tied copy the whole table's gradient (both uses).
             mine = engine.stage.slice_params
@@ -201,7 +221,7 @@ def main() -> int:
         bad = [s for s in (statuses or []) if s != "ok"]
         failures += bool(bad) if WORLD.rank == 0 else 0
         if WORLD.rank == 0:
-            print(f"CASE grid={p}x{d} {name} 2bp={split} {transport} tied={tied}: "
+            print(f"CASE grid={p}x{d} {name} 2bp={split} {transport} tied={tied} {kind} opt={letters}: "
                   f"{'ok' if not bad else bad[0]} ({time.perf_counter() - t0:.1f} s)", flush=True)
     for e in engines.values():
         e.close()

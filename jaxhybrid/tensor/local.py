@@ -1,0 +1,79 @@
+"""Tensor parallelism inside one pipeline rank: hybrid pipeline x tensor x data (AxoNN-4D Sec. V, item 5).
+
+In the hybrid layout the Myelin grid ``G_inter x G_data`` is MPI ranks (stages and data replicas exchange
+activations and all-reduce gradients over MPI), and every rank drives a local mesh ``(1, G_d, G_r, G_c)`` of
+its own devices: the same :class:`~jaxhybrid.tensor.ops.TensorOps` the whole-model engine uses, injected
+into the stage's model, so the stage's forward / backward_input / backward_weight kernels are
+``shard_map`` islands with AxoNN's collectives and the model code does not change. The mesh's data axis
+has size 1 here: data parallelism is the MPI column, as in Myelin.
+
+A rank's devices are ``jax.local_devices()`` when it sees exactly ``G_d G_r G_c`` of them (one GPU set per
+rank via ``CUDA_VISIBLE_DEVICES``, or ``--xla_force_host_platform_device_count`` on CPU), otherwise the
+block of its node-local rank (``MPI_LOCALRANKID`` / ``OMPI_COMM_WORLD_LOCAL_RANK`` / ``SLURM_LOCALID``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxhybrid.tensor.mesh import BATCH, MeshShape, make_mesh
+from jaxhybrid.tensor.ops import STREAM, TensorOps
+from jaxhybrid.tensor.sharding import check_layout, param_shardings
+
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node (0 when not launched by MPI or Slurm)."""
+    for var in _LOCAL_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def rank_devices(n: int, devices: list | None = None, node_rank: int | None = None) -> list:
+    """The ``n`` devices this rank's tensor mesh uses; ValueError naming the counts and the fix."""
+    devs = list(jax.local_devices() if devices is None else devices)
+    if len(devs) == n:
+        return devs
+    r = local_rank() if node_rank is None else node_rank
+    if len(devs) >= n * (r + 1):
+        return devs[r * n:(r + 1) * n]
+    raise ValueError(
+        f"this rank (node-local rank {r}) needs parallel.tensor_depth x tensor_row x tensor_col = {n} local "
+        f"devices and sees {len(devs)} ({devs[0].platform if devs else 'none'}); on CPU launch with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, on GPUs give every rank {n} GPUs "
+        f"(CUDA_VISIBLE_DEVICES) or a node {n} GPUs per rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTensor:
+    """One rank's tensor mesh, its ops object and the shardings of a stage's parameters and messages."""
+
+    mesh: Any
+    ops: TensorOps
+
+    @classmethod
+    def from_config(cls, cfg, devices: list | None = None) -> "LocalTensor":
+        """Checks every divisibility rule (names the values) before building anything."""
+        p, m = cfg.parallel, cfg.model
+        shape = MeshShape(1, p.tensor_depth, p.tensor_row, p.tensor_col)
+        check_layout(m, shape, cfg.microbatch_size, cfg.tensor.optimizations)
+        mesh = make_mesh(shape, rank_devices(shape.tensor, devices))
+        return cls(mesh, TensorOps.build(mesh, m.n_heads, m.kv_heads, cfg.tensor.optimizations))
+
+    def param_shardings(self, params: Any) -> Any:
+        return param_shardings(params, self.mesh, self.ops.letters)
+
+    def place(self, params: Any) -> Any:
+        """Host or single-device parameters -> the stage's sharded layout (unique shards per device)."""
+        return jax.device_put(params, self.param_shardings(params))
+
+    @property
+    def activation_sharding(self) -> NamedSharding:
+        """Stage-boundary activations / their gradients ``[mb, T, d]``: the residual stream's layout."""
+        return NamedSharding(self.mesh, P(BATCH, None, STREAM))

@@ -1,0 +1,69 @@
+"""Hybrid pipeline x tensor (AxoNN-4D item 5), the in-process parts: which devices a rank's mesh uses,
+the layout checks made before any compile, the tied table's layout, and a sharded stage's kernels
+against the single-device stage. The MPI parity runs are in tests/mpi/test_mpi_pipeline.py."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxhybrid.config import load_config
+from jaxhybrid.model import Model
+from jaxhybrid.model.stage import TIED_KEY, Stage
+from jaxhybrid.tensor.local import LocalTensor, rank_devices
+from jaxhybrid.tensor.ops import EMBED_SPEC
+from jaxhybrid.tensor.sharding import param_spec
+from jaxhybrid.testing import assert_tree_close
+
+
+def _cfg(*extra):
+    return load_config(None, ["model.name=gpt-tiny", "model.n_layers=2", "parallel.pipeline=2",
+                              "pipeline.microbatches=2", "train.global_batch=4", "data.seq_len=8", *extra])
+
+
+def test_rank_uses_its_node_local_block_of_devices():
+    devs = jax.devices()  # 8 fake CPU devices (conftest)
+    assert rank_devices(8, devs) == devs
+    assert rank_devices(4, devs, node_rank=1) == devs[4:]
+    with pytest.raises(ValueError, match=r"node-local rank 2\) needs .* = 4 local devices and sees 8 .*"
+                                         r"xla_force_host_platform_device_count=4"):
+        rank_devices(4, devs, node_rank=2)
+
+
+def test_layout_checked_before_any_compile():
+    # microbatch of 2 sequences over depth 4: X's rows cannot be split.
+    cfg = _cfg("parallel.tensor_depth=4")
+    with pytest.raises(ValueError, match=r"batch of 2 sequences per microbatch is not divisible by data\(1\) x "
+                                         r"depth\(4\)"):
+        LocalTensor.from_config(cfg, devices=jax.devices()[:4])
+
+
+def test_tied_copy_is_laid_out_like_the_table():
+    assert param_spec((TIED_KEY,), "ABCDE") == EMBED_SPEC == param_spec(("embed", "wte"), "ABCDE")
+
+
+@pytest.mark.parametrize("first,last", [(0, 1), (1, 2)])
+def test_sharded_stage_matches_single_device_stage(first, last):
+    """The last stage's loss and both stages' split backward on a (1, 2, 2, 2) local mesh equal the
+    reference stage's (fp32_parity), parameters kept as unique shards."""
+    cfg = _cfg("parallel.tensor_depth=2", "parallel.tensor_row=2", "parallel.tensor_col=2", "model.tie_embeddings=true")
+    local = LocalTensor.from_config(cfg)
+    ref_model = Model(cfg.model)
+    ref = Stage(ref_model, first, last)
+    sharded = Stage(Model(cfg.model, local.ops), first, last)
+    params = ref.slice_params(ref_model.init(jax.random.key(0)))
+    placed = local.place(params)
+    rng = np.random.default_rng(0)
+    x = (rng.integers(0, 64, (2, 8)).astype(np.int32) if first == 0
+         else rng.standard_normal((2, 8, cfg.model.d_model)).astype(np.float32))
+    t = rng.integers(0, 64, (2, 8)).astype(np.int32) if sharded.is_last else None
+    outs = []
+    for stage, p in ((ref, params), (sharded, placed)):
+        y, res = stage.forward(p, x, t)
+        dy = np.float32(1.0) if stage.is_last else np.ones(y.shape, np.float32)
+        dx, wr = stage.backward_input(res, dy)
+        outs.append(jax.tree.map(np.asarray, (y, dx, stage.backward_weight(p, wr))))
+    assert_tree_close(outs[1], outs[0], "fp32_parity", f"stage [{first}, {last}) on (1, 2, 2, 2)")
+    if TIED_KEY in placed:
+        leaf = placed[TIED_KEY]
+        assert leaf.addressable_shards[0].data.size * 8 == leaf.size  # unique shards, like the table
