@@ -60,7 +60,8 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         continue
                     scheds = schedules if pipe > 1 else ("gpipe",)
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
-                        if split and pipe == 1:
+                        # The offloaded optimizer takes single-device buckets only (config validation).
+                        if (split and pipe == 1) or (off and gc * gr * gd > 1):
                             continue
                         yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
 
@@ -97,7 +98,8 @@ def _describe(lay: Layout) -> str:
 
 def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
     """Double the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
-    lower memory per device), microbatch 1, as many microbatches as stages, offload and recomputation on."""
+    lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and offload
+    where there is no tensor grid."""
     g = gpus * 2
     while g <= gpus * 4096:
         for pipe in _divisors(g):
@@ -108,9 +110,10 @@ def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
                 for r in _divisors(rest // c):
                     if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (c, r)):
                         continue
-                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, True, "full")
+                    off = rest == 1  # offload only without a tensor grid (config validation)
+                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, off, "full")
                     if evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes:
-                        return (f"{g} GPUs would fit ({_describe(lay)}; offload and recomputation on; "
+                        return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
         g *= 2
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"

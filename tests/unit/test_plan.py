@@ -8,7 +8,8 @@ import pytest
 from jaxhybrid.config import config_from_dict
 from jaxhybrid.model.config import PRESETS
 from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import PLAN_KEYS, load_plan_overrides, machine_from_hardware, rank_plans, write_plan
+from jaxhybrid.planner.plan import (PLAN_KEYS, load_plan_overrides, machine_from_hardware, plan_overrides, rank_plans,
+                                    write_plan)
 from jaxhybrid.planner.step_model import Layout, evaluate
 
 
@@ -57,7 +58,10 @@ def test_model_that_cannot_fit_says_which_constraint_and_what_would():
 
 
 def test_plan_file_round_trips_into_a_valid_config(tmp_path):
-    plans = rank_plans(PRESETS["gpt2-small"], 8, _machine(), global_batch=16, seq=1024, top=50)
+    plans = rank_plans(PRESETS["gpt2-small"], 8, _machine(), global_batch=16, seq=1024, top=10_000)
+    for p in plans:  # every ranked layout is one the config validation accepts (hybrid ones included)
+        config_from_dict({"model": "gpt2-small", "data": {"seq_len": 1024}, **plan_overrides(p, 16)})
+    assert any(p["pipeline"] > 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1 for p in plans)
     piped = next(p for p in plans if p["pipeline"] > 1)
     path = tmp_path / "plan.json"
     write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024})
