@@ -49,8 +49,11 @@ def find_mpiexec(explicit: str = "") -> str:
     return found
 
 
-def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for every rank: thread pools of ``max(1, cores // n)`` threads, CPU-only XLA flags."""
+def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | None = None,
+                     devices: int = 1) -> dict[str, str]:
+    """Environment for every rank: thread pools of ``max(1, cores // n)`` threads, CPU-only XLA flags, and
+    ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only shapes the CPU
+    platform: on a GPU node the ranks still use their GPUs). Flags already set by the user win."""
     if n < 1:
         raise ValueError(f"-n {n}: need at least one rank")
     if timeout < 0:
@@ -63,10 +66,29 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     flags = env.get("XLA_FLAGS", "")
     extra = [f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}",
              f"intra_op_parallelism_threads={threads}"]
+    if devices > 1:
+        extra.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()
     if timeout:
         env["MPIEXEC_TIMEOUT"] = str(timeout)
     return env
+
+
+def devices_per_rank(train_args: list[str]) -> int:
+    """Devices each rank's tensor mesh needs (``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
+    mode), from the train arguments' config; 1 when the config cannot be read (the ranks report why)."""
+    from jaxhybrid.commands import train as train_cmd
+    from jaxhybrid.config import load_config
+
+    p = argparse.ArgumentParser(add_help=False)
+    train_cmd.add_arguments(p)
+    args = [a for a in train_args if a != "--"]
+    try:
+        ns, _ = p.parse_known_args(args[1:] if args[:1] == ["train"] else args)
+        cfg = load_config(ns.config, ns.overrides, check=False)
+    except Exception:  # noqa: BLE001 (the ranks load the same config and name the problem)
+        return 1
+    return max(1, cfg.num_devices // cfg.world_size)
 
 
 def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "") -> list[str]:
@@ -96,7 +118,8 @@ def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    env = rank_environment(args.n, int(cores or 1), args.timeout)
+    per_rank = 1 if args.script else devices_per_rank(args.train_args)
+    env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT")

@@ -47,7 +47,7 @@ def rank_devices(n: int, devices: list | None = None, node_rank: int | None = No
         f"this rank (node-local rank {r}) needs parallel.tensor_depth x tensor_row x tensor_col = {n} local "
         f"devices and sees {len(devs)} ({devs[0].platform if devs else 'none'}); on CPU launch with "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, on GPUs give every rank {n} GPUs "
-        f"(CUDA_VISIBLE_DEVICES) or a node {n} GPUs per rank")
+        f"(CUDA_VISIBLE_DEVICES) or a node with {n} GPUs per rank")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,6 @@
 """Grid coordinates and layer partitions (pure, no MPI), plus the launcher's command line."""
+from pathlib import Path
+
 import pytest
 
 from jaxhybrid.commands.launch import build_command, rank_environment
@@ -54,6 +56,17 @@ def test_launch_command_and_thread_environment():
     assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, 2, 0)
+    # A hybrid layout's ranks get their tensor mesh's CPU devices; a user's own count wins.
+    from jaxhybrid.commands.launch import devices_per_rank
+
+    runs = Path(__file__).resolve().parents[2] / "configs" / "runs"
+    hybrid = ["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"]
+    assert devices_per_rank(hybrid) == 4 and devices_per_rank(["--config", str(runs / "pipeline_2x2.yaml")]) == 1
+    assert devices_per_rank(["--config", "/nonexistent.yaml"]) == 1  # the ranks report the missing file
+    env = rank_environment(4, 2, 0, base={}, devices=4)
+    assert "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
+    env = rank_environment(4, 2, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
+    assert env["XLA_FLAGS"].count("device_count") == 1 and "device_count=3" in env["XLA_FLAGS"]
 
 
 def test_bench_theoretical_gain_is_2bp_table1():
