@@ -64,8 +64,8 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     env["OPENBLAS_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
     flags = env.get("XLA_FLAGS", "")
-    extra = [f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}",
-             f"intra_op_parallelism_threads={threads}"]
+    # Only "--" flags: XLA stops parsing XLA_FLAGS at the first token without dashes, silently.
+    extra = [f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"]
     if devices > 1:
         extra.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.mpi
 def test_offload_bit_exact_under_mpirun():
     env = dict(os.environ, MPIEXEC_TIMEOUT="150", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
     cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", sys.executable, "-m", "mpi4py",
            str(ROOT / "tests/mpi/drive_offload.py")]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
