@@ -4,7 +4,8 @@ Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``b
 ``backward_weight`` (single, and on K microbatches concatenated as 2BP Fig. 2), plus a plain reference
 (``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
 interleave the variants so machine noise hits all alike; each figure is the median over rounds of
-``block_until_ready`` timings. Prints JSON with ``split_over_fused = (input + weight) / fused``
+``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
+per-round ratio (the noise band). Prints JSON with ``split_over_fused = (input + weight) / fused``
 (goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--remat", default="none", choices=["none", "dots", "full"])
     p.add_argument("--concat", type=int, default=4, help="K microbatches for the concatenated weight pass")
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds (median reported)")
+    p.add_argument("--repeats", type=int, default=25, help="timed rounds (median reported)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -121,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         times["ref_backward"].append(_time(ref_bwd, vjp, dy))
     med = {k: float(np.median(v)) for k, v in times.items()}
     split = med["backward_input"] + med["backward_weight"]
+    # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
+    rounds = (np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"]))
+    q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
     out = {
         "model": mcfg.name, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "forward_s": med["forward"], "backward_fused_s": med["backward_fused"],
         "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],
         "backward_weight_concat_s": med["backward_weight_concat"], "concat_s": med["concat"],
-        "split_over_fused": split / med["backward_fused"],
+        "split_over_fused": split / med["backward_fused"], "split_over_fused_rounds_iqr": [q25, q75],
         "split_over_plain_vjp": split / med["ref_backward"],
         "fused_over_plain_vjp": med["backward_fused"] / med["ref_backward"],
         "concat_weight_over_single": med["backward_weight_concat"] / med["backward_weight"],

@@ -189,9 +189,10 @@ def test_kernels_compile_once_per_shape():
     assert stage.trace_counts == first
 
 
-def test_bfloat16_stages_match_bf16_vjp_and_track_float32():
-    full = _full_params("llama", 0)
-    s32, s16 = _stage("llama", 0, 3), _stage("llama", 0, 3, "none", "bfloat16")
+@pytest.mark.parametrize("kind", ["llama", "gpt2-tied"])  # gpt2: biases and the tied logits in bf16
+def test_bfloat16_stages_match_bf16_vjp_and_track_float32(kind):
+    full = _full_params(kind, 0)
+    s32, s16 = _stage(kind, 0, 3), _stage(kind, 0, 3, "none", "bfloat16")
     params = s32.slice_params(full)
     x, tgt = _inputs(s32, 7)
     one = jnp.ones((), jnp.float32)
@@ -205,7 +206,7 @@ def test_bfloat16_stages_match_bf16_vjp_and_track_float32():
     assert_tree_close(grads["bf16"], _reference(s16, params, x, tgt, one)[2], "bf16_parity", "bf16 vs bf16 vjp ")
     err = max_rel_err(grads["bf16"], grads["f32"])
     assert TOLERANCES["fp32_kernel"] < err < 5e-2, err  # really ran in bf16, and still tracks float32
-    mid = _stage("llama", 1, 2, "none", "bfloat16")
+    mid = _stage(kind, 1, 2, "none", "bfloat16")
     y, res = mid.forward(mid.slice_params(full), jnp.ones((2, T, 32), jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and Stage.residual_bytes(res) > 0
 
