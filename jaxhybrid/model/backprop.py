@@ -14,11 +14,17 @@ Every weighted sublayer of the model goes through the injected ops object (``ops
   cotangents of K microbatches concatenated along the batch give the SUM of their K weight gradients in
   one larger matmul per site (2BP Fig. 2). Linear sites of the reference ops skip the recomputation:
   their weight gradient is 2BP's ``dW = x^T dy`` (Sec. 3), computed directly (see :meth:`Tape.linear`).
-* mode ``"discover"``: records the shapes of the site outputs (for building the zero taps).
+* Norm sites of the reference ops (scale, bias: one vector applied to every token) take a cheaper
+  route, :meth:`Tape.norm`: in tap mode they run on per-sample copies ``w + tap`` (tap: zeros
+  ``[mb, 1, d]``), so the input pass returns each sample's norm-weight gradient as that tap's
+  cotangent, a token reduction fused into the norm backward it runs anyway; the weight pass only sums
+  over the batch. A norm then keeps neither its input nor its output cotangent for the weight pass.
+* mode ``"discover"``: records the shapes of the site outputs and of the norm weight taps.
 * mode ``"plain"``: the wrapped ops unchanged (forward-only recomputation segments).
 
-The norms are sites too (their scale/bias gradients are weight gradients); the attention core and the
-loss have no parameters and are replaced by cheap placeholders in replay mode.
+Under other ops (tensor-parallel: sharded norm statistics, collectives in the matmuls) linear and norm
+sites are replayed sites as above. The attention core and the loss have no parameters and are replaced
+by cheap placeholders in replay mode.
 """
 from __future__ import annotations
 
@@ -44,9 +50,12 @@ class Tape:
       site_index: for each site, the position of its input in ``records`` (llama's gate and up share one).
       cots: tap cotangents dL/d(site output), in site order (replay mode).
       shapes: ShapeDtypeStruct of each site output (discover mode).
+      wtaps: zero per-sample taps on the norm weights, in order (tap mode).
+      partials: per-sample norm-weight gradients, the wtaps' cotangents (replay mode).
+      wshapes: ShapeDtypeStruct of each norm weight tap (discover mode).
     """
 
-    def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None):
+    def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None, wtaps=None, partials=None):
         if mode not in ("tap", "replay", "discover", "plain"):
             raise ValueError(f"Tape mode {mode!r}; choose tap, replay, discover or plain")
         self.mode = mode
@@ -55,8 +64,40 @@ class Tape:
         self.site_index = list(site_index)
         self.cots = list(cots or [])
         self.shapes: list[jax.ShapeDtypeStruct] = []
+        self.wtaps = list(wtaps or [])
+        self.partials = list(partials or [])
+        self.wshapes: list[jax.ShapeDtypeStruct] = []
         self.acc = jnp.zeros((), jnp.float32)
-        self.i = 0
+        self.i = 0  # next site
+        self.k = 0  # next norm weight
+
+    def norm(self, fn: Callable[..., Array], x: Array, weights: tuple[Array, ...]) -> Array:
+        """A norm site ``fn(x, *weights)`` of the reference ops, each weight a vector ``[d]`` applied to
+        every token. Its weight gradient, ``sum_tokens dy * x_hat`` (scale) and ``sum_tokens dy`` (bias),
+        is a token reduction that the input pass's norm backward has at hand: in tap mode the weights
+        become per-sample copies ``w + tap`` (tap: zeros ``[mb, 1.., d]``), so the input pass's vjp returns
+        each sample's gradient as the tap's cotangent. Samples stay separate so that weight residuals of
+        K microbatches still concatenate along the batch (2BP Fig. 2); the weight pass sums them.
+
+        Why not a replayed site: the site would keep its input and its output cotangent (two
+        ``[mb, T, d]`` arrays) for the weight pass and recompute the statistics there; this keeps
+        ``[mb, d]`` per weight and adds one fused reduction to the input pass.
+        """
+        if self.mode == "replay":
+            for w in weights:
+                g = self.partials[self.k]
+                g = jax.lax.stop_gradient(jnp.sum(g, axis=tuple(range(g.ndim - w.ndim))))
+                self.acc = self.acc + jnp.sum((w * g.astype(w.dtype)).astype(jnp.float32))
+                self.k += 1
+            return x  # the output's shape and dtype; downstream the replay is dead code
+        if self.mode == "discover":
+            lead = (x.shape[0],) + (1,) * (x.ndim - 2)
+            self.wshapes.extend(jax.ShapeDtypeStruct(lead + w.shape, w.dtype) for w in weights)
+        elif self.mode == "tap":
+            taps = self.wtaps[self.k:self.k + len(weights)]
+            self.k += len(weights)
+            weights = tuple(w + t for w, t in zip(weights, taps))
+        return fn(x, *weights)
 
     def linear(self, fn: Callable[[Any], Array], x: Any, kernel: Array, bias: Array | None) -> Array:
         """A site ``x @ kernel (+ bias)`` of the reference ops. In replay mode its weight gradient is
@@ -139,9 +180,14 @@ class TapOps(Ops):
         return self.tape.linear(fn, x, kernel, bias) if self.reference else self.tape.site(fn, x)
 
     def layer_norm(self, x, scale, bias, eps):
+        if self.reference:
+            ws = (scale,) if bias is None else (scale, bias)
+            return self.tape.norm(lambda v, s, b=None: self.inner.layer_norm(v, s, b, eps), x, ws)
         return self.tape.site(lambda v: self.inner.layer_norm(v, scale, bias, eps), x)
 
     def rms_norm(self, x, scale, eps):
+        if self.reference:
+            return self.tape.norm(lambda v, s: self.inner.rms_norm(v, s, eps), x, (scale,))
         return self.tape.site(lambda v: self.inner.rms_norm(v, scale, eps), x)
 
     def logits(self, h, kernel):

@@ -35,8 +35,8 @@ def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
     idx = {w.site_index for w in wrs}
     if len(idx) > 1:
         raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
-    recs, cots = bp.concat_batch([(w.records, w.cots) for w in wrs])
-    return WeightResiduals(records=recs, cots=cots, site_index=wrs[0].site_index)
+    recs, cots, parts = bp.concat_batch([(w.records, w.cots, w.partials) for w in wrs])
+    return WeightResiduals(records=recs, cots=cots, partials=parts, site_index=wrs[0].site_index)
 
 
 class Stage(StageKernels):
@@ -122,8 +122,9 @@ class Stage(StageKernels):
 
     @staticmethod
     def weight_residual_bytes(wr: WeightResiduals) -> int:
-        """Bytes kept between backward_input and backward_weight (site inputs and their output cotangents)."""
-        return bp.tree_bytes((wr.records, wr.cots))
+        """Bytes kept between backward_input and backward_weight (site inputs, their output cotangents and
+        the per-sample norm-weight gradients)."""
+        return bp.tree_bytes((wr.records, wr.cots, wr.partials))
 
     def _abstract(self, mb: int, seq: int):
         p = self.slice_params(self.model.abstract_params(min(seq, self.cfg.max_seq_len)))

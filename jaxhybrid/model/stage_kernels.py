@@ -60,11 +60,13 @@ jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "recor
 @dataclasses.dataclass(frozen=True)
 class WeightResiduals:
     """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
-    output cotangents (``cots``) and, statically, which record each site reads. Every leaf has the
-    microbatch as its leading dim, so several can be concatenated along it."""
+    output cotangents (``cots``), the per-sample norm-weight gradients (``partials``) and, statically,
+    which record each site reads. Every leaf has the microbatch as its leading dim, so several can be
+    concatenated along it."""
 
     records: Any
     cots: Any
+    partials: Any = ()
     site_index: tuple = ()
 
     @property
@@ -72,7 +74,8 @@ class WeightResiduals:
         return int(jax.tree.leaves(self.records)[0].shape[0])
 
 
-jax.tree_util.register_dataclass(WeightResiduals, data_fields=["records", "cots"], meta_fields=["site_index"])
+jax.tree_util.register_dataclass(WeightResiduals, data_fields=["records", "cots", "partials"],
+                                 meta_fields=["site_index"])
 
 
 class StageKernels:
@@ -96,38 +99,40 @@ class StageKernels:
             h = m.apply_block(params[block_name(i)], h)
         return m.apply_head(params["head"], h, targets, self.wte(params)) if head else h
 
-    def _segment(self, s: int, mode: str, params, x, targets, taps=None):
+    def _segment(self, s: int, mode: str, params, x, targets, taps=None, wtaps=None):
         lo, hi = self.segments[s]
-        tape = bp.Tape(mode, taps=taps)
+        tape = bp.Tape(mode, taps=taps, wtaps=wtaps)
         y = self._run(tape, params, x, targets, lo, hi, self.is_first and s == 0,
                       self.is_last and s == len(self.segments) - 1)
         return y, tape
 
     def _tapped_vjp(self, s: int, params, x, targets, policy=None):
-        """``jax.vjp`` of segment ``s`` w.r.t. (x, taps) (taps only when x are tokens); returns
-        (y, vjp, records, site_index)."""
-        shapes = []
-        jax.eval_shape(lambda p, x, t: shapes.extend(self._segment(s, "discover", p, x, t)[1].shapes) or 0,
+        """``jax.vjp`` of segment ``s`` w.r.t. (x, site taps, norm weight taps) (no x when x are tokens);
+        returns (y, vjp, records, site_index)."""
+        found = []
+        jax.eval_shape(lambda p, x, t: found.append(self._segment(s, "discover", p, x, t)[1]) and 0,
                        params, x, targets)
-        taps = [jnp.zeros(sh.shape, sh.dtype) for sh in shapes]
+        taps = [jnp.zeros(sh.shape, sh.dtype) for sh in found[0].shapes]
+        wtaps = [jnp.zeros(sh.shape, sh.dtype) for sh in found[0].wshapes]
         index: list[int] = []
         tokens_in = self.is_first and s == 0
 
         def f(*diff):
-            xx, tp = (x, diff[0]) if tokens_in else diff
-            y, tape = self._segment(s, "tap", params, xx, targets, tp)
+            xx, tp, wtp = (x, *diff) if tokens_in else diff
+            y, tape = self._segment(s, "tap", params, xx, targets, tp, wtp)
             index.extend(tape.site_index)
             return y, tape.records
 
         if policy is not None:
             f = jax.checkpoint(f, policy=policy)
-        primals = (taps,) if tokens_in else (x, taps)
+        primals = (taps, wtaps) if tokens_in else (x, taps, wtaps)
         y, vjp, records = jax.vjp(f, *primals, has_aux=True)
         return y, vjp, records, tuple(index)
 
     @staticmethod
     def _split_cts(cts, tokens_in: bool):
-        return (None, cts[0]) if tokens_in else cts
+        """The vjp's cotangents as (dx, site cotangents, norm-weight partials); dx None for tokens."""
+        return (None, *cts) if tokens_in else cts
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):
@@ -151,27 +156,30 @@ class StageKernels:
 
     def _bi_segments(self, params, seg_inputs, targets, dy):
         self.trace_counts["backward_input"] += 1
-        recs, cots, index, g = [], [], [], dy
+        recs, cots, parts, index, g = [], [], [], [], dy
         for s in reversed(range(len(self.segments))):
             _, vjp, r, idx = self._tapped_vjp(s, params, seg_inputs[s], targets)
-            g, c = self._split_cts(vjp(g), self.is_first and s == 0)
-            recs.insert(0, r), cots.insert(0, c), index.insert(0, idx)
+            g, c, w = self._split_cts(vjp(g), self.is_first and s == 0)
+            recs.insert(0, r), cots.insert(0, c), parts.insert(0, w), index.insert(0, idx)
         offsets = [sum(len(r) for r in recs[:k]) for k in range(len(recs))]
         flat_index = tuple(o + i for o, idx in zip(offsets, index) for i in idx)
-        return g, [x for r in recs for x in r], [x for c in cots for x in c], Static(flat_index)
+        flat = lambda lists: [x for li in lists for x in li]  # noqa: E731
+        return g, WeightResiduals(flat(recs), flat(cots), flat(parts), flat_index)
 
     # ---- backward-p2 and fused --------------------------------------------------------------------------
     def _bw_kernel(self, params, wr: WeightResiduals):
         self.trace_counts["backward_weight"] += 1
 
         def replay(p):
-            tape = bp.Tape("replay", records=wr.records, site_index=wr.site_index, cots=wr.cots)
+            tape = bp.Tape("replay", records=wr.records, site_index=wr.site_index, cots=wr.cots,
+                           partials=wr.partials)
             first = wr.records[0]
             x = first if self.is_first else jnp.zeros((*first.shape[:2], self.cfg.d_model), self.model.dtype)
             tgt = jnp.zeros(first.shape[:2], jnp.int32) if self.is_last else None
             self._run(tape, p, x, tgt, self.first_block, self.last_block, self.is_first, self.is_last)
-            if tape.i != len(wr.cots):
-                raise ValueError(f"weight pass replayed {tape.i} sites but has {len(wr.cots)} cotangents")
+            if (tape.i, tape.k) != (len(wr.cots), len(wr.partials)):
+                raise ValueError(f"weight pass replayed {tape.i} sites and {tape.k} norm weights but has "
+                                 f"{len(wr.cots)} cotangents and {len(wr.partials)} partials")
             return tape.acc
 
         return jax.grad(replay)(params)
@@ -179,11 +187,10 @@ class StageKernels:
     def _fused_kernel(self, res: Residuals, dy):
         self.trace_counts["backward"] += 1
         if self.remat == "full":
-            dx, recs, cots, idx = self._bi_segments(res.params, res.seg_inputs, res.targets, dy)
-            wr = WeightResiduals(recs, cots, idx.value)
+            dx, wr = self._bi_segments(res.params, res.seg_inputs, res.targets, dy)
         else:
-            dx, cots = self._bi_saved(res.params, res.vjp, dy)
-            wr = WeightResiduals(res.records, cots, res.site_index)
+            dx, cots, parts = self._bi_saved(res.params, res.vjp, dy)
+            wr = WeightResiduals(res.records, cots, parts, res.site_index)
         return dx, self._bw_kernel(res.params, wr)
 
     # ---- public API -------------------------------------------------------------------------------------
@@ -204,10 +211,9 @@ class StageKernels:
         """2BP backward-p1: ``(dx, weight_residuals)``; ``dx`` is None on the first stage (tokens)."""
         dy = self._check_cotangent(residuals, dy)
         if self.remat == "full":
-            dx, recs, cots, idx = self._bi(residuals.params, residuals.seg_inputs, residuals.targets, dy)
-            return dx, WeightResiduals(recs, cots, idx.value)
-        dx, cots = self._bi(residuals.params, residuals.vjp, dy)
-        return dx, WeightResiduals(residuals.records, cots, residuals.site_index)
+            return self._bi(residuals.params, residuals.seg_inputs, residuals.targets, dy)
+        dx, cots, parts = self._bi(residuals.params, residuals.vjp, dy)
+        return dx, WeightResiduals(residuals.records, cots, parts, residuals.site_index)
 
     def backward_weight(self, params, weight_residuals: WeightResiduals):
         """2BP backward-p2: the parameter gradients (the stage's param dict structure). On residuals
