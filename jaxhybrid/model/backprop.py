@@ -14,11 +14,11 @@ Every weighted sublayer of the model goes through the injected ops object (``ops
   cotangents of K microbatches concatenated along the batch give the SUM of their K weight gradients in
   one larger matmul per site (2BP Fig. 2). Linear sites of the reference ops skip the recomputation:
   their weight gradient is 2BP's ``dW = x^T dy`` (Sec. 3), computed directly (see :meth:`Tape.linear`).
-* Norm sites of the reference ops (scale, bias: one vector applied to every token) take a cheaper
-  route, :meth:`Tape.norm`: in tap mode they run on per-sample copies ``w + tap`` (tap: zeros
-  ``[mb, 1, d]``), so the input pass returns each sample's norm-weight gradient as that tap's
-  cotangent, a token reduction fused into the norm backward it runs anyway; the weight pass only sums
-  over the batch. A norm then keeps neither its input nor its output cotangent for the weight pass.
+* Weights applied alike to every token (norm scale and bias, matmul bias) of the reference ops take a
+  cheaper route, :meth:`Tape.per_sample`: in tap mode they are per-sample copies ``w + tap`` (tap:
+  zeros ``[mb, 1, d]``), so the input pass returns each sample's gradient as that tap's cotangent, a
+  token reduction fused into the backward it runs anyway; the weight pass only sums over the batch. A
+  norm then keeps neither its input nor its output cotangent for the weight pass.
 * mode ``"discover"``: records the shapes of the site outputs and of the norm weight taps.
 * mode ``"plain"``: the wrapped ops unchanged (forward-only recomputation segments).
 
@@ -50,9 +50,9 @@ class Tape:
       site_index: for each site, the position of its input in ``records`` (llama's gate and up share one).
       cots: tap cotangents dL/d(site output), in site order (replay mode).
       shapes: ShapeDtypeStruct of each site output (discover mode).
-      wtaps: zero per-sample taps on the norm weights, in order (tap mode).
-      partials: per-sample norm-weight gradients, the wtaps' cotangents (replay mode).
-      wshapes: ShapeDtypeStruct of each norm weight tap (discover mode).
+      wtaps: zero per-sample taps on the per-token weight vectors, in order (tap mode).
+      partials: their per-sample gradients, the wtaps' cotangents (replay mode).
+      wshapes: ShapeDtypeStruct of each of those taps (discover mode).
     """
 
     def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None, wtaps=None, partials=None):
@@ -71,17 +71,17 @@ class Tape:
         self.i = 0  # next site
         self.k = 0  # next norm weight
 
-    def norm(self, fn: Callable[..., Array], x: Array, weights: tuple[Array, ...]) -> Array:
-        """A norm site ``fn(x, *weights)`` of the reference ops, each weight a vector ``[d]`` applied to
-        every token. Its weight gradient, ``sum_tokens dy * x_hat`` (scale) and ``sum_tokens dy`` (bias),
-        is a token reduction that the input pass's norm backward has at hand: in tap mode the weights
+    def per_sample(self, x: Array, weights: tuple[Array, ...]) -> tuple[Array, ...]:
+        """Weights applied alike to every token of ``x`` (norm scale and bias, matmul bias: vectors
+        ``[d]``). Their gradient is a token reduction of the output cotangent (times the normalized input
+        for a scale), which the input pass has at hand while it forms that cotangent: in tap mode they
         become per-sample copies ``w + tap`` (tap: zeros ``[mb, 1.., d]``), so the input pass's vjp returns
-        each sample's gradient as the tap's cotangent. Samples stay separate so that weight residuals of
-        K microbatches still concatenate along the batch (2BP Fig. 2); the weight pass sums them.
+        each sample's gradient as the tap's cotangent, a reduction fused into the fusion that produces the
+        cotangent. Samples stay separate so that weight residuals of K microbatches still concatenate
+        along the batch (2BP Fig. 2); in replay mode the weight pass sums them over the batch.
 
-        Why not a replayed site: the site would keep its input and its output cotangent (two
-        ``[mb, T, d]`` arrays) for the weight pass and recompute the statistics there; this keeps
-        ``[mb, d]`` per weight and adds one fused reduction to the input pass.
+        Why not in the weight pass: a norm would keep its input and output cotangent (two ``[mb, T, d]``
+        arrays) and recompute its statistics there; a matmul bias would read its cotangent a second time.
         """
         if self.mode == "replay":
             for w in weights:
@@ -89,29 +89,35 @@ class Tape:
                 g = jax.lax.stop_gradient(jnp.sum(g, axis=tuple(range(g.ndim - w.ndim))))
                 self.acc = self.acc + jnp.sum((w * g.astype(w.dtype)).astype(jnp.float32))
                 self.k += 1
-            return x  # the output's shape and dtype; downstream the replay is dead code
-        if self.mode == "discover":
+        elif self.mode == "discover":
             lead = (x.shape[0],) + (1,) * (x.ndim - 2)
             self.wshapes.extend(jax.ShapeDtypeStruct(lead + w.shape, w.dtype) for w in weights)
         elif self.mode == "tap":
             taps = self.wtaps[self.k:self.k + len(weights)]
             self.k += len(weights)
             weights = tuple(w + t for w, t in zip(weights, taps))
-        return fn(x, *weights)
+        return weights
 
-    def linear(self, fn: Callable[[Any], Array], x: Any, kernel: Array, bias: Array | None) -> Array:
-        """A site ``x @ kernel (+ bias)`` of the reference ops. In replay mode its weight gradient is
-        formed directly, ``dW = sum_tokens x^T dy`` and ``db = sum_tokens dy`` (2BP Sec. 3), and enters the
-        scalar as ``sum(kernel * dW) + sum(bias * db)`` with dW, db constants, so that ``jax.grad`` of
-        the scalar still returns them (through the compute-dtype casts) next to the other sites'.
+    def norm(self, fn: Callable[..., Array], x: Array, weights: tuple[Array, ...]) -> Array:
+        """A norm site ``fn(x, *weights)`` of the reference ops: all its weights go through
+        :meth:`per_sample`, so it keeps nothing of shape ``[mb, T, d]`` for the weight pass."""
+        weights = self.per_sample(x, weights)
+        return x if self.mode == "replay" else fn(x, *weights)  # replay: downstream is dead code
+
+    def linear(self, fn: Callable[[Any, Any], Array], x: Any, kernel: Array, bias: Array | None) -> Array:
+        """A site ``fn(x, bias) = x @ kernel (+ bias)`` of the reference ops; its bias goes through
+        :meth:`per_sample`. In replay mode the kernel gradient is formed directly, ``dW = sum_tokens
+        x^T dy`` (2BP Sec. 3), and enters the scalar as ``sum(kernel * dW)`` with dW a constant, so that
+        ``jax.grad`` of the scalar still returns it (through the compute-dtype cast) next to the others.
 
         Why not replay through autodiff as :meth:`site` does: the transpose of ``einsum(x, W)`` w.r.t. W
         is ``dot(dy, x)`` followed by a transpose, which XLA:CPU lowers to a generic (Eigen) matmul on
         a transposed copy of dy; ``dot(x, dy)`` over the token dims maps to its fast (YNNPACK) matmul.
         Measured on gpt-small-cpu, 4 blocks, 4 x 128 tokens: weight pass 7.0 -> 4.0 ms (issue 3).
         """
+        b = None if bias is None else self.per_sample(x, (bias,))[0]
         if self.mode != "replay":
-            return self.site(fn, x)
+            return self.site(lambda v: fn(v, b), x)
         r, c = self.records[self.site_index[self.i]], self.cots[self.i]
         lead = tuple(range(r.ndim - 1))
         # c in the compute dtype, as the fused backward's cotangent reaching the matmul (logits: f32 -> dtype).
@@ -125,9 +131,6 @@ class Tape:
             dw = jnp.tensordot(r, cr, axes=(lead, lead))
         dw = jax.lax.stop_gradient(dw)
         self.acc = self.acc + jnp.sum((kernel * dw.astype(kernel.dtype)).astype(jnp.float32))
-        if bias is not None:
-            db = jax.lax.stop_gradient(jnp.sum(cr, axis=lead))
-            self.acc = self.acc + jnp.sum((bias * db.astype(bias.dtype)).astype(jnp.float32))
         self.i += 1
         return c  # the site output's shape and dtype; downstream of a site the replay is dead code
 
@@ -176,8 +179,10 @@ class TapOps(Ops):
         return type(self.inner) is Ops
 
     def dense(self, x, kernel, bias=None, *, name=""):
-        fn = lambda v: self.inner.dense(v, kernel, bias, name=name)  # noqa: E731
-        return self.tape.linear(fn, x, kernel, bias) if self.reference else self.tape.site(fn, x)
+        fn = lambda v, b: self.inner.dense(v, kernel, b, name=name)  # noqa: E731
+        if self.reference:
+            return self.tape.linear(fn, x, kernel, bias)
+        return self.tape.site(lambda v: fn(v, bias), x)
 
     def layer_norm(self, x, scale, bias, eps):
         if self.reference:
@@ -191,8 +196,9 @@ class TapOps(Ops):
         return self.tape.site(lambda v: self.inner.rms_norm(v, scale, eps), x)
 
     def logits(self, h, kernel):
-        fn = lambda v: self.inner.logits(v, kernel)  # noqa: E731
-        return self.tape.linear(fn, h, kernel, None) if self.reference else self.tape.site(fn, h)
+        if self.reference:
+            return self.tape.linear(lambda v, _: self.inner.logits(v, kernel), h, kernel, None)
+        return self.tape.site(lambda v: self.inner.logits(v, kernel), h)
 
     def attention(self, q, k, v):
         if self.tape.mode == "replay":  # no parameters: its output is dead in the weight pass

@@ -176,27 +176,28 @@ def test_residual_bytes_match_kept_arrays(kind, remat):
 
 
 @pytest.mark.parametrize("kind,cots,records,partials", [
-    ("gpt2", 4, 4, 4),   # qkv, attn_out, mlp_up, mlp_down; ln_attn and ln_mlp: scale + bias
+    ("gpt2", 4, 4, 8),   # qkv, attn_out, mlp_up, mlp_down; ln_attn, ln_mlp (scale, bias) + 4 matmul biases
     ("llama", 5, 4, 2),  # + mlp_gate, which reads the same input as mlp_up; RMSNorm: scale only
 ])
 def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(kind, cots, records, partials):
     """Per block, the weight pass keeps each matmul's input and output cotangent, and for the norms only
-    per-sample [mb, 1, d] gradients (Tape.norm): no norm input or output cotangent of shape [mb, T, d]."""
+    per-sample [mb, 1, d] gradients (Tape.per_sample, also for the matmul biases): no norm input or output
+    cotangent of shape [mb, T, d]."""
     stage = _stage(kind, 1, 2)  # one middle block
     params = stage.slice_params(_full_params(kind, 0))
     x, _ = _inputs(stage, 3)
     y, res = stage.forward(params, x)
     _, wr = stage.backward_input(res, _cotangent(stage, y, 4))
     assert (len(wr.cots), len(wr.records), len(wr.partials)) == (cots, records, partials)
-    assert all(g.shape == (MB, 1, stage.cfg.d_model) and g.dtype == jnp.float32 for g in wr.partials)
+    assert all(g.shape[:2] == (MB, 1) and g.ndim == 3 and g.dtype == jnp.float32 for g in wr.partials)
     assert not any(r is x or np.array_equal(r, x) for r in wr.records)  # the block input fed only ln_attn
-    # The norm partials alone carry the norm gradients: zero them and only the norm leaves change.
+    # The partials alone carry the norm and bias gradients: zero them and only those leaves change.
     g = stage.backward_weight(params, wr)
     g0 = stage.backward_weight(params, dataclasses.replace(wr, partials=[p * 0 for p in wr.partials]))
     for path, a in jax.tree_util.tree_flatten_with_path(g)[0]:
         b = functools.reduce(lambda t, k: t[k.key], path, g0)
         name = jax.tree_util.keystr(path)
-        assert ("ln_" in name) == (not np.array_equal(a, b)), name
+        assert ("ln_" in name or "bias" in name) == (not np.array_equal(a, b)), name
 
 
 def test_kernels_compile_once_per_shape():
