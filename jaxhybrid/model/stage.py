@@ -123,7 +123,7 @@ class Stage(StageKernels):
     @staticmethod
     def weight_residual_bytes(wr: WeightResiduals) -> int:
         """Bytes kept between backward_input and backward_weight (site inputs, their output cotangents and
-        the per-sample norm-weight gradients)."""
+        the per-sample gradients of norm weights and biases)."""
         return bp.tree_bytes((wr.records, wr.cots, wr.partials))
 
     def _abstract(self, mb: int, seq: int):

@@ -60,7 +60,7 @@ jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "recor
 @dataclasses.dataclass(frozen=True)
 class WeightResiduals:
     """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
-    output cotangents (``cots``), the per-sample norm-weight gradients (``partials``) and, statically,
+    output cotangents (``cots``), the per-sample gradients of norm weights and biases (``partials``) and, statically,
     which record each site reads. Every leaf has the microbatch as its leading dim, so several can be
     concatenated along it."""
 
@@ -131,8 +131,11 @@ class StageKernels:
 
     @staticmethod
     def _split_cts(cts, tokens_in: bool):
-        """The vjp's cotangents as (dx, site cotangents, norm-weight partials); dx None for tokens."""
-        return (None, *cts) if tokens_in else cts
+        """The vjp's cotangents as (dx, site cotangents, per-sample weight gradients ``[mb, d]``); dx None
+        for tokens. The taps were ``[mb, 1, d]``; their size-1 token axis is dropped here because XLA:CPU
+        otherwise adds a layout copy per output (its reductions emit ``[mb, 1, d]`` in another layout)."""
+        dx, cots, parts = (None, *cts) if tokens_in else cts
+        return dx, cots, [p.reshape(p.shape[0], *p.shape[p.ndim - 1:]) for p in parts]
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):

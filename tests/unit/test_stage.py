@@ -181,7 +181,7 @@ def test_residual_bytes_match_kept_arrays(kind, remat):
 ])
 def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(kind, cots, records, partials):
     """Per block, the weight pass keeps each matmul's input and output cotangent, and for the norms only
-    per-sample [mb, 1, d] gradients (Tape.per_sample, also for the matmul biases): no norm input or output
+    per-sample [mb, d] gradients (Tape.per_sample, also for the matmul biases): no norm input or output
     cotangent of shape [mb, T, d]."""
     stage = _stage(kind, 1, 2)  # one middle block
     params = stage.slice_params(_full_params(kind, 0))
@@ -189,7 +189,7 @@ def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(ki
     y, res = stage.forward(params, x)
     _, wr = stage.backward_input(res, _cotangent(stage, y, 4))
     assert (len(wr.cots), len(wr.records), len(wr.partials)) == (cots, records, partials)
-    assert all(g.shape[:2] == (MB, 1) and g.ndim == 3 and g.dtype == jnp.float32 for g in wr.partials)
+    assert all(g.shape[0] == MB and g.ndim == 2 and g.dtype == jnp.float32 for g in wr.partials)
     assert not any(r is x or np.array_equal(r, x) for r in wr.records)  # the block input fed only ln_attn
     # The partials alone carry the norm and bias gradients: zero them and only those leaves change.
     g = stage.backward_weight(params, wr)
