@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.model import backprop as bp
+from jaxhybrid.model import residuals as rs
 from jaxhybrid.model.stage_kernels import Residuals, StageKernels, WeightResiduals
 from jaxhybrid.model.transformer import Model, block_name
 
@@ -35,7 +35,7 @@ def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
     idx = {w.site_index for w in wrs}
     if len(idx) > 1:
         raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
-    recs, cots, parts = bp.concat_batch([(w.records, w.cots, w.partials) for w in wrs])
+    recs, cots, parts = rs.concat_batch([(w.records, w.cots, w.partials) for w in wrs])
     return WeightResiduals(records=recs, cots=cots, partials=parts, site_index=wrs[0].site_index)
 
 
@@ -118,13 +118,13 @@ class Stage(StageKernels):
     def residual_bytes(residuals: Residuals) -> int:
         """Bytes the residuals keep alive between forward and backward_input (the stage's live parameters,
         referenced so the input pass can use them, are not counted: they are not per-microbatch copies)."""
-        return bp.tree_bytes((residuals.vjp, residuals.records, residuals.seg_inputs, residuals.targets))
+        return rs.tree_bytes((residuals.vjp, residuals.records, residuals.seg_inputs, residuals.targets))
 
     @staticmethod
     def weight_residual_bytes(wr: WeightResiduals) -> int:
         """Bytes kept between backward_input and backward_weight (site inputs, their output cotangents and
         the per-sample gradients of norm weights and biases)."""
-        return bp.tree_bytes((wr.records, wr.cots, wr.partials))
+        return rs.tree_bytes((wr.records, wr.cots, wr.partials))
 
     def _abstract(self, mb: int, seq: int):
         p = self.slice_params(self.model.abstract_params(min(seq, self.cfg.max_seq_len)))

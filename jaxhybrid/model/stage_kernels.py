@@ -4,7 +4,7 @@ Two ways of keeping what backward-p1 needs (chosen by ``remat``):
 
 * "saved" (remat none / dots): the forward takes ``jax.vjp`` of the tapped stage under a
   ``jax.checkpoint`` save policy and returns the vjp's residuals, with the stage's parameters replaced by
-  :class:`~jaxhybrid.model.backprop.ParamSlot` placeholders, plus the site inputs (records) that
+  :class:`~jaxhybrid.model.residuals.ParamSlot` placeholders, plus the site inputs (records) that
   backward-p2 will need.
 * "segments" (remat full, Myelin's interval ac): the forward keeps only the inputs of each segment of ac
   blocks; backward-p1 recomputes one segment at a time (in reverse) and emits the records there.
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.model import backprop as bp
+from jaxhybrid.model import residuals as rs
 from jaxhybrid.model.transformer import block_name
 
 _F32 = np.dtype("float32")
@@ -140,12 +141,12 @@ class StageKernels:
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):
         self.trace_counts["forward"] += 1
-        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, bp.remat_save_policy(self.remat))
-        return y, bp.strip_params(vjp, params), records, Static(index)
+        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, rs.remat_save_policy(self.remat))
+        return y, rs.strip_params(vjp, params), records, Static(index)
 
     def _bi_saved(self, params, vjp, dy):
         self.trace_counts["backward_input"] += 1
-        return self._split_cts(bp.fill_params(vjp, params)(dy), self.is_first)
+        return self._split_cts(rs.fill_params(vjp, params)(dy), self.is_first)
 
     # ---- segment mode (remat full, checkpoint interval ac) -----------------------------------------------
     def _forward_segments(self, params, x, targets):

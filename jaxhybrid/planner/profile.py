@@ -30,7 +30,7 @@ def _time_stage(model, lo: int, hi: int, mb: int, seq: int, repeats: int) -> Lay
     import jax
     import jax.numpy as jnp
 
-    from jaxhybrid.model.backprop import tree_bytes
+    from jaxhybrid.model.residuals import tree_bytes
     from jaxhybrid.model.stage import Stage
 
     stage = Stage(model, lo, hi)

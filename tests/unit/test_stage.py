@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.model import Model, PRESETS
-from jaxhybrid.model.backprop import ParamSlot
+from jaxhybrid.model.residuals import ParamSlot
 from jaxhybrid.model.stage import (TIED_KEY, Stage, concat_weight_residuals, reference_apply)
 from jaxhybrid.testing import TOLERANCES, assert_tree_close, max_rel_err
 

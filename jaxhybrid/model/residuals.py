@@ -1,0 +1,87 @@
+"""What the 2BP stage kernels keep between passes, and how it is counted and batched.
+
+* :class:`ParamSlot`, :func:`strip_params`, :func:`fill_params`: the forward's vjp residuals hold the
+  stage's parameters; they are replaced by slots so residuals never store per-microbatch weight copies,
+  and the live parameters are put back by the input pass.
+* :func:`remat_save_policy`: what the forward keeps for the input pass (remat none / dots).
+* :func:`tree_bytes`: the residual bytes the simulator, the planner and the memory reports use.
+* :func:`concat_batch`: weight residuals of K microbatches as one batch (2BP Fig. 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Placeholder for a stage parameter inside stored residuals (no data: the live params are re-inserted
+    by the input pass, so residuals never hold per-microbatch copies of the weights)."""
+
+    index: int
+
+
+jax.tree_util.register_dataclass(ParamSlot, data_fields=[], meta_fields=["index"])
+
+
+def strip_params(tree: Any, params: Any) -> Any:
+    """Replace leaves of ``tree`` that ARE (by identity, at trace time) leaves of ``params`` with slots."""
+    ids = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [ParamSlot(ids[id(v)]) if id(v) in ids else v for v in leaves])
+
+
+def fill_params(tree: Any, params: Any) -> Any:
+    """Inverse of :func:`strip_params`: put the live parameter arrays back into the slots."""
+    leaves = jax.tree.leaves(params)
+    return jax.tree.map(lambda v: leaves[v.index] if isinstance(v, ParamSlot) else v, tree,
+                        is_leaf=lambda v: isinstance(v, ParamSlot))
+
+
+def keep_all_but_casts(prim, *_, **__) -> bool:
+    """Remat policy for "none": save every intermediate except dtype casts, so that compute-dtype copies
+    of the float32 master weights are recast in the input pass from the (slotted) masters instead of
+    being stored per microbatch. Activation casts are recomputed from their saved inputs (cheap)."""
+    return prim.name != "convert_element_type"
+
+
+def remat_save_policy(remat: str):
+    """The jax.checkpoint policy that decides what the forward keeps for the input pass."""
+    if remat == "none":
+        return keep_all_but_casts
+    if remat == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"remat={remat!r} has no save policy (full uses segment recomputation)")
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` (arrays or ShapeDtypeStructs); slots count zero."""
+    total = 0
+    for v in jax.tree.leaves(tree):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            total += int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+    return total
+
+
+def concat_batch(trees: list[Any]) -> Any:
+    """Concatenate pytrees of identical structure leaf by leaf along axis 0 (the microbatch batch dim)."""
+    if not trees:
+        raise ValueError("concat of an empty list of weight residuals; pass at least one")
+    first = jax.tree.structure(trees[0])
+    for k, t in enumerate(trees[1:], 1):
+        if jax.tree.structure(t) != first:
+            raise ValueError(f"weight residuals {k} have another structure than 0 (different stage or "
+                             f"sequence length?): {jax.tree.structure(t)} vs {first}")
+    if len(trees) == 1:
+        return trees[0]
+    return _concat_jit(trees)
+
+
+@jax.jit
+def _concat_jit(trees):
+    # One compiled copy per shape instead of one eager dispatch per leaf.
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
