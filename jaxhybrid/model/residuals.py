@@ -6,6 +6,7 @@
 * :func:`remat_save_policy`: what the forward keeps for the input pass (remat none / dots).
 * :func:`tree_bytes`: the residual bytes the simulator, the planner and the memory reports use.
 * :func:`concat_batch`: weight residuals of K microbatches as one batch (2BP Fig. 2).
+* :class:`Residuals` (forward -> input pass) and :class:`WeightResiduals` (input pass -> weight pass).
 """
 from __future__ import annotations
 
@@ -85,3 +86,54 @@ def concat_batch(trees: list[Any]) -> Any:
 def _concat_jit(trees):
     # One compiled copy per shape instead of one eager dispatch per leaf.
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A hashable Python value carried through ``jit`` outputs as pytree metadata."""
+
+    value: Any
+
+
+jax.tree_util.register_dataclass(Static, data_fields=[], meta_fields=["value"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What forward leaves for backward_input (one microbatch). ``params`` references the live stage
+    parameters (not counted as residual memory); exactly one of ``vjp``+``records`` (saved mode) or
+    ``seg_inputs``+``targets`` (segment mode) is set."""
+
+    params: Any
+    vjp: Any = None
+    records: Any = None
+    seg_inputs: Any = None
+    targets: Any = None
+    site_index: tuple = ()
+    out_shape: tuple = ()
+    out_dtype: str = ""
+
+
+jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "records", "seg_inputs", "targets"],
+                                 meta_fields=["site_index", "out_shape", "out_dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightResiduals:
+    """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
+    output cotangents (``cots``), the per-sample gradients of norm weights and biases (``partials``) and, statically,
+    which record each site reads. Every leaf has the microbatch as its leading dim, so several can be
+    concatenated along it."""
+
+    records: Any
+    cots: Any
+    partials: Any = ()
+    site_index: tuple = ()
+
+    @property
+    def batch(self) -> int:
+        return int(jax.tree.leaves(self.records)[0].shape[0])
+
+
+jax.tree_util.register_dataclass(WeightResiduals, data_fields=["records", "cots", "partials"],
+                                 meta_fields=["site_index"])

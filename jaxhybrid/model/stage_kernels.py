@@ -15,7 +15,6 @@ replayed sites (see :mod:`jaxhybrid.model.backprop`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,60 +22,10 @@ import numpy as np
 
 from jaxhybrid.model import backprop as bp
 from jaxhybrid.model import residuals as rs
+from jaxhybrid.model.residuals import Residuals, Static, WeightResiduals
 from jaxhybrid.model.transformer import block_name
 
 _F32 = np.dtype("float32")
-
-
-@dataclasses.dataclass(frozen=True)
-class Static:
-    """A hashable Python value carried through ``jit`` outputs as pytree metadata."""
-
-    value: Any
-
-
-jax.tree_util.register_dataclass(Static, data_fields=[], meta_fields=["value"])
-
-
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-    """What forward leaves for backward_input (one microbatch). ``params`` references the live stage
-    parameters (not counted as residual memory); exactly one of ``vjp``+``records`` (saved mode) or
-    ``seg_inputs``+``targets`` (segment mode) is set."""
-
-    params: Any
-    vjp: Any = None
-    records: Any = None
-    seg_inputs: Any = None
-    targets: Any = None
-    site_index: tuple = ()
-    out_shape: tuple = ()
-    out_dtype: str = ""
-
-
-jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "records", "seg_inputs", "targets"],
-                                 meta_fields=["site_index", "out_shape", "out_dtype"])
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightResiduals:
-    """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
-    output cotangents (``cots``), the per-sample gradients of norm weights and biases (``partials``) and, statically,
-    which record each site reads. Every leaf has the microbatch as its leading dim, so several can be
-    concatenated along it."""
-
-    records: Any
-    cots: Any
-    partials: Any = ()
-    site_index: tuple = ()
-
-    @property
-    def batch(self) -> int:
-        return int(jax.tree.leaves(self.records)[0].shape[0])
-
-
-jax.tree_util.register_dataclass(WeightResiduals, data_fields=["records", "cots", "partials"],
-                                 meta_fields=["site_index"])
 
 
 class StageKernels:
