@@ -19,7 +19,7 @@ Every weighted sublayer of the model goes through the injected ops object (``ops
   zeros ``[mb, 1, d]``), so the input pass returns each sample's gradient as that tap's cotangent, a
   token reduction fused into the backward it runs anyway; the weight pass only sums over the batch. A
   norm then keeps neither its input nor its output cotangent for the weight pass.
-* mode ``"discover"``: records the shapes of the site outputs and of the norm weight taps.
+* mode ``"discover"``: records the shapes of the site outputs and of the per-sample weight taps.
 * mode ``"plain"``: the wrapped ops unchanged (forward-only recomputation segments).
 
 Under other ops (tensor-parallel: sharded norm statistics, collectives in the matmuls) linear and norm
@@ -68,7 +68,7 @@ class Tape:
         self.wshapes: list[jax.ShapeDtypeStruct] = []
         self.acc = jnp.zeros((), jnp.float32)
         self.i = 0  # next site
-        self.k = 0  # next norm weight
+        self.k = 0  # next per-token weight vector (per_sample)
 
     def per_sample(self, x: Array, weights: tuple[Array, ...]) -> tuple[Array, ...]:
         """Weights applied alike to every token of ``x`` (norm scale and bias, matmul bias: vectors

@@ -131,7 +131,7 @@ class StageKernels:
             tgt = jnp.zeros(first.shape[:2], jnp.int32) if self.is_last else None
             self._run(tape, p, x, tgt, self.first_block, self.last_block, self.is_first, self.is_last)
             if (tape.i, tape.k) != (len(wr.cots), len(wr.partials)):
-                raise ValueError(f"weight pass replayed {tape.i} sites and {tape.k} norm weights but has "
+                raise ValueError(f"weight pass replayed {tape.i} sites and {tape.k} per-token weight vectors but has "
                                  f"{len(wr.cots)} cotangents and {len(wr.partials)} partials")
             return tape.acc
 
