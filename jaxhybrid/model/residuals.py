@@ -122,9 +122,8 @@ jax.tree_util.register_dataclass(Residuals, data_fields=["params", "vjp", "recor
 class WeightResiduals:
     """What backward_input leaves for backward_weight: the distinct site inputs (``records``), the site
     output cotangents (``cots``), the per-sample gradients of norm weights and biases (``partials``)
-    and, statically,
-    which record each site reads. Every leaf has the microbatch as its leading dim, so several can be
-    concatenated along it."""
+    and, statically, which record each site reads. Every leaf has the microbatch as its leading dim, so
+    several can be concatenated along it."""
 
     records: Any
     cots: Any
