@@ -3,8 +3,8 @@
 Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``backward_input`` and
 ``backward_weight`` (single, and on K microbatches concatenated as 2BP Fig. 2), plus a plain reference
 (``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
-interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike; each figure is the median over rounds of
-``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
+interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike;
+each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
 per-round ratio (the noise band). Prints JSON with ``split_over_fused = (input + weight) / fused``
 (goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
 """
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     split = med["backward_input"] + med["backward_weight"]
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
-    rounds = (np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"]))
+    rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
     q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
     out = {

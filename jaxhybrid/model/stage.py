@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.model import residuals as rs
-from jaxhybrid.model.stage_kernels import Residuals, StageKernels, WeightResiduals
+from jaxhybrid.model.residuals import Residuals, WeightResiduals
+from jaxhybrid.model.stage_kernels import StageKernels
 from jaxhybrid.model.transformer import Model, block_name
 
 TIED_KEY = "embed_wte_copy"
@@ -35,8 +36,7 @@ def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
     idx = {w.site_index for w in wrs}
     if len(idx) > 1:
         raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
-    recs, cots, parts = rs.concat_batch([(w.records, w.cots, w.partials) for w in wrs])
-    return WeightResiduals(records=recs, cots=cots, partials=parts, site_index=wrs[0].site_index)
+    return rs.concat_batch(wrs)  # site_index is pytree metadata: equal across wrs, checked above
 
 
 class Stage(StageKernels):
@@ -124,7 +124,7 @@ class Stage(StageKernels):
     def weight_residual_bytes(wr: WeightResiduals) -> int:
         """Bytes kept between backward_input and backward_weight (site inputs, their output cotangents and
         the per-sample gradients of norm weights and biases)."""
-        return rs.tree_bytes((wr.records, wr.cots, wr.partials))
+        return rs.tree_bytes(wr)
 
     def _abstract(self, mb: int, seq: int):
         p = self.slice_params(self.model.abstract_params(min(seq, self.cfg.max_seq_len)))

@@ -57,7 +57,7 @@ class StageKernels:
         return y, tape
 
     def _tapped_vjp(self, s: int, params, x, targets, policy=None):
-        """``jax.vjp`` of segment ``s`` w.r.t. (x, site taps, norm weight taps) (no x when x are tokens);
+        """``jax.vjp`` of segment ``s`` w.r.t. (x, site taps, per-sample weight taps) (no x for tokens);
         returns (y, vjp, records, site_index)."""
         found = []
         jax.eval_shape(lambda p, x, t: found.append(self._segment(s, "discover", p, x, t)[1]) and 0,
