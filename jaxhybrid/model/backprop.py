@@ -199,10 +199,10 @@ class TapOps(Ops):
             return self.tape.linear(lambda v, _: self.inner.logits(v, kernel), h, kernel, None)
         return self.tape.site(lambda v: self.inner.logits(v, kernel), h)
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, kernel="auto"):
         if self.tape.mode == "replay":  # no parameters: its output is dead in the weight pass
             return q
-        return self.inner.attention(q, k, v)
+        return self.inner.attention(q, k, v, kernel)
 
     def embed(self, ids, table):
         return self.inner.embed(ids, table)

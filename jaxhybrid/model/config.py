@@ -24,6 +24,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    attention: str = "auto"  # attention kernel: auto | xla | cudnn (layers.attention_kernel)
 
     @property
     def head_dim(self) -> int:
@@ -42,6 +43,8 @@ class ModelConfig:
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, k) < 1:
                 errs.append(f"model.{k}={getattr(self, k)} must be >= 1")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            errs.append(f"model.attention={self.attention!r}; choose auto, xla or cudnn")
         if not errs and self.d_model % self.n_heads:
             errs.append(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if not errs and self.n_heads % self.kv_heads:

@@ -30,8 +30,15 @@ class Ops:
         y = jnp.einsum("...i,io->...o", x, kernel)
         return y if bias is None else y + bias
 
-    def attention(self, q: Array, k: Array, v: Array) -> Array:
-        """Causal attention. q: [B, T, H, Dh]; k, v: [B, T, Hkv, Dh] -> [B, T, H, Dh]."""
+    def attention(self, q: Array, k: Array, v: Array, kernel: str = "auto") -> Array:
+        """Causal attention. q: [B, T, H, Dh]; k, v: [B, T, Hkv, Dh] -> [B, T, H, Dh].
+
+        ``kernel`` (``model.attention``): ``xla`` materialises the [B, H, T, T] scores; ``cudnn`` is cuDNN's
+        fused flash attention (scores never leave the chip; its backward recomputes them from the saved
+        log-sum-exp); ``auto`` picks cudnn where it applies (:func:`attention_kernel`).
+        """
+        if attention_kernel(kernel, q) == "cudnn":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
@@ -70,6 +77,25 @@ class Ops:
 
 
 DEFAULT_OPS = Ops()
+
+ATTENTION_KERNELS = ("auto", "xla", "cudnn")
+
+
+def attention_kernel(kernel: str, q: Array) -> str:
+    """Resolve ``model.attention`` for queries ``q``: cuDNN flash attention needs an NVIDIA GPU, 16-bit
+    q/k/v and a head dim that is a multiple of 8 and at most 128 (jax's cuDNN checks); ``auto`` takes it
+    when all hold (MaxText's autoselection does the same), else the XLA path."""
+    dev = jax.devices()[0]
+    why = [w for ok, w in (
+        (dev.platform == "gpu" and "nvidia" in dev.device_kind.lower(), f"device {dev.device_kind!r}"),
+        (q.dtype in (jnp.bfloat16, jnp.float16), f"dtype {q.dtype}"),
+        (q.shape[-1] % 8 == 0 and q.shape[-1] <= 128, f"head_dim {q.shape[-1]}")) if not ok]
+    if kernel == "cudnn" and why:
+        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, bfloat16/float16 and head_dim a "
+                         f"multiple of 8 <= 128; got {', '.join(why)}")
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"model.attention={kernel!r}; choose one of {ATTENTION_KERNELS}")
+    return "xla" if kernel == "xla" or why else "cudnn"
 
 
 def _init(std: float):

@@ -61,7 +61,7 @@ class Block(nn.Module):
         q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
         if not gpt:
             q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
-        a = ops.attention(q, k, v).reshape(b, t, nh * hd)
+        a = ops.attention(q, k, v, c.attention).reshape(b, t, nh * hd)
         x = x + Dense(c.d_model, ops, "attn.out", gpt, dt, self.out_std, name="attn_out")(a)
         h = norm("ln_mlp")(x)
         if gpt:

@@ -98,10 +98,10 @@ class TensorOps(Ops):
         return _relayout(self.mesh, src, dst, y)
 
     # -- attention -----------------------------------------------------------------------------
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, kernel="auto"):
         """q: [B, T, H, Dh] -> local [B/(G_data G_d), T, H/G_h, Dh]; heads over ``head_axis``."""
         spec = P(BATCH, None, self.head_axis, None)
-        return self._smap(partial(Ops.attention, self), (spec, spec, spec), spec)(q, k, v)
+        return self._smap(partial(Ops.attention, self, kernel=kernel), (spec, spec, spec), spec)(q, k, v)
 
     # -- norms ---------------------------------------------------------------------------------------
     def layer_norm(self, x, scale, bias, eps):

@@ -75,3 +75,46 @@ def test_remat_segments_do_not_change_gradients(policy, interval):
     ref = jax.grad(m.loss)(p, tok, tok)
     got = jax.grad(lambda q: m.loss(q, tok, tok, remat=remat_policy(policy), interval=interval))(p)
     assert_tree_close(got, ref, "fp32_kernel", f"remat={policy} interval={interval}")
+
+
+def _nvidia_gpu() -> bool:
+    d = jax.devices()[0]
+    return d.platform == "gpu" and "nvidia" in d.device_kind.lower()
+
+
+def test_attention_kernel_choice_and_errors():
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.model.layers import attention_kernel
+
+    q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    q32 = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    assert attention_kernel("auto", q32) == "xla" and attention_kernel("xla", q16) == "xla"
+    assert attention_kernel("auto", q16) == ("cudnn" if _nvidia_gpu() else "xla")
+    with pytest.raises(ValueError, match="dtype float32"):
+        attention_kernel("cudnn", q32)
+    with pytest.raises(ValueError, match="head_dim 12"):
+        attention_kernel("cudnn", jnp.zeros((1, 8, 2, 12), jnp.bfloat16))
+    with pytest.raises(ValueError, match="'flash'"):
+        attention_kernel("flash", q16)
+    with pytest.raises(ConfigError, match="model.attention='flash'"):
+        PRESETS["gpt-tiny"].__class__(attention="flash").validate()
+
+
+@pytest.mark.skipif(not _nvidia_gpu(), reason="cuDNN flash attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_cudnn_attention_matches_xla(heads, kv_heads):
+    """The fused cuDNN kernel against the materialised-scores path: outputs and q/k/v gradients (bf16)."""
+    from jaxhybrid.model import Ops
+    from jaxhybrid.testing import assert_tree_close
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (2, 256, heads, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, 256, kv_heads, 64), jnp.bfloat16) for kk in ks[1:3])
+    dy = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+    def run(kernel):
+        y, vjp = jax.vjp(lambda *a: Ops().attention(*a, kernel=kernel), q, k, v)
+        return y, vjp(dy)
+
+    got, want = jax.jit(lambda: run("cudnn"))(), jax.jit(lambda: run("xla"))()
+    assert_tree_close(got, want, "bf16_parity", "cudnn vs xla attention")
