@@ -50,7 +50,8 @@ class Tape:
       cots: tap cotangents dL/d(site output), in site order (replay mode).
       shapes: ShapeDtypeStruct of each site output (discover mode).
       wtaps: zero per-sample taps on the per-token weight vectors, in order (tap mode).
-      partials: their per-sample gradients, the wtaps' cotangents (replay mode).
+      partials: their per-sample gradients, the wtaps' cotangents, packed per dtype name (replay mode;
+        ``residuals.pack_partials``); ``offsets`` walks each packed array in per_sample order.
       wshapes: ShapeDtypeStruct of each of those taps (discover mode).
     """
 
@@ -64,7 +65,9 @@ class Tape:
         self.cots = list(cots or [])
         self.shapes: list[jax.ShapeDtypeStruct] = []
         self.wtaps = list(wtaps or [])
-        self.partials = list(partials or [])
+        self.partials = dict(partials or {})
+        self.offsets: dict[str, int] = {}
+        self._sums: dict[str, Array] = {}
         self.wshapes: list[jax.ShapeDtypeStruct] = []
         self.acc = jnp.zeros((), jnp.float32)
         self.i = 0  # next site
@@ -84,8 +87,12 @@ class Tape:
         """
         if self.mode == "replay":
             for w in weights:
-                g = self.partials[self.k]
-                g = jax.lax.stop_gradient(jnp.sum(g, axis=tuple(range(g.ndim - w.ndim))))
+                key = jnp.dtype(w.dtype).name
+                if key not in self._sums:  # one batch reduction per packed array, then slices of it
+                    self._sums[key] = jax.lax.stop_gradient(jnp.sum(self.partials[key], axis=0))
+                o = self.offsets.get(key, 0)
+                g = self._sums[key][o:o + w.size].reshape(w.shape)
+                self.offsets[key] = o + w.size
                 self.acc = self.acc + jnp.sum((w * g.astype(w.dtype)).astype(jnp.float32))
                 self.k += 1
         elif self.mode == "discover":

@@ -95,7 +95,8 @@ class StageKernels:
 
     def _bi_saved(self, params, vjp, dy):
         self.trace_counts["backward_input"] += 1
-        return self._split_cts(rs.fill_params(vjp, params)(dy), self.is_first)
+        dx, cots, parts = self._split_cts(rs.fill_params(vjp, params)(dy), self.is_first)
+        return dx, cots, rs.pack_partials(parts)
 
     # ---- segment mode (remat full, checkpoint interval ac) -----------------------------------------------
     def _forward_segments(self, params, x, targets):
@@ -117,7 +118,7 @@ class StageKernels:
         offsets = [sum(len(r) for r in recs[:k]) for k in range(len(recs))]
         flat_index = tuple(o + i for o, idx in zip(offsets, index) for i in idx)
         flat = lambda lists: [x for li in lists for x in li]  # noqa: E731
-        return g, WeightResiduals(flat(recs), flat(cots), flat(parts), flat_index)
+        return g, WeightResiduals(flat(recs), flat(cots), rs.pack_partials(flat(parts)), flat_index)
 
     # ---- backward-p2 and fused --------------------------------------------------------------------------
     def _bw_kernel(self, params, wr: WeightResiduals):
@@ -130,9 +131,10 @@ class StageKernels:
             x = first if self.is_first else jnp.zeros((*first.shape[:2], self.cfg.d_model), self.model.dtype)
             tgt = jnp.zeros(first.shape[:2], jnp.int32) if self.is_last else None
             self._run(tape, p, x, tgt, self.first_block, self.last_block, self.is_first, self.is_last)
-            if (tape.i, tape.k) != (len(wr.cots), len(wr.partials)):
-                raise ValueError(f"weight pass replayed {tape.i} sites and {tape.k} per-token weight vectors but has "
-                                 f"{len(wr.cots)} cotangents and {len(wr.partials)} partials")
+            widths = {k: v.shape[-1] for k, v in wr.partials.items()}
+            if (tape.i, tape.offsets) != (len(wr.cots), widths):
+                raise ValueError(f"weight pass replayed {tape.i} sites and per-token weight vectors of "
+                                 f"{tape.offsets} elements but has {len(wr.cots)} cotangents and partials {widths}")
             return tape.acc
 
         return jax.grad(replay)(params)

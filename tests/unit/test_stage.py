@@ -175,25 +175,27 @@ def test_residual_bytes_match_kept_arrays(kind, remat):
         assert Stage.weight_residual_bytes(wr) == stage.weight_residual_bytes_estimate(MB, T)
 
 
-@pytest.mark.parametrize("kind,cots,records,partials", [
-    ("gpt2", 4, 4, 8),   # qkv, attn_out, mlp_up, mlp_down; ln_attn, ln_mlp (scale, bias) + 4 matmul biases
-    ("llama", 5, 4, 2),  # + mlp_gate, which reads the same input as mlp_up; RMSNorm: scale only
+@pytest.mark.parametrize("kind,cots,records", [
+    ("gpt2", 4, 4),   # qkv, attn_out, mlp_up, mlp_down
+    ("llama", 5, 4),  # + mlp_gate, which reads the same input as mlp_up
 ])
-def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(kind, cots, records, partials):
+def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(kind, cots, records):
     """Per block, the weight pass keeps each matmul's input and output cotangent, and for the norms only
-    per-sample [mb, d] gradients (Tape.per_sample, also for the matmul biases): no norm input or output
-    cotangent of shape [mb, T, d]."""
+    per-sample gradients (Tape.per_sample, also for the matmul biases), packed into one [mb, sum d] array:
+    no norm input or output cotangent of shape [mb, T, d]."""
     stage = _stage(kind, 1, 2)  # one middle block
     params = stage.slice_params(_full_params(kind, 0))
     x, _ = _inputs(stage, 3)
     y, res = stage.forward(params, x)
     _, wr = stage.backward_input(res, _cotangent(stage, y, 4))
-    assert (len(wr.cots), len(wr.records), len(wr.partials)) == (cots, records, partials)
-    assert all(g.shape[0] == MB and g.ndim == 2 and g.dtype == jnp.float32 for g in wr.partials)
+    assert (len(wr.cots), len(wr.records), list(wr.partials)) == (cots, records, ["float32"])
+    # Every vector weight (norm scales and biases, matmul biases) and nothing else has a per-sample slot.
+    vectors = sum(v.size for v in jax.tree.leaves(params) if v.ndim == 1)
+    assert wr.partials["float32"].shape == (MB, vectors)
     assert not any(r is x or np.array_equal(r, x) for r in wr.records)  # the block input fed only ln_attn
     # The partials alone carry the norm and bias gradients: zero them and only those leaves change.
     g = stage.backward_weight(params, wr)
-    g0 = stage.backward_weight(params, dataclasses.replace(wr, partials=[p * 0 for p in wr.partials]))
+    g0 = stage.backward_weight(params, dataclasses.replace(wr, partials={k: p * 0 for k, p in wr.partials.items()}))
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g0)):
         name = jax.tree_util.keystr(path)
         assert ("ln_" in name or "bias" in name) == (not np.array_equal(a, b)), name
