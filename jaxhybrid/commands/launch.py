@@ -74,9 +74,10 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     return env
 
 
-def devices_per_rank(train_args: list[str]) -> int:
+def devices_per_rank(train_args: list[str], n: int = 1) -> int:
     """Devices each rank's tensor mesh needs (``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
-    mode), from the train arguments' config; 1 when the config cannot be read (the ranks report why)."""
+    mode, the mesh's share of each of the ``n`` processes with ``--distributed``), from the train
+    arguments' config; 1 when the config cannot be read (the ranks report why)."""
     from jaxhybrid.commands import train as train_cmd
     from jaxhybrid.config import load_config
 
@@ -88,6 +89,11 @@ def devices_per_rank(train_args: list[str]) -> int:
         cfg = load_config(ns.config, ns.overrides, check=False)
     except Exception:  # noqa: BLE001 (the ranks load the same config and name the problem)
         return 1
+    if ns.distributed:
+        if cfg.num_devices % n:
+            raise ValueError(f"--distributed over -n {n} processes: the mesh's {cfg.num_devices} devices "
+                             f"(data x depth x row x col) do not split evenly; use -n dividing {cfg.num_devices}")
+        return cfg.num_devices // n
     return max(1, cfg.num_devices // cfg.world_size)
 
 
@@ -118,7 +124,7 @@ def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    per_rank = 1 if args.script else devices_per_rank(args.train_args)
+    per_rank = 1 if args.script else devices_per_rank(args.train_args, args.n)
     env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:

@@ -1,4 +1,5 @@
-"""``jaxhybrid train --config FILE [--set key=value ...] [--resume]``: one process, or one MPI rank."""
+"""``jaxhybrid train --config FILE [--set key=value ...] [--resume] [--distributed]``: one process, one MPI
+rank of a pipeline/data grid, or (``--distributed``) one process of a tensor-mode mesh spanning processes."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    p.add_argument("--distributed", action="store_true",
+                   help="tensor mode over several processes (nodes): start JAX's distributed runtime so the "
+                   "(data, depth, row, col) mesh spans every process's devices; under srun or mpirun the "
+                   "peers are found from the launcher, elsewhere pass the three options below")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="--distributed: process 0's address")
+    p.add_argument("--num-processes", type=int, default=None, help="--distributed: number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="--distributed: this process's index")
 
 
 def launched_world_size() -> int:
@@ -24,15 +32,38 @@ def launched_world_size() -> int:
     return 1
 
 
+def check_distributed(cfg, args) -> None:
+    """``--distributed`` runs one tensor-mode mesh over processes; its options need it."""
+    from jaxhybrid.config import ConfigError
+
+    if not args.distributed:
+        if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
+            raise ConfigError("--coordinator, --num-processes and --process-id only apply with --distributed")
+        return
+    p = cfg.parallel
+    if p.pipeline > 1 or cfg.tensor_size == 1:
+        raise ConfigError(f"--distributed spans one tensor-mode mesh over processes: it needs parallel.pipeline=1 "
+                          f"and a tensor grid, got pipeline={p.pipeline}, tensor depth x row x col = "
+                          f"{p.tensor_depth} x {p.tensor_row} x {p.tensor_col}; pipeline and data-only layouts "
+                          f"run as MPI ranks without --distributed (jaxhybrid launch)")
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.config import load_config, validate
 
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = load_config(args.config, overrides, check=False)
-    validate(cfg, launched_world_size())
+    check_distributed(cfg, args)
+    # Under --distributed the processes are JAX's (one mesh), not MPI ranks of a pipeline/data grid.
+    world = 1 if args.distributed else launched_world_size()
+    validate(cfg, world)  # every rule that needs no devices, before any process waits for its peers
+    if args.distributed:
+        from jaxhybrid.tensor import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from jaxhybrid.train import Trainer
 
-    trainer = Trainer(cfg, launched_world_size())
+    trainer = Trainer(cfg, world)
     summary = trainer.run()
     if trainer.engine.is_writer:
         print(json.dumps({"run_dir": str(cfg.run.dir), **summary}), file=sys.stdout)

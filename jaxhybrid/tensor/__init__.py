@@ -6,19 +6,19 @@ each parameter lives, divisibility rules), ``engine.py`` (the GradEngine), ``hlo
 from compiled HLO against eqs. 4-8 of ``jaxhybrid.planner.comm_model``).
 
 Multi-process launch (item 6). The mesh is built from ``jax.devices()``, which after
-``jax.distributed.initialize`` lists the devices of every process, so the same engine spans nodes: start
-one process per node (or per GPU) with the same command, e.g. under Slurm::
+``jax.distributed.initialize`` lists the devices of every process, so the same engine spans nodes.
+``jaxhybrid train --distributed`` starts the runtime (``distributed.py`` finds the peers from srun, from
+mpirun / ``jaxhybrid launch``, or from ``--coordinator --num-processes --process-id``)::
 
-    srun -N 4 --ntasks-per-node=1 python -c "import jax; jax.distributed.initialize(); \\
-        from jaxhybrid.cli import main; main(['train', '--config', 'run.yaml'])"
+    srun -N 4 --ntasks-per-node=1 jaxhybrid train --distributed --config run.yaml     # Slurm
+    jaxhybrid launch -n 2 -- --distributed --config run.yaml                          # one node, MPI
 
-``jax.distributed.initialize()`` reads the coordinator address, process count and id from Slurm (or
-pass ``coordinator_address=host:port, num_processes=N, process_id=i``). Every process must feed the same
-global batch (the engine's ``device_put`` of the batch then takes each process's addressable shards) and
-only ``is_writer`` (process 0) writes files. Device order follows ``jax.devices()``: process-major, so
-with one process per node the outer mesh axes (data, then depth) cross nodes and column, the innermost
-axis, stays inside a node, which is the hierarchy of AxoNN Sec. V. See the report in this package's
-tests for the status of the two-process CPU test.
+Every process computes the same global batch (the engine's ``device_put`` then takes its addressable
+shards); only process 0 (``is_writer``) writes metrics, and orbax writes one checkpoint directory
+together from all processes. Device order follows ``jax.devices()``: process-major, so with one process
+per node the outer mesh axes (data, then depth) cross nodes and column, the innermost axis, stays
+inside a node, which is the hierarchy of AxoNN Sec. V. ``tests/mpi/test_mpi_resume.py`` trains a
+(2, 1, 2, 2) mesh over two CPU processes against the one-process run and resumes it.
 """
 from jaxhybrid.tensor.engine import TensorEngine, order_microbatches, tensor_remat
 from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches

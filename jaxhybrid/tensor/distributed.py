@@ -1,36 +1,87 @@
 """Multi-process AxoNN 4D through JAX's own distributed runtime, and a self-check runnable on CPU.
 
-``initialize`` starts ``jax.distributed`` (on CPU with gloo collectives, so two processes on one machine
-form one 8-device mesh); the mesh then spans every process's devices and :class:`TensorEngine` runs
-unchanged. ``python -m jaxhybrid.tensor.distributed --process-id I --num-processes N --port P`` runs one
-tiny-GPT step on the global mesh in each process and checks loss and gradients (gathered to every
-process) against the single-device engine; it exits non-zero on a mismatch.
+:func:`initialize` starts ``jax.distributed`` before any JAX computation; the mesh then spans every
+process's devices and :class:`TensorEngine` runs unchanged (``jaxhybrid train --distributed`` calls it).
+Peers are found from the launcher (:func:`peer_arguments`): explicit arguments, else Slurm (JAX reads
+``SLURM_*``), else the MPI job that started the process (mpirun / ``jaxhybrid launch``: rank 0 picks a
+free port and broadcasts ``host:port`` with mpi4py). On CPU the cross-process collectives are gloo's.
+
+``python -m jaxhybrid.tensor.distributed --process-id I --num-processes N --port P`` runs one tiny-GPT
+step on the global mesh in each process and checks loss and gradients (gathered to every process)
+against the single-device engine; it exits non-zero on a mismatch.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
+# Set by mpich/hydra (PMI), Open MPI and PMIx launchers in every rank's environment.
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
-def initialize(process_id: int, num_processes: int, coordinator: str, local_devices: int | None = None,
-               cpu: bool = False) -> None:
-    """Start the distributed runtime. Must run before any JAX computation.
+
+def peer_arguments(coordinator: str | None = None, num_processes: int | None = None,
+                   process_id: int | None = None, env=None) -> dict:
+    """Keyword arguments of ``jax.distributed.initialize`` for this process.
+
+    All three given: used as they are. None given: ``{}`` under Slurm (JAX's own detection), the MPI
+    job's size, rank and a coordinator chosen by rank 0 under an MPI launcher; anything else is an error
+    naming what to pass. Checked before the runtime starts, so a bad launch fails without a hang.
+    """
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"--distributed with explicit peers needs all of --coordinator HOST:PORT, "
+                             f"--num-processes N and --process-id I; missing {', '.join(missing)}")
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--coordinator {coordinator!r} must be HOST:PORT (process 0's address)")
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id {process_id} must be in [0, --num-processes {num_processes})")
+        return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return {}
+    if any(v in env for v in MPI_RANK_VARS):
+        return _from_mpi()
+    raise ValueError("--distributed found no launcher (neither srun nor mpirun started this process); start "
+                     "every process with `srun`, `mpirun`/`jaxhybrid launch`, or pass --coordinator HOST:PORT "
+                     "--num-processes N --process-id I to each")
+
+
+def _from_mpi() -> dict:
+    """Size and rank of MPI's world; rank 0 binds a free port and broadcasts ``host:port``.
+    (JAX's own mpi4py detection derives the port from a hash of the host name: two jobs on one node
+    would collide.)"""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    addr = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            addr = f"{socket.gethostname()}:{s.getsockname()[1]}"
+    addr = comm.bcast(addr, root=0)
+    return {"coordinator_address": addr, "num_processes": comm.Get_size(), "process_id": comm.Get_rank()}
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               local_devices: int | None = None) -> None:
+    """Start the distributed runtime (see :func:`peer_arguments`). Must run before any JAX computation.
 
     Args:
-      process_id, num_processes, coordinator: as ``jax.distributed.initialize`` (``host:port`` of process 0).
       local_devices: fake CPU devices per process (sets XLA_FLAGS; only before the backend starts).
-      cpu: use the CPU backend with gloo cross-process collectives.
     """
+    kwargs = peer_arguments(coordinator, num_processes, process_id)
     if local_devices:  # read when the CPU backend starts (first device query), not at import
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
     import jax
 
-    if cpu:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
+    # Cross-process collectives of the CPU backend (GPU backends use NCCL whatever this says).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
 
 
 def check_step(shape: tuple[int, int, int, int], letters: str = "ABCDE") -> float:
@@ -71,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-devices", type=int, default=4)
     p.add_argument("--shape", default="2,1,2,2", help="G_data,G_d,G_r,G_c over all processes' devices")
     args = p.parse_args(argv)
-    initialize(args.process_id, args.num_processes, f"localhost:{args.port}", args.local_devices, cpu=True)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    initialize(f"localhost:{args.port}", args.num_processes, args.process_id, args.local_devices)
     loss = check_step(tuple(int(v) for v in args.shape.split(",")))
     print(f"process {args.process_id}: loss {loss:.6f} matches the single-device step", flush=True)
     return 0

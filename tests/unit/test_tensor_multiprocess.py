@@ -36,3 +36,35 @@ def test_two_processes_one_mesh(shape="2,1,2,2"):
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
         assert f"process {i}: loss" in out and "matches the single-device step" in out
+
+
+def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
+    """``jaxhybrid train --distributed``: where the peers come from, and the errors for a bad launch or a
+    layout that is not one tensor-mode mesh (all raised before the distributed runtime starts)."""
+    import argparse
+
+    from jaxhybrid.commands import train as train_cmd
+    from jaxhybrid.config import ConfigError, load_config
+    from jaxhybrid.tensor.distributed import peer_arguments
+
+    assert peer_arguments("node0:1234", 4, 3) == {"coordinator_address": "node0:1234", "num_processes": 4,
+                                                 "process_id": 3}
+    assert peer_arguments(env={"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}) == {}  # JAX reads Slurm itself
+    with pytest.raises(ValueError, match="missing --num-processes, --process-id"):
+        peer_arguments("node0:1234")
+    with pytest.raises(ValueError, match="'node0' must be HOST:PORT"):
+        peer_arguments("node0", 2, 0)
+    with pytest.raises(ValueError, match=r"--process-id 2 must be in \[0, --num-processes 2\)"):
+        peer_arguments("node0:1", 2, 2)
+    with pytest.raises(ValueError, match="found no launcher"):
+        peer_arguments(env={})
+
+    p = argparse.ArgumentParser()
+    train_cmd.add_arguments(p)
+    mesh = load_config(None, ["parallel.tensor_col=2"], check=False)
+    train_cmd.check_distributed(mesh, p.parse_args(["--distributed"]))  # one tensor mesh: accepted
+    with pytest.raises(ConfigError, match=r"needs parallel.pipeline=1 and a tensor grid, got pipeline=2"):
+        train_cmd.check_distributed(load_config(None, ["parallel.pipeline=2"], check=False),
+                                    p.parse_args(["--distributed"]))
+    with pytest.raises(ConfigError, match="only apply with --distributed"):
+        train_cmd.check_distributed(mesh, p.parse_args(["--process-id", "0"]))

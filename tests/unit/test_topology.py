@@ -63,6 +63,12 @@ def test_launch_command_and_thread_environment():
     hybrid = ["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"]
     assert devices_per_rank(hybrid) == 4 and devices_per_rank(["--config", str(runs / "pipeline_2x2.yaml")]) == 1
     assert devices_per_rank(["--config", "/nonexistent.yaml"]) == 1  # the ranks report the missing file
+    # --distributed: the one tensor-mode mesh is split over the n processes.
+    mesh8 = ["--distributed", "--config", str(runs / "tiny.yaml"), "--set", "parallel.data=2",
+             "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2"]
+    assert devices_per_rank(mesh8, 2) == 4 and devices_per_rank(mesh8, 8) == 1
+    with pytest.raises(ValueError, match=r"-n 3 processes: the mesh's 8 devices"):
+        devices_per_rank(mesh8, 3)
     env = rank_environment(4, 2, 0, base={}, devices=4)
     assert "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
     env = rank_environment(4, 2, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
