@@ -61,6 +61,14 @@ def run(args: argparse.Namespace) -> int:
         from jaxhybrid.tensor import distributed
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif world > 1:  # an MPI rank: its own node-local GPUs, chosen before the backend starts
+        from jaxhybrid.tensor.local import gpu_block
+
+        block = gpu_block(cfg.num_devices // world)
+        if block is not None:
+            import jax
+
+            jax.config.update("jax_cuda_visible_devices", block)
     from jaxhybrid.train import Trainer
 
     trainer = Trainer(cfg, world)

@@ -27,12 +27,39 @@ from jaxhybrid.tensor.sharding import check_layout, param_shardings
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
-def local_rank() -> int:
-    """This process's rank among the ranks of its node (0 when not launched by MPI or Slurm)."""
+def local_rank(env=None) -> int | None:
+    """This process's rank among the ranks of its node; None when no MPI or Slurm launcher started it."""
+    env = os.environ if env is None else env
     for var in _LOCAL_RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None
+
+
+def gpu_block(per_rank: int, env=None) -> str | None:
+    """The GPUs an MPI rank of a pipeline/data grid should see, in the form ``jax_cuda_visible_devices``
+    takes (positions in ``CUDA_VISIBLE_DEVICES`` when that is set): the block of ``per_rank`` GPUs of its
+    node-local rank. None when no launcher names a local rank or ``CUDA_VISIBLE_DEVICES`` already lists
+    exactly ``per_rank`` GPUs (the launcher gave each rank its own, e.g. ``srun --gpus-per-task``).
+
+    Why: a process that sees all of its node's GPUs computes on the first one and JAX preallocates most
+    of every visible GPU's memory, so ranks sharing a node would pile onto GPU 0 and run out of memory.
+    Applied before the backend starts (``jaxhybrid train``); a CPU-only JAX ignores the setting.
+    """
+    env = os.environ if env is None else env
+    r = local_rank(env)
+    if r is None:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = len([v for v in visible.split(",") if v.strip()])
+        if n == per_rank:
+            return None
+        if n < per_rank * (r + 1):
+            raise ValueError(f"node-local rank {r} needs GPUs {r * per_rank}..{(r + 1) * per_rank - 1} of its "
+                             f"node ({per_rank} per rank) but CUDA_VISIBLE_DEVICES={visible!r} lists {n}; "
+                             f"start fewer ranks per node or give each rank its own GPUs")
+    return ",".join(str(i) for i in range(r * per_rank, (r + 1) * per_rank))
 
 
 def rank_devices(n: int, devices: list | None = None, node_rank: int | None = None) -> list:
@@ -40,7 +67,7 @@ def rank_devices(n: int, devices: list | None = None, node_rank: int | None = No
     devs = list(jax.local_devices() if devices is None else devices)
     if len(devs) == n:
         return devs
-    r = local_rank() if node_rank is None else node_rank
+    r = (local_rank() or 0) if node_rank is None else node_rank
     if len(devs) >= n * (r + 1):
         return devs[r * n:(r + 1) * n]
     raise ValueError(
