@@ -52,7 +52,7 @@ class OffloadedOptimizer:
 
     Args:
       inner: the optax transform; verified bucketable at construction (ValueError naming it otherwise).
-      bucket_size: elements per bucket (Myelin's bsize), ``0 < bucket_size <= parameter count``.
+      bucket_size: elements per bucket (Myelin's bsize), > 0; more than the parameter count makes one bucket.
       grad_clip: global-norm clip over all gradients (0 disables), applied before any bucket update.
       compute_dtype: dtype of the device parameter copy ("float32", "bfloat16", "float16").
       backend: host store, "numpy" or "pinned_host"; None picks per platform (``hoststore``).
@@ -89,7 +89,9 @@ class OffloadedOptimizer:
         bad = [f"{k} {d}" for k, d in spec.dtypes().items() if d != np.float32]
         if bad:
             raise ValueError(f"offloaded master weights must be float32; got {', '.join(bad[:3])}")
-        self.spec, self.layout = spec, BucketLayout(spec.n, self.bucket_size)
+        # A bucket larger than this process's parameters is one bucket of all of them (a pipeline stage holds
+        # a fraction of the model, so the configured bsize is an upper bound, not a size every rank can fill).
+        self.spec, self.layout = spec, BucketLayout(spec.n, min(self.bucket_size, spec.n))
         flat = spec.ravel_host(params)
         buckets, shared = [], None
         for s, e in self.layout.all_bounds():
