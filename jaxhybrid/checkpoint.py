@@ -7,6 +7,7 @@ step to resume from is the newest one that *every* rank committed, agreed throug
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,40 @@ import orbax.checkpoint as ocp
 
 def _to_host(tree):
     return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
+    """The steps checkpointed in each rank's folder of ``run_dir`` (from the folder names; orbax names a
+    step's folder by its number once committed, and an unfinished save by a temporary name)."""
+    out = {}
+    for d in sorted((Path(run_dir) / "checkpoints").glob("rank_*")):
+        steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+        if steps:
+            out[d.name] = steps
+    return out
+
+
+def check_resume_layout(run_dir: str | Path, cfg) -> None:
+    """Before a resume: the settings that shape the checkpointed state (model, parallel layout, offloaded
+    optimizer buckets) must equal those of the run that wrote ``run_dir`` (its ``config.yaml``); else a
+    ConfigError listing each change, instead of orbax's tree-structure mismatch at restore."""
+    from jaxhybrid.config import ConfigError, config_from_dict, load_yaml
+
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        return
+    old = config_from_dict(load_yaml(saved), check=False)
+    keys = [f"{sec}.{f.name}" for sec in ("model", "parallel") for f in dataclasses.fields(getattr(cfg, sec))]
+    keys += ["optim.offload"] + (["optim.bucket_size"] if cfg.optim.offload else [])
+
+    def get(c, key):
+        sec, name = key.split(".")
+        return getattr(getattr(c, sec), name)
+
+    changed = [f"{k}: {get(old, k)} -> {get(cfg, k)}" for k in keys if get(old, k) != get(cfg, k)]
+    if changed:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout ({'; '.join(changed)}); "
+                          f"resume with the settings of {saved}, or train into another run.dir")
 
 
 class Checkpointer:

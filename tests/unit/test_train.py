@@ -61,6 +61,21 @@ def test_resume_is_bit_exact(tmp_path, extra):
     assert (tmp_path / "b" / "memory.json").is_file()
 
 
+def test_reused_run_dir_is_refused_and_resume_checks_the_layout(tmp_path):
+    """A new run into a folder holding checkpoints would save none of its own (orbax keeps the newest step),
+    and a resume with another layout would die in orbax's tree matching: both are ConfigErrors first."""
+    from jaxhybrid.config import ConfigError
+
+    Trainer(_cfg(tmp_path, "train.steps=2")).run()  # checkpoints step 2 at the end
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(rank_0: steps 2\); continue it "
+                                          r"with --resume"):
+        Trainer(_cfg(tmp_path, "train.steps=2"))
+    with pytest.raises(ConfigError, match=r"another layout \(model.n_layers: 2 -> 3; optim.offload: False -> True"):
+        Trainer(_cfg(tmp_path, "train.steps=3", "run.resume=true", "model.n_layers=3", "optim.offload=true"))
+    Trainer(_cfg(tmp_path, "train.steps=3", "run.resume=true", "optim.lr=1e-3")).run()  # schedule changes are fine
+    assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
 def test_overflow_skips_step_and_halves_scale(tmp_path):
     t = Trainer(_cfg(tmp_path, "train.steps=4", "train.inject_overflow_step=2",
                      "precision.dynamic_loss_scale=true", "precision.loss_scale_init=1024"))
