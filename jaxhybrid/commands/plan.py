@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     plans = rank_plans(model, args.gpus, machine, gb, seq, args.top, not args.no_tensor, args.offload)
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
-                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq})
+                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq,
+                                        "dtype": args.dtype})
     if args.json:
         keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s")
         print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans]}))

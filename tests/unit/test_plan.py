@@ -64,12 +64,14 @@ def test_plan_file_round_trips_into_a_valid_config(tmp_path):
     assert any(p["pipeline"] > 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1 for p in plans)
     piped = next(p for p in plans if p["pipeline"] > 1)
     path = tmp_path / "plan.json"
-    write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024})
+    write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024,
+                             "dtype": "bfloat16"})
     over = load_plan_overrides(path)
     cfg = config_from_dict({"model": "gpt2-small", "data": {"seq_len": 1024}, **over})
     assert cfg.parallel.pipeline == piped["pipeline"] and cfg.pipeline.schedule == piped["schedule"]
     assert cfg.microbatch_size == piped["microbatch_size"] and cfg.optim.offload == piped["offload"]
     assert list(cfg.parallel.partition) == piped["partition"]
+    assert cfg.precision.compute_dtype == "bfloat16"  # the dtype the plan was modelled with
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="config"):
         load_plan_overrides(tmp_path / "bad.json")
