@@ -79,7 +79,7 @@ def load_hardware(name: str) -> dict[str, Any]:
         p = HARDWARE_DIR / f"{name}.yaml"
     if not p.is_file():
         raise FileNotFoundError(f"hardware {name!r} not found in {HARDWARE_DIR}; available: "
-                                f"{', '.join(hardware_names()) or 'none'} (set metrics.hardware)")
+                                f"{', '.join(hardware_names()) or 'none'}, or a path to such a YAML file")
     try:
         hw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:

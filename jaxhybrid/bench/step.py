@@ -16,7 +16,7 @@ import optax
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="run config YAML (default: configs/runs/tiny.yaml values)")
+    p.add_argument("--config", default=None, help="run config YAML (default: the config defaults, gpt-tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=5)

@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{alloc.algorithm}: DP period {alloc.period:.6g} s, valid schedule period {alloc.valid_period:.6g} s"
-          f" ({alloc.note})")
+    note = f" ({alloc.note})" if alloc.note else ""
+    print(f"{alloc.algorithm}: DP period {alloc.period:.6g} s, valid schedule period {alloc.valid_period:.6g} s{note}")
     for s in out["stages"]:
         print(f"  layers {s['layers'][0]:3d}-{s['layers'][1]:3d}  processor {s['processor']}")
     return 0

@@ -92,6 +92,9 @@ def _atomic_file(final: Path) -> Iterator[Path]:
     """Yield a unique temporary path next to ``final``; move it into place only if the body succeeds."""
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; data files are shared like any other
     try:
         yield Path(tmp)
         os.replace(tmp, final)
