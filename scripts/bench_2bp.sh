@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The 2BP stage measurements (issue 3) in one command: `jaxhybrid bench stage` on each stage the goal
+# names, one JSON object per line (also appended to $OUT/bench_2bp.jsonl when OUT is set).
+#
+#   scripts/bench_2bp.sh            CPU set: gpt-small-cpu stages (middle at mb 2/4/8, first, last),
+#                                   the tiny.yaml job, a LLaMA stage
+#   scripts/bench_2bp.sh --gpu      GPU set: 4-block middle stages of GPT-2 small and GPT-2 1.3B in
+#                                   bf16, 8 x 1024 tokens (cuDNN attention), fused vs split, TFLOP/s
+#
+# Extra arguments go to every `bench stage` call (e.g. --repeats 5). Python: $PYTHON if set, else the
+# project's .venv (made by scripts/setup.sh), else a python3 that already has jax (a GPU image).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+set_name=cpu
+if [ "${1:-}" = "--gpu" ]; then set_name=gpu; shift; fi
+if [ -n "${PYTHON:-}" ]; then py="$PYTHON"
+elif [ -x .venv/bin/python ]; then py=.venv/bin/python
+elif python3 -c "import jax, flax" >/dev/null 2>&1; then py=python3
+else bash scripts/setup.sh; py=.venv/bin/python
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "$set_name" = gpu ]; then
+  cases=(
+    "--model gpt2-small --blocks 4 --dtype bfloat16 --microbatch-size 8 --seq-len 1024"
+    "--model gpt2-1.3b --blocks 4 --dtype bfloat16 --microbatch-size 8 --seq-len 1024"
+    "--model gpt2-1.3b --blocks 4 --dtype bfloat16 --microbatch-size 2 --seq-len 1024"
+  )
+else
+  cases=(
+    "--microbatch-size 2"
+    "--microbatch-size 4"
+    "--microbatch-size 8"
+    "--blocks 0:4"
+    "--blocks 4:8"
+    "--config configs/runs/tiny.yaml"
+    "--model llama-tiny --blocks 2"
+  )
+fi
+lines=()
+for c in "${cases[@]}"; do
+  # shellcheck disable=SC2086  # each case is a list of words
+  line="$("$py" -m jaxhybrid bench stage --json $c "$@" | tail -n 1)"
+  echo "$line"
+  lines+=("$line")
+done
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  printf '%s\n' "${lines[@]}" >> "$OUT/bench_2bp.jsonl"
+fi
+# One row per stage: the goal's ratio with its per-round quartiles, and achieved TFLOP/s.
+printf '%s\n' "${lines[@]}" > "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl"
+"$py" - "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(ln) for ln in open(sys.argv[1])]
+print(f"{'model':>14} {'blocks':>6} {'mb x T':>9} {'dtype':>8} {'fused ms':>9} {'split/fused':>11} "
+      f"{'round iqr':>13} {'queued':>7} {'concat':>7} {'bwd TFLOP/s':>11}")
+for d in rows:
+    (lo, hi), (q1, q3) = d["blocks"], d["split_over_fused_rounds_iqr"]
+    shape, blocks, iqr = f"{d['microbatch_size']}x{d['seq_len']}", f"{lo}:{hi}", f"{q1:.3f}-{q3:.3f}"
+    print(f"{d['model']:>14} {blocks:>6} {shape:>9} {d['dtype']:>8} {d['backward_fused_s'] * 1e3:9.2f} "
+          f"{d['split_over_fused']:11.3f} {iqr:>13} {d['split_over_fused_queued']:7.3f} "
+          f"{d['split_concat_over_fused']:7.3f} {d['backward_fused_tflops']:11.2f}")
+PY
+rm -f "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl"
