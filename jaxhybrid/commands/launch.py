@@ -74,10 +74,9 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     return env
 
 
-def devices_per_rank(train_args: list[str], n: int = 1) -> int:
-    """Devices each rank's tensor mesh needs (``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
-    mode, the mesh's share of each of the ``n`` processes with ``--distributed``), from the train
-    arguments' config; 1 when the config cannot be read (the ranks report why)."""
+def train_config(train_args: list[str]):
+    """``(train options, config)`` of the ranks' train arguments, or None when they cannot be read (the
+    ranks load the same arguments and name the problem)."""
     from jaxhybrid.commands import train as train_cmd
     from jaxhybrid.config import load_config
 
@@ -86,14 +85,37 @@ def devices_per_rank(train_args: list[str], n: int = 1) -> int:
     args = [a for a in train_args if a != "--"]
     try:
         ns, _ = p.parse_known_args(args[1:] if args[:1] == ["train"] else args)
-        cfg = load_config(ns.config, ns.overrides, check=False)
-    except Exception:  # noqa: BLE001 (the ranks load the same config and name the problem)
+        return ns, load_config(ns.config, ns.overrides, check=False)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def check_job(train_args: list[str], n: int) -> None:
+    """The checks every rank would make alike, made once before any rank starts: the config against
+    ``-n`` (the grid's rank count, or with ``--distributed`` processes that split the mesh evenly)."""
+    from jaxhybrid.commands.train import check_distributed
+    from jaxhybrid.config import validate
+
+    got = train_config(train_args)
+    if got is None:
+        return
+    ns, cfg = got
+    check_distributed(cfg, ns)
+    if ns.distributed and cfg.num_devices % n:
+        raise ValueError(f"--distributed over -n {n} processes: the mesh's {cfg.num_devices} devices "
+                         f"(data x depth x row x col) do not split evenly; use -n dividing {cfg.num_devices}")
+    validate(cfg, 1 if ns.distributed else n)
+
+
+def devices_per_rank(train_args: list[str], n: int = 1) -> int:
+    """Devices each rank's tensor mesh needs (``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
+    mode, the mesh's share of each of the ``n`` processes with ``--distributed``); 1 when unknown."""
+    got = train_config(train_args)
+    if got is None:
         return 1
+    ns, cfg = got
     if ns.distributed:
-        if cfg.num_devices % n:
-            raise ValueError(f"--distributed over -n {n} processes: the mesh's {cfg.num_devices} devices "
-                             f"(data x depth x row x col) do not split evenly; use -n dividing {cfg.num_devices}")
-        return cfg.num_devices // n
+        return max(1, cfg.num_devices // n)
     return max(1, cfg.num_devices // cfg.world_size)
 
 
@@ -124,6 +146,8 @@ def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    if not args.script:
+        check_job(args.train_args, args.n)
     per_rank = 1 if args.script else devices_per_rank(args.train_args, args.n)
     env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)

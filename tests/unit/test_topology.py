@@ -67,8 +67,16 @@ def test_launch_command_and_thread_environment():
     mesh8 = ["--distributed", "--config", str(runs / "tiny.yaml"), "--set", "parallel.data=2",
              "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2"]
     assert devices_per_rank(mesh8, 2) == 4 and devices_per_rank(mesh8, 8) == 1
+    # The launcher checks the job once, before any rank starts (each rank would repeat the same error).
+    from jaxhybrid.commands.launch import check_job
+    from jaxhybrid.config import ConfigError
+
+    check_job(mesh8, 2)
     with pytest.raises(ValueError, match=r"-n 3 processes: the mesh's 8 devices"):
-        devices_per_rank(mesh8, 3)
+        check_job(mesh8, 3)
+    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
+        check_job(["--config", str(runs / "pipeline_2x2.yaml")], 3)
+    check_job(["--config", "/nonexistent.yaml"], 3)  # unreadable: left to the ranks, which name the file
     env = rank_environment(4, 2, 0, base={}, devices=4)
     assert "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
     env = rank_environment(4, 2, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
