@@ -50,8 +50,8 @@ def check_resume_layout(run_dir: str | Path, cfg) -> None:
 
     changed = [f"{k}: {get(old, k)} -> {get(cfg, k)}" for k in keys if get(old, k) != get(cfg, k)]
     if changed:
-        raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout ({'; '.join(changed)}); "
-                          f"resume with the settings of {saved}, or train into another run.dir")
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout "
+                          f"({'; '.join(changed)}); resume with the settings of {saved}, or train into another run.dir")
 
 
 class Checkpointer:

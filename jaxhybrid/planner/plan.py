@@ -122,19 +122,19 @@ def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
 def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> dict:
     """The nested config overrides of a plan (keys of :class:`jaxhybrid.config.Config`); ``dtype`` is the
     compute dtype the plan's times and memory were modelled with, so the run trains in it too."""
-    precision = {"precision": {"compute_dtype": dtype}} if dtype else {}
-    return precision | {"parallel": {k: plan[k] for k in ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")}
-            | {"partition": list(plan["partition"]) if plan["pipeline"] > 1 else []},
-            "pipeline": {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
-                         "microbatches": plan["microbatches"]},
-            "optim": {"offload": plan["offload"]},
-            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
+    axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
+    partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
+    out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition},
+           "pipeline": {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
+                        "microbatches": plan["microbatches"]},
+           "optim": {"offload": plan["offload"]},
+           "train": {"global_batch": global_batch, "remat": plan["remat"]}}
+    return out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
     config = plan_overrides(plan, meta["global_batch"], meta.get("dtype"))
-    Path(path).write_text(json.dumps({**meta, "plan": plan, "config": config},
-                                     indent=1))
+    Path(path).write_text(json.dumps({**meta, "plan": plan, "config": config}, indent=1))
 
 
 def load_plan_overrides(path: str | Path) -> dict:
