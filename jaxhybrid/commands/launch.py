@@ -90,16 +90,12 @@ def train_config(train_args: list[str]):
         return None
 
 
-def check_job(train_args: list[str], n: int) -> None:
+def check_job(ns, cfg, n: int) -> None:
     """The checks every rank would make alike, made once before any rank starts: the config against
     ``-n`` (the grid's rank count, or with ``--distributed`` processes that split the mesh evenly)."""
     from jaxhybrid.commands.train import check_distributed
     from jaxhybrid.config import validate
 
-    got = train_config(train_args)
-    if got is None:
-        return
-    ns, cfg = got
     check_distributed(cfg, ns)
     if ns.distributed and cfg.num_devices % n:
         raise ValueError(f"--distributed over -n {n} processes: the mesh's {cfg.num_devices} devices "
@@ -107,16 +103,10 @@ def check_job(train_args: list[str], n: int) -> None:
     validate(cfg, 1 if ns.distributed else n)
 
 
-def devices_per_rank(train_args: list[str], n: int = 1) -> int:
-    """Devices each rank's tensor mesh needs (``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
-    mode, the mesh's share of each of the ``n`` processes with ``--distributed``); 1 when unknown."""
-    got = train_config(train_args)
-    if got is None:
-        return 1
-    ns, cfg = got
-    if ns.distributed:
-        return max(1, cfg.num_devices // n)
-    return max(1, cfg.num_devices // cfg.world_size)
+def devices_per_rank(ns, cfg, n: int = 1) -> int:
+    """Devices each rank's tensor mesh needs: ``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
+    mode, the mesh's share of each of the ``n`` processes with ``--distributed``."""
+    return max(1, cfg.num_devices // (n if ns.distributed else cfg.world_size))
 
 
 def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "") -> list[str]:
@@ -146,9 +136,10 @@ def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    if not args.script:
-        check_job(args.train_args, args.n)
-    per_rank = 1 if args.script else devices_per_rank(args.train_args, args.n)
+    job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
+    if job:
+        check_job(*job, args.n)
+    per_rank = devices_per_rank(*job, args.n) if job else 1
     env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:

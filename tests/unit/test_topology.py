@@ -57,26 +57,24 @@ def test_launch_command_and_thread_environment():
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, 2, 0)
     # A hybrid layout's ranks get their tensor mesh's CPU devices; a user's own count wins.
-    from jaxhybrid.commands.launch import devices_per_rank
-
-    runs = Path(__file__).resolve().parents[2] / "configs" / "runs"
-    hybrid = ["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"]
-    assert devices_per_rank(hybrid) == 4 and devices_per_rank(["--config", str(runs / "pipeline_2x2.yaml")]) == 1
-    assert devices_per_rank(["--config", "/nonexistent.yaml"]) == 1  # the ranks report the missing file
-    # --distributed: the one tensor-mode mesh is split over the n processes.
-    mesh8 = ["--distributed", "--config", str(runs / "tiny.yaml"), "--set", "parallel.data=2",
-             "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2"]
-    assert devices_per_rank(mesh8, 2) == 4 and devices_per_rank(mesh8, 8) == 1
-    # The launcher checks the job once, before any rank starts (each rank would repeat the same error).
-    from jaxhybrid.commands.launch import check_job
+    from jaxhybrid.commands.launch import check_job, devices_per_rank, train_config
     from jaxhybrid.config import ConfigError
 
-    check_job(mesh8, 2)
+    runs = Path(__file__).resolve().parents[2] / "configs" / "runs"
+    hybrid = train_config(["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"])
+    grid = train_config(["--config", str(runs / "pipeline_2x2.yaml")])
+    assert devices_per_rank(*hybrid, 4) == 4 and devices_per_rank(*grid, 4) == 1
+    assert train_config(["--config", "/nonexistent.yaml"]) is None  # the ranks report the missing file
+    # --distributed: the one tensor-mode mesh is split over the n processes.
+    mesh8 = train_config(["--distributed", "--config", str(runs / "tiny.yaml"), "--set", "parallel.data=2",
+                          "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2"])
+    assert devices_per_rank(*mesh8, 2) == 4 and devices_per_rank(*mesh8, 8) == 1
+    # The launcher checks the job once, before any rank starts (each rank would repeat the same error).
+    check_job(*mesh8, 2)
     with pytest.raises(ValueError, match=r"-n 3 processes: the mesh's 8 devices"):
-        check_job(mesh8, 3)
+        check_job(*mesh8, 3)
     with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
-        check_job(["--config", str(runs / "pipeline_2x2.yaml")], 3)
-    check_job(["--config", "/nonexistent.yaml"], 3)  # unreadable: left to the ranks, which name the file
+        check_job(*grid, 3)
     env = rank_environment(4, 2, 0, base={}, devices=4)
     assert "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
     env = rank_environment(4, 2, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
