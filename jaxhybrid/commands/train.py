@@ -60,15 +60,15 @@ def run(args: argparse.Namespace) -> int:
     if args.distributed:
         from jaxhybrid.tensor import distributed
 
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
     elif world > 1:  # an MPI rank: its own node-local GPUs, chosen before the backend starts
         from jaxhybrid.tensor.local import gpu_block
 
-        block = gpu_block(cfg.num_devices // world)
-        if block is not None:
+        ids = gpu_block(cfg.num_devices // world)
+        if ids is not None:
             import jax
 
-            jax.config.update("jax_cuda_visible_devices", block)
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
     from jaxhybrid.train import Trainer
 
     trainer = Trainer(cfg, world)

@@ -68,13 +68,26 @@ def _from_mpi() -> dict:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               local_devices: int | None = None) -> None:
+               local_devices: int | None = None, mesh_devices: int | None = None) -> None:
     """Start the distributed runtime (see :func:`peer_arguments`). Must run before any JAX computation.
 
     Args:
       local_devices: fake CPU devices per process (sets XLA_FLAGS; only before the backend starts).
+      mesh_devices: devices of the whole mesh; each process then takes its node-local block of
+        ``mesh_devices / processes`` GPUs (:func:`~jaxhybrid.tensor.local.gpu_block`). Without it JAX keeps
+        only GPU ``SLURM_LOCALID`` per process under Slurm, and all visible GPUs elsewhere.
     """
+    from jaxhybrid.tensor.local import gpu_block
+
     kwargs = peer_arguments(coordinator, num_processes, process_id)
+    if mesh_devices:
+        n = kwargs.get("num_processes") or int(os.environ["SLURM_NTASKS"])
+        if mesh_devices % n:
+            raise ValueError(f"--distributed over {n} processes: the mesh's {mesh_devices} devices (data x depth "
+                             f"x row x col) do not split evenly; start a number of processes dividing {mesh_devices}")
+        ids = gpu_block(mesh_devices // n)
+        if ids is not None:
+            kwargs["local_device_ids"] = ids
     if local_devices:  # read when the CPU backend starts (first device query), not at import
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
     import jax

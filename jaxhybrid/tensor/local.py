@@ -36,14 +36,16 @@ def local_rank(env=None) -> int | None:
     return None
 
 
-def gpu_block(per_rank: int, env=None) -> str | None:
-    """The GPUs an MPI rank of a pipeline/data grid should see, in the form ``jax_cuda_visible_devices``
-    takes (positions in ``CUDA_VISIBLE_DEVICES`` when that is set): the block of ``per_rank`` GPUs of its
-    node-local rank. None when no launcher names a local rank or ``CUDA_VISIBLE_DEVICES`` already lists
-    exactly ``per_rank`` GPUs (the launcher gave each rank its own, e.g. ``srun --gpus-per-task``).
+def gpu_block(per_rank: int, env=None) -> list[int] | None:
+    """The GPUs a process started by MPI or Slurm should use, as ``jax_cuda_visible_devices`` (and
+    ``jax.distributed``'s ``local_device_ids``) take them, i.e. positions in ``CUDA_VISIBLE_DEVICES`` when
+    that is set: the block of ``per_rank`` GPUs of its node-local rank, or all ``per_rank`` it sees when
+    the launcher already gave it exactly that many (``srun --gpus-per-task``). None when no launcher names
+    a local rank (one process keeps every device).
 
     Why: a process that sees all of its node's GPUs computes on the first one and JAX preallocates most
-    of every visible GPU's memory, so ranks sharing a node would pile onto GPU 0 and run out of memory.
+    of every visible GPU's memory, so ranks sharing a node would pile onto GPU 0 and run out of memory;
+    and under Slurm ``jax.distributed`` would otherwise keep only GPU ``SLURM_LOCALID`` per process.
     Applied before the backend starts (``jaxhybrid train``); a CPU-only JAX ignores the setting.
     """
     env = os.environ if env is None else env
@@ -54,12 +56,12 @@ def gpu_block(per_rank: int, env=None) -> str | None:
     if visible is not None:
         n = len([v for v in visible.split(",") if v.strip()])
         if n == per_rank:
-            return None
+            return list(range(per_rank))
         if n < per_rank * (r + 1):
             raise ValueError(f"node-local rank {r} needs GPUs {r * per_rank}..{(r + 1) * per_rank - 1} of its "
                              f"node ({per_rank} per rank) but CUDA_VISIBLE_DEVICES={visible!r} lists {n}; "
                              f"start fewer ranks per node or give each rank its own GPUs")
-    return ",".join(str(i) for i in range(r * per_rank, (r + 1) * per_rank))
+    return list(range(r * per_rank, (r + 1) * per_rank))
 
 
 def rank_devices(n: int, devices: list | None = None, node_rank: int | None = None) -> list:

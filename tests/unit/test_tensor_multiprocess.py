@@ -58,6 +58,10 @@ def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
         peer_arguments("node0:1", 2, 2)
     with pytest.raises(ValueError, match="found no launcher"):
         peer_arguments(env={})
+    from jaxhybrid.tensor.distributed import initialize
+
+    with pytest.raises(ValueError, match=r"over 3 processes: the mesh's 8 devices .* do not split evenly"):
+        initialize("localhost:1", 3, 0, mesh_devices=8)  # raised before the runtime starts: no peer waits
 
     p = argparse.ArgumentParser()
     train_cmd.add_arguments(p)

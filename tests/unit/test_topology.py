@@ -92,14 +92,16 @@ def test_bench_theoretical_gain_is_2bp_table1():
 
 
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
-    """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank); a launcher that already gave each
-    rank k GPUs is left alone; too few GPUs for the rank's block is an error naming the counts."""
+    """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
+    it; too few GPUs for the rank's block is an error naming the counts."""
     from jaxhybrid.tensor.local import gpu_block
 
-    assert gpu_block(1, {"MPI_LOCALRANKID": "3"}) == "3"  # mpich/hydra, all GPUs visible
-    assert gpu_block(2, {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == "2,3"  # Open MPI, hybrid: 2 GPUs per rank
-    assert gpu_block(1, {"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "2"  # positions
-    assert gpu_block(1, {"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "6"}) is None  # srun --gpus-per-task
+    assert gpu_block(1, {"MPI_LOCALRANKID": "3"}) == [3]  # mpich/hydra, all GPUs visible
+    assert gpu_block(2, {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == [2, 3]  # Open MPI, hybrid: 2 GPUs per rank
+    assert gpu_block(1, {"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == [2]  # positions
+    assert gpu_block(2, {"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "6,7"}) == [0, 1]  # srun --gpus-per-task
+    # One process per node over the node's 4 GPUs (tensor mode, --distributed), not JAX's [SLURM_LOCALID].
+    assert gpu_block(4, {"SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == [0, 1, 2, 3]
     assert gpu_block(1, {}) is None  # not launched by MPI or Slurm: one process keeps every device
     with pytest.raises(ValueError, match=r"node-local rank 2 needs GPUs 4..5 .* lists 4"):
         gpu_block(2, {"MPI_LOCALRANKID": "2", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
