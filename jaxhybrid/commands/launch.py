@@ -97,16 +97,18 @@ def check_job(ns, cfg, n: int) -> None:
     from jaxhybrid.config import validate
 
     check_distributed(cfg, ns)
-    if ns.distributed and cfg.num_devices % n:
-        raise ValueError(f"--distributed over -n {n} processes: the mesh's {cfg.num_devices} devices "
-                         f"(data x depth x row x col) do not split evenly; use -n dividing {cfg.num_devices}")
+    devices_per_rank(ns, cfg, n)  # --distributed: the n processes must split the mesh evenly
     validate(cfg, 1 if ns.distributed else n)
 
 
 def devices_per_rank(ns, cfg, n: int = 1) -> int:
     """Devices each rank's tensor mesh needs: ``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
     mode, the mesh's share of each of the ``n`` processes with ``--distributed``."""
-    return max(1, cfg.num_devices // (n if ns.distributed else cfg.world_size))
+    from jaxhybrid.tensor.distributed import devices_per_process
+
+    if ns.distributed:
+        return devices_per_process(cfg.num_devices, n)
+    return max(1, cfg.num_devices // cfg.world_size)
 
 
 def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "") -> list[str]:

@@ -67,6 +67,14 @@ def _from_mpi() -> dict:
     return {"coordinator_address": addr, "num_processes": comm.Get_size(), "process_id": comm.Get_rank()}
 
 
+def devices_per_process(mesh_devices: int, n: int) -> int:
+    """Each of ``n`` processes' share of a mesh of ``mesh_devices``; ValueError when it does not split."""
+    if mesh_devices % n:
+        raise ValueError(f"--distributed over {n} processes: the mesh's {mesh_devices} devices (data x depth x row "
+                         f"x col) do not split evenly; start a number of processes dividing {mesh_devices}")
+    return mesh_devices // n
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                local_devices: int | None = None, mesh_devices: int | None = None) -> None:
     """Start the distributed runtime (see :func:`peer_arguments`). Must run before any JAX computation.
@@ -82,10 +90,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     kwargs = peer_arguments(coordinator, num_processes, process_id)
     if mesh_devices:
         n = kwargs.get("num_processes") or int(os.environ["SLURM_NTASKS"])
-        if mesh_devices % n:
-            raise ValueError(f"--distributed over {n} processes: the mesh's {mesh_devices} devices (data x depth "
-                             f"x row x col) do not split evenly; start a number of processes dividing {mesh_devices}")
-        ids = gpu_block(mesh_devices // n)
+        ids = gpu_block(devices_per_process(mesh_devices, n))
         if ids is not None:
             kwargs["local_device_ids"] = ids
     if local_devices:  # read when the CPU backend starts (first device query), not at import

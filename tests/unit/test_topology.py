@@ -71,7 +71,7 @@ def test_launch_command_and_thread_environment():
     assert devices_per_rank(*mesh8, 2) == 4 and devices_per_rank(*mesh8, 8) == 1
     # The launcher checks the job once, before any rank starts (each rank would repeat the same error).
     check_job(*mesh8, 2)
-    with pytest.raises(ValueError, match=r"-n 3 processes: the mesh's 8 devices"):
+    with pytest.raises(ValueError, match=r"over 3 processes: the mesh's 8 devices"):
         check_job(*mesh8, 3)
     with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
         check_job(*grid, 3)
