@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     st, _ = trainer.step(st)
     pp, ps, l = plain(pp, ps, batches[0])
     float(l)
+
     def run_trainer():
         nonlocal st
         for i in range(args.steps):
@@ -59,15 +60,15 @@ def run(args: argparse.Namespace) -> int:
             pp, ps, loss = plain(pp, ps, batches[i])
             float(loss)  # the trainer reads its loss every step too
 
-    times: dict[str, list[float]] = {"trainer": [], "plain": []}
+    runs = {"trainer": run_trainer, "plain": run_plain}
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(args.rounds):
         # Alternate which goes first, so a burst of machine noise or a warm cache favours neither.
         for name in (("trainer", "plain") if r % 2 == 0 else ("plain", "trainer")):
             t0 = time.perf_counter()
-            (run_trainer if name == "trainer" else run_plain)()
+            runs[name]()
             times[name].append((time.perf_counter() - t0) / args.steps)
-    t_trainer, t_plain = times["trainer"], times["plain"]
-    tt, tp = float(np.median(t_trainer)), float(np.median(t_plain))
+    tt, tp = float(np.median(times["trainer"])), float(np.median(times["plain"]))
     out = {"model": cfg.model.name, "global_batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len,
            "trainer_step_s": tt, "plain_step_s": tp, "ratio": tp / tt, "goal": 0.97,
            "device": jax.devices()[0].platform}

@@ -90,15 +90,17 @@ def train_config(train_args: list[str]):
         return None
 
 
-def check_job(ns, cfg, n: int) -> None:
+def check_job(ns, cfg, n: int) -> int:
     """The checks every rank would make alike, made once before any rank starts: the config against
-    ``-n`` (the grid's rank count, or with ``--distributed`` processes that split the mesh evenly)."""
+    ``-n`` (the grid's rank count, or with ``--distributed`` processes that split the mesh evenly).
+    Returns the devices each rank needs (:func:`devices_per_rank`)."""
     from jaxhybrid.commands.train import check_distributed
     from jaxhybrid.config import validate
 
     check_distributed(cfg, ns)
-    devices_per_rank(ns, cfg, n)  # --distributed: the n processes must split the mesh evenly
+    per_rank = devices_per_rank(ns, cfg, n)  # --distributed: raises unless the n processes split the mesh
     validate(cfg, 1 if ns.distributed else n)
+    return per_rank
 
 
 def devices_per_rank(ns, cfg, n: int = 1) -> int:
@@ -139,9 +141,7 @@ def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
-    if job:
-        check_job(*job, args.n)
-    per_rank = devices_per_rank(*job, args.n) if job else 1
+    per_rank = check_job(*job, args.n) if job else 1
     env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
