@@ -27,6 +27,7 @@ class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.yaml, checkpoints, traces
     name: str = "default"  # label printed in logs
     resume: bool = False  # continue from the latest checkpoint in dir
+    compilation_cache: str = "auto"  # persistent XLA cache dir for `jaxhybrid train`; auto: $JAXHYBRID_CACHE/xla; "": off
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class TrainConfig:
     remat: str = "none"  # activation checkpointing policy: none | dots | full
     checkpoint_interval: int = 0  # Myelin's ac (blocks per checkpoint segment); 0 = optimal (Sec. V-A)
     inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite
+    eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
+    eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
 
 
 @dataclass(frozen=True)
@@ -332,9 +335,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                       ("data.seq_len", cfg.data.seq_len), ("parallel.pipeline", p.pipeline),
                       ("parallel.data", p.data), ("parallel.tensor_col", p.tensor_col),
                       ("parallel.tensor_row", p.tensor_row), ("parallel.tensor_depth", p.tensor_depth),
-                      ("pipeline.microbatches", pl.microbatches)):
+                      ("pipeline.microbatches", pl.microbatches), ("train.eval_batches", t.eval_batches)):
         if val < 1:
             errors.append(f"{name}={val} must be >= 1")
+    if t.eval_every < 0:
+        errors.append(f"train.eval_every={t.eval_every} must be >= 0 (0 turns evaluation off)")
+    if t.eval_every and not cfg.data.path and cfg.data.val_fraction <= 0:
+        errors.append(f"train.eval_every={t.eval_every} needs a validation split, but data.val_fraction="
+                      f"{cfg.data.val_fraction} holds none out of the built-in corpus: set it > 0 or eval_every=0")
     if errors:
         raise ConfigError("; ".join(errors))
     if cfg.data.seq_len > m.max_seq_len:

@@ -135,7 +135,7 @@ class MetricsWriter:
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps, self.log_every, self.start_step = int(total_steps), max(1, int(log_every)), int(start_step)
         self.stream = stream or sys.stderr
-        self._points = self._keep_earlier_records()
+        self._points, self._val_points = self._keep_earlier_records()
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -152,11 +152,12 @@ class MetricsWriter:
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, file=self.stream, unit="step",
                              dynamic_ncols=True)
 
-    def _keep_earlier_records(self) -> list[tuple[int, float]]:
-        """Keep lines with ``step <= start_step``, rewritten atomically; return their (step, loss) points."""
+    def _keep_earlier_records(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """Keep lines with ``step <= start_step``, rewritten atomically; return their (step, loss) and
+        (step, val_loss) points."""
         if not self.path.is_file():
-            return []
-        kept, points = [], []
+            return [], []
+        kept, points, val = [], [], []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 rec = json.loads(line)
@@ -166,10 +167,12 @@ class MetricsWriter:
                 kept.append(line)
                 if isinstance(rec.get("loss"), (int, float)):
                     points.append((rec["step"], float(rec["loss"])))
+                if isinstance(rec.get("val_loss"), (int, float)):
+                    val.append((rec["step"], float(rec["val_loss"])))
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(l + "\n" for l in kept), encoding="utf-8")
         os.replace(tmp, self.path)
-        return points
+        return points, val
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` of ``step``: one JSON line (flushed), TensorBoard scalars, progress."""
@@ -180,10 +183,13 @@ class MetricsWriter:
         self._file.flush()  # a crash loses at most the line being written
         if isinstance(rec.get("loss"), (int, float)):
             self._points.append((rec["step"], float(rec["loss"])))
+        if isinstance(rec.get("val_loss"), (int, float)):
+            self._val_points.append((rec["step"], float(rec["val_loss"])))
         if self._tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"train/{k}", float(v), rec["step"])
+                    tag = f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"
+                    self._tb.add_scalar(tag, float(v), rec["step"])
             if rec["step"] % self.log_every == 0:
                 self._tb.flush()
         if self._bar is not None:
@@ -204,7 +210,7 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.close()
         if plot:
-            plot_loss(self._points, self.run_dir / "loss_curve.png", title=self.run_dir.name)
+            plot_loss(self._points, self.run_dir / "loss_curve.png", title=self.run_dir.name, val=self._val_points)
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -221,18 +227,20 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _summary(rec: dict[str, Any], short: bool = False) -> str:
-    fields = [("loss", "loss {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("tflops_per_device", "{:.3g} TFLOP/s/dev"),
+    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("tflops_per_device", "{:.3g} TFLOP/s/dev"),
               ("mfu", "mfu {:.1%}"), ("step_time_s", "{:.3f} s/step"), ("loss_scale", "scale {:g}")]
     if short:
-        fields = fields[:2] + fields[3:4]
+        fields = fields[:3] + fields[4:5]
     parts = [fmt.format(rec[k]) for k, fmt in fields if isinstance(rec.get(k), (int, float))]
     if rec.get("skipped"):
         parts.append("SKIPPED (overflow)")
     return "  ".join(parts)
 
 
-def plot_loss(points: list[tuple[int, float]], path: str | Path, title: str = "") -> Path | None:
-    """Loss against step as a PNG (Agg canvas: no display, no global backend switch); None if no points."""
+def plot_loss(points: list[tuple[int, float]], path: str | Path, title: str = "",
+              val: list[tuple[int, float]] = ()) -> Path | None:
+    """Loss against step as a PNG (Agg canvas: no display, no global backend switch), with the
+    validation losses ``val`` as markers; None if no points."""
     pts = sorted((s, l) for s, l in points if math.isfinite(l))
     if not pts:
         return None
@@ -251,9 +259,12 @@ def plot_loss(points: list[tuple[int, float]], path: str | Path, title: str = ""
             ema = 0.9 * ema + 0.1 * l
             smooth.append(ema)
         ax.plot(steps, smooth, lw=1.5, label="EMA (0.9)")
+    vpts = sorted((s, l) for s, l in val if math.isfinite(l))
+    if vpts:
+        ax.plot(*zip(*vpts), "o-", ms=3, lw=1.0, label="validation")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

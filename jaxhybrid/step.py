@@ -31,6 +31,11 @@ class GradEngine(Protocol):
 
     def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float) -> tuple[jax.Array, Params]: ...
 
+    def eval_loss(self, params: Params, batch: np.ndarray) -> jax.Array:
+        """Mean loss over a global batch laid out as for ``loss_and_grads``, forward only (validation);
+        the same value on every rank."""
+        ...
+
     def global_sum(self, x: jax.Array) -> jax.Array:
         """Sum a scalar over the model-parallel group (stages), e.g. for the global gradient norm."""
         ...
@@ -52,6 +57,13 @@ def split_batch(batch: np.ndarray, replica: int, replicas: int, microbatches: in
     per = b // replicas
     mine = batch[replica * per:(replica + 1) * per]
     return mine.reshape(microbatches, per // microbatches, *batch.shape[1:])
+
+
+def mean_loss(model: Model, params: Params, mbs: jax.Array) -> jax.Array:
+    """Forward-only mean loss over microbatches ``[M, mb, seq+1]`` (equal sizes, so the mean of their
+    means is the batch mean); one microbatch at a time, as the training step holds them."""
+    losses = jax.lax.map(lambda mb: model.loss(params, mb[:, :-1], mb[:, 1:]), mbs)
+    return jnp.mean(losses)
 
 
 class LocalEngine:
@@ -83,6 +95,7 @@ class LocalEngine:
             return l / (m * scale), jax.tree.map(lambda x: x / m, g)
 
         self._step = jax.jit(step)
+        self._eval = jax.jit(lambda params, mbs: mean_loss(model, params, mbs))
 
     def init_params(self, rng: jax.Array) -> Params:
         return self.model.init(rng)
@@ -90,6 +103,9 @@ class LocalEngine:
     def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float):
         mbs = split_batch(np.asarray(batch, np.int32), 0, 1, self.microbatches)
         return self._step(params, jnp.asarray(mbs), jnp.float32(loss_scale))
+
+    def eval_loss(self, params: Params, batch: np.ndarray) -> jax.Array:
+        return self._eval(params, jnp.asarray(split_batch(np.asarray(batch, np.int32), 0, 1, self.microbatches)))
 
     def global_sum(self, x):
         return x

@@ -4,6 +4,8 @@ No feature flags inside the step: the parallel layout is an engine object (singl
 over MPI, or tensor mesh), the optimizer an updater object (on device, or host-offloaded in buckets).
 Each step: engine -> (loss, grads of loss*scale) -> per-process grad stats reduced over the
 model-parallel group -> one update (descale, clip, AdamW, or skip on an agreed overflow) -> loss scale.
+Every ``train.eval_every`` steps (and at the end) the engine's forward-only ``eval_loss`` scores fixed
+batches of the held-out split.
 """
 from __future__ import annotations
 
@@ -34,14 +36,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXHYBRID_CACHE", Path.home() / ".cache" / "jaxhybrid"))
 
 
-def open_dataset(cfg: Config):
-    """The token dataset: ``data.path`` if given, else the built-in corpus prepared once into the cache."""
+def enable_compilation_cache(setting: str) -> Path | None:
+    """Point JAX's persistent compilation cache at ``setting`` ("auto": ``cache_dir()/xla``; "": off) so
+    a rerun, a resume or another rank with the same stage loads its executables instead of compiling.
+    Process-wide and only read before the first compile, so the CLI calls it, not the Trainer. The size
+    bound turns on JAX's LRU eviction, whose writes take a file lock: ranks can share one directory."""
+    if not setting:
+        return None
+    path = cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+    return path
+
+
+def open_dataset(cfg: Config, split: str = "train"):
+    """A split (train or val) of the token dataset: ``data.path`` if given, else the built-in corpus
+    prepared once into the cache."""
     path = cfg.data.path or data_lib.ensure_builtin_data(
         cache_dir() / "builtin", cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
         vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
-    ds = data_lib.TokenDataset(path, split="train")
+    ds = data_lib.TokenDataset(path, split=split)
     ds.check_vocab(cfg.model.vocab_size)
     return ds
+
+
+def validation_batches(cfg: Config) -> list[np.ndarray]:
+    """The ``train.eval_batches`` global batches every evaluation scores: fixed windows of the val split
+    (the sampler's first steps), so successive validation losses compare the same tokens."""
+    ds = open_dataset(cfg, "val")
+    if len(ds) <= cfg.data.seq_len:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs a validation split, but the val split of "
+                          f"{ds.dir} has {len(ds)} tokens (one sequence is data.seq_len + 1 = {cfg.data.seq_len + 1}): "
+                          f"prepare the data with a larger val_fraction, or set train.eval_every=0")
+    sampler = data_lib.Sampler(ds, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+    return [sampler.batch(i) for i in range(cfg.train.eval_batches)]
 
 
 def build_engine(cfg: Config, model: Model):
@@ -116,6 +145,7 @@ class Trainer:
             check_resume_layout(self.run_dir, cfg)
         self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
         self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+        self.val_batches = validation_batches(cfg) if cfg.train.eval_every else []
         self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
@@ -170,6 +200,13 @@ class Trainer:
                 "skipped": not finite}
         return TrainState(st.step + 1, params, opt_state, st.loss_scale.update(finite)), info
 
+    def evaluate(self, params) -> dict:
+        """Validation loss (mean over the fixed val batches), its perplexity and the time it took."""
+        t0 = time.perf_counter()
+        losses = [float(self.engine.eval_loss(params, b)) for b in self.val_batches]
+        loss = float(np.mean(losses))
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "eval_time_s": time.perf_counter() - t0}
+
     def run(self) -> dict:
         cfg = self.cfg
         writer = self.engine.is_writer
@@ -196,7 +233,7 @@ class Trainer:
         flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
                                            m.vocab_size, recompute=cfg.train.remat != "none")
         peak = metrics_lib.peak_tflops(hw, cfg.precision.compute_dtype) * 1e12
-        losses, times = [], []
+        losses, times, val_losses = [], [], []
         try:
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -207,6 +244,10 @@ class Trainer:
                 rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
                        "tflops_per_device": flops / dt / n_dev / 1e12, "mfu": flops / dt / n_dev / peak,
                        "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
+                ev = cfg.train.eval_every
+                if ev and (st.step % ev == 0 or st.step == cfg.train.steps):
+                    rec.update(self.evaluate(st.params))
+                    val_losses.append(rec["val_loss"])
                 mw.log(st.step, rec)
                 every = cfg.checkpoint.every
                 if every and st.step % every == 0 and st.step < cfg.train.steps:
@@ -221,4 +262,5 @@ class Trainer:
         steady = times[1:] or times
         self.final_state = st
         return {"steps": st.step, "first_loss": losses[0] if losses else None,
-                "last_loss": losses[-1] if losses else None, "mean_step_time_s": float(np.mean(steady)) if steady else None}
+                "last_loss": losses[-1] if losses else None, "last_val_loss": val_losses[-1] if val_losses else None,
+                "mean_step_time_s": float(np.mean(steady)) if steady else None}

@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
             import jax
 
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
-    from jaxhybrid.train import Trainer
+    from jaxhybrid.train import Trainer, enable_compilation_cache
 
+    enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
     summary = trainer.run()
     if trainer.engine.is_writer:

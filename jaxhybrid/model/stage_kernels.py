@@ -38,6 +38,9 @@ class StageKernels:
         self._bi = jax.jit(self._bi_saved if saved else self._bi_segments)
         self._bw = jax.jit(self._bw_kernel)
         self._fused = jax.jit(self._fused_kernel)
+        # Forward only (validation): the plain tape keeps nothing for a backward.
+        self._eval = jax.jit(lambda p, x, t: self._run(bp.Tape("plain"), p, x, t, self.first_block,
+                                                       self.last_block, self.is_first, self.is_last))
         self._fn = None
         self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
 
@@ -161,6 +164,11 @@ class StageKernels:
             y, vjp, records, idx = self._fwd(params, x, targets)
             res = Residuals(params, vjp=vjp, records=records, site_index=idx.value)
         return y, dataclasses.replace(res, out_shape=tuple(y.shape), out_dtype=str(jnp.dtype(y.dtype)))
+
+    def evaluate(self, params, x, targets=None):
+        """Forward only, keeping no residuals (validation): inputs and output as in :meth:`forward`."""
+        x, targets = self._check_inputs(params, x, targets)
+        return self._eval(params, x, targets)
 
     def backward_input(self, residuals: Residuals, dy):
         """2BP backward-p1: ``(dx, weight_residuals)``; ``dx`` is None on the first stage (tokens)."""

@@ -120,6 +120,29 @@ class EventLoop:
         self.wall_s = time.perf_counter() - start
         return StepResult(loss, self.grads, self.wall_s)
 
+    def evaluate(self, params: dict[int, Any], tokens: jax.Array) -> jax.Array | None:
+        """Forward only over every microbatch (validation): each owned stage runs ``Stage.evaluate``
+        (no residuals) in (microbatch, stage) order and sends its activation on. Every rank walks that
+        one global order, so with asynchronous sends no rank waits on one that waits on it. Returns the
+        sum of the microbatch losses where the last stage lives, else None. The step's trace is kept."""
+        self.params, self.tokens, self.mailbox = params, np.asarray(tokens), {}
+        kept, self.recorder = self.recorder, Recorder(self.rank)
+        total = None
+        try:
+            for mb in range(self.tokens.shape[0]):
+                for s in sorted(self.stages):
+                    x, targets = self._inputs(s, mb)
+                    y = self.stages[s].evaluate(params[s], x, targets)
+                    self.progress(f"evaluated mb{mb}@s{s}")
+                    if s < self.num_stages - 1:
+                        self._send(y, MsgKind.ACT, mb, s + 1)
+                    else:
+                        total = y if total is None else total + y
+            self.transport.flush()
+        finally:
+            self.recorder = kept
+        return total
+
     # -- messages ------------------------------------------------------------------------------------
     def _receive_into_mailbox(self, block: bool) -> bool:
         t0 = time.perf_counter()
@@ -166,11 +189,16 @@ class EventLoop:
         else:
             raise ValueError(f"rank {self.rank}: unknown task {t}")
 
+    def _inputs(self, s: int, mb: int) -> tuple[Any, Any]:
+        """Stage ``s``'s input for microbatch ``mb`` (tokens, or the previous stage's activation) and
+        its targets (last stage only)."""
+        x = self.tokens[mb, :, :-1] if s == 0 else self._take(Envelope(MsgKind.ACT, mb, s))
+        return x, self.tokens[mb, :, 1:] if s == self.num_stages - 1 else None
+
     def _forward(self, s: int, mb: int) -> None:
         stage = self.stages[s]
         last = s == self.num_stages - 1
-        x = self.tokens[mb, :, :-1] if s == 0 else self._take(Envelope(MsgKind.ACT, mb, s))
-        targets = self.tokens[mb, :, 1:] if last else None
+        x, targets = self._inputs(s, mb)
         y, res = self._timed("F", (mb,), s, lambda: stage.forward(self.params[s], x, targets))
         self.residuals[(s, mb)] = res
         if last:

@@ -108,14 +108,32 @@ class PipelineEngine:
         params = self.stage.slice_params(self.model.init(rng))
         return self.local.place(params) if self.local else params
 
-    def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
-        t0 = time.perf_counter()
+    def _microbatches(self, batch: np.ndarray) -> np.ndarray:
+        """This replica's microbatches ``[M, mb, seq+1]`` of the global batch (shape checked first)."""
         want = self.replicas * self.microbatches * self.microbatch_size
         if batch.shape[0] != want:
             raise ValueError(f"{self.who}: global batch of {batch.shape[0]} sequences; this engine expects "
                              f"replicas({self.replicas}) x microbatches({self.microbatches}) x microbatch size "
                              f"({self.microbatch_size}) = {want}")
-        mbs = split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches)
+        return split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches)
+
+    def _mean_over_batch(self, loss_sum) -> jnp.ndarray:
+        """The global batch's mean loss on every rank from the last stages' microbatch-loss sums."""
+        mine = float(loss_sum) if loss_sum is not None else 0.0
+        return jnp.float32(self.topo.world.allreduce(mine) / (self.microbatches * self.replicas))
+
+    def eval_loss(self, params: dict, batch: np.ndarray):
+        """Validation loss: a forward-only pass of the pipeline over this replica's microbatches."""
+        mbs = self._microbatches(batch)
+        self.watchdog.arm("validation forward")
+        try:
+            return self._mean_over_batch(self.loop.evaluate({self.stage_index: params}, mbs))
+        finally:
+            self.watchdog.disarm()
+
+    def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
+        t0 = time.perf_counter()
+        mbs = self._microbatches(batch)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)
         self.watchdog.arm("pipeline phase")
@@ -127,13 +145,12 @@ class PipelineEngine:
             self.watchdog.beat("data-parallel all-reduce")
             if self.replicas > 1:
                 grads = allreduce_tree(grads, self.topo.column, self.chunk)
-            mine = float(res.loss_sum) if res.loss_sum is not None else 0.0
-            loss = self.topo.world.allreduce(mine) / (self.microbatches * self.replicas)
+            loss = self._mean_over_batch(res.loss_sum)
         finally:
             self.watchdog.disarm()
         t2 = time.perf_counter()
         self.last_step = {"pipeline_s": t1 - t0, "reduce_s": t2 - t1, "step_s": t2 - t0}
-        return jnp.float32(loss), grads
+        return loss, grads
 
     def global_sum(self, x):
         """Sum over the stages of this replica (the model-parallel group)."""

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxhybrid.model import Model
 from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.step import mean_loss
 from jaxhybrid.tensor.linear import ALLGATHER_NAME
 from jaxhybrid.tensor.mesh import MeshShape, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
@@ -97,6 +98,8 @@ class TensorEngine:
         rep = NamedSharding(self.mesh, P())
         self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
                              out_shardings=(rep, self.shardings), compiler_options=compiler_options)
+        self._eval = jax.jit(lambda params, mbs: mean_loss(model, params, mbs), out_shardings=rep,
+                             in_shardings=(self.shardings, self._batch_sharding), compiler_options=compiler_options)
 
     def init_params(self, rng: jax.Array):
         """``Model.init`` values (reference ops, run as LocalEngine runs it), placed with the tensor shardings.
@@ -112,6 +115,10 @@ class TensorEngine:
 
     def loss_and_grads(self, params, batch: np.ndarray, loss_scale: float):
         return self._step(params, self.device_batch(batch), jnp.float32(loss_scale))
+
+    def eval_loss(self, params, batch: np.ndarray) -> jax.Array:
+        """Validation loss: the step's forward through the same tensor ops, no gradients."""
+        return self._eval(params, self.device_batch(batch))
 
     def lower(self, params, batch: np.ndarray, loss_scale: float = 1.0):
         """The lowered step (for HLO inspection and the benchmark)."""

@@ -66,14 +66,15 @@ _UPDATERS: dict = {}
 
 def train(engine, cfg, data):
     """The trainer's step (jaxhybrid.train.Trainer.step) without data loading and writers. Returns the
-    losses, the first step's gradients and the parameters after the last step."""
+    losses, the first step's gradients, the parameters after the last step and their validation loss
+    (``eval_loss``) on the first batch."""
     key = (cfg.optim, cfg.train.steps)
     if key not in _UPDATERS:  # one compiled optimizer per configuration, shared by the cases
         _UPDATERS[key] = DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
     updater = _UPDATERS[key]
     params = engine.init_params(jax.random.key(cfg.train.seed))
     state = updater.init(params)
-    losses, first = [], None
+    losses, first, val = [], None, None
     for b in data:
         loss, grads = engine.loss_and_grads(params, b, 1.0)
         first = jax.tree.map(np.asarray, grads) if first is None else first
@@ -82,7 +83,8 @@ def train(engine, cfg, data):
         sq, nonfinite = engine.global_sum(sq), engine.global_max(nonfinite)
         params, state, _ = updater.apply(params, state, grads, 1.0, sq, nonfinite)
         losses.append(float(loss))
-    return losses, first, jax.tree.map(np.asarray, params)
+    val = float(engine.eval_loss(params, data[0]))  # forward-only pipeline pass with the trained params
+    return losses, first, jax.tree.map(np.asarray, params), val
 
 
 def reference(cfg, data):
@@ -186,13 +188,13 @@ def main() -> int:
             rkey = (tied, kind, cfg.train.global_batch)
             if rkey not in refs:
                 refs[rkey] = reference(cfg, batches(cfg))
-            ref_losses, ref_grads, ref_params = refs[rkey]
+            ref_losses, ref_grads, ref_params, ref_val = refs[rkey]
             key = (transport, tied, kind, letters)
             if key not in engines:  # later cases switch schedules on it: kernels compile once per shape
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
             engine.set_schedule(name, split, microbatches=m)
-            losses, grads, params = train(engine, cfg, batches(cfg))
+            losses, grads, params, val = train(engine, cfg, batches(cfg))
             what = f"[{name} 2bp={split} {transport} tied={tied} {kind} {letters} rank {topo.rank}]"
             if a.tensor:  # the stage really runs sharded: every kernel is split over the whole local mesh
                 flat = jax.tree_util.tree_flatten_with_path(engine.init_params(jax.random.key(0)))[0]
@@ -204,6 +206,7 @@ def main() -> int:
             mine = engine.stage.slice_params
             assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
             assert_tree_close(params, mine(ref_params), "fp32_parity", what + " params")
+            assert_tree_close(np.float32(val), np.float32(ref_val), "fp32_parity", what + " eval loss")
             if a.trace and name == "1f1b" and split:
                 with tempfile.TemporaryDirectory() as tmp:
                     info = engine.write_trace(tmp)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.mpi
 def _launch(n: int, devices: int, config: str, run_dir, *sets: str, resume: bool = False,
             flags: tuple[str, ...] = ()) -> str:
     """``jaxhybrid launch -n n`` of a 6-step run (``n=0``: ``jaxhybrid train`` in this one process)."""
-    args = [f"run.dir={run_dir}", "train.steps=6", "checkpoint.every=3", "train.log_every=1", *sets]
+    args = [f"run.dir={run_dir}", "train.steps=6", "checkpoint.every=3", "train.log_every=1", "train.eval_every=3",
+            *sets]
     launch = ["launch", "-n", str(n), "--timeout", "300", "--"] if n else ["train"]
     cmd = [sys.executable, "-m", "jaxhybrid", *launch, "--config", str(ROOT / "configs" / "runs" / config)]
     cmd += [a for kv in args for a in ("--set", kv)] + (["--resume"] if resume else []) + list(flags)
@@ -34,11 +35,11 @@ def _launch(n: int, devices: int, config: str, run_dir, *sets: str, resume: bool
     return r.stdout
 
 
-def _losses(run_dir) -> dict[int, float]:
+def _losses(run_dir, key: str = "loss") -> dict[int, float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [rec["step"] for rec in lines]
     assert steps == sorted(set(steps)), f"steps logged more than once or out of order: {steps}"
-    return {rec["step"]: rec["loss"] for rec in lines}
+    return {rec["step"]: rec[key] for rec in lines if key in rec}
 
 
 @pytest.mark.parametrize("n,devices,config,sets", [
@@ -65,6 +66,8 @@ def _check_resume(a, b, n: int, resume) -> None:
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert [lb[s] for s in (4, 5, 6)] == [la[s] for s in (4, 5, 6)], (la, lb)
     assert np.isfinite(lb[6])
+    va, vb = _losses(a, "val_loss"), _losses(b, "val_loss")  # validation with the resumed parameters
+    assert sorted(va) == [3, 6] and va == vb, (va, vb)
     for rank in ranks:
         got = ocp.StandardCheckpointer().restore(b / "checkpoints" / rank.name / "6" / "state")
         want = ocp.StandardCheckpointer().restore(a / "checkpoints" / rank.name / "6" / "state")

@@ -44,12 +44,13 @@ def _one_step(engine, cfg, params):
     # Gradients come back in the parameters' own shardings (the trainer's optimizer relies on it).
     for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
         assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
+    val = engine.eval_loss(params, BATCH)  # forward only (validation) on the step's tokens
     host = jax.device_get((params, loss, grads))  # the update donates params
     upd = DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
     state = upd.init(params)
     sq, nonfinite = upd.stats(grads)
     new, _, _ = upd.apply(params, state, grads, 1.0, sq, nonfinite)
-    return (*host, jax.device_get(new))
+    return (*host, jax.device_get(new), jax.device_get(val))
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,12 +62,14 @@ def _reference(model: str):
 
 def _check(model, shape, letters):
     cfg = _cfg(model, shape, letters)
-    p_ref, l_ref, g_ref, new_ref = _reference(model)
+    p_ref, l_ref, g_ref, new_ref, v_ref = _reference(model)
     engine = TensorEngine(cfg.model, cfg, compiler_options=FAST)
     # init_params is checked bit-exact in test_tensor_engine; here the cached reference is placed.
     params = jax.device_put(p_ref, engine.shardings)
-    _, loss, grads, new = _one_step(engine, cfg, params)
+    _, loss, grads, new, val = _one_step(engine, cfg, params)
     assert_tree_close(loss, l_ref, "fp32_parity", "loss")
+    assert_tree_close(v_ref, l_ref, "fp32_parity", "single-device eval loss vs its training loss")
+    assert_tree_close(val, l_ref, "fp32_parity", "eval loss")
     assert_tree_close(grads, g_ref, "fp32_parity", "grads")
     assert_tree_close(new, new_ref, "fp32_parity", "params after one step")
 
@@ -79,7 +82,8 @@ IDS = ["x".join(map(str, s)) + ("-A" if "A" in a else "-noA") for s, a in CASES]
 @pytest.mark.parametrize("shape,letters", CASES, ids=IDS)
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
 def test_step_matches_single_device(model, shape, letters):
-    """Loss, gradients and the updated parameters of one training step, leaf by leaf (fp32_parity)."""
+    """Loss, gradients and the updated parameters of one training step, leaf by leaf, and the
+    forward-only validation loss (fp32_parity)."""
     _check(model, shape, letters)
 
 

@@ -38,20 +38,14 @@ def _concat():
     return concat_weight_residuals
 
 
-def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None):
-    stages = _stages(model, p)
-    sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit)
-    hub = InProcessHub(p)
-    mbs = jnp.asarray(split_batch(batch, 0, 1, M))
+def _on_rank_threads(p, body):
+    """Run ``body(r)`` for ranks ``0..p-1`` on threads (the in-process transport's ranks); return their
+    results and re-raise the first rank's exception."""
     results, errors = [None] * p, []
 
     def rank(r):
         try:
-            loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), concat=_concat(),
-                             weight_budget=budget)
-            if loops is not None:
-                loops[r] = loop
-            results[r] = loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
+            results[r] = body(r)
         except BaseException as e:  # surfaced below with the rank
             errors.append((r, e))
 
@@ -62,7 +56,23 @@ def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops
         t.join(timeout=120)
     if errors:
         raise errors[0][1]
-    return stages, results
+    return results
+
+
+def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None):
+    stages = _stages(model, p)
+    sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit)
+    hub = InProcessHub(p)
+    mbs = jnp.asarray(split_batch(batch, 0, 1, M))
+
+    def rank(r):
+        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), concat=_concat(),
+                         weight_budget=budget)
+        if loops is not None:
+            loops[r] = loop
+        return loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
+
+    return stages, _on_rank_threads(p, rank)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +100,29 @@ def test_event_loop_matches_single_device(reference, p, name, split):
     got = assemble_grads(stages, [results[r].grads[r] for r in range(p)])
     assert_tree_close(got, grads, "fp32_parity", f"{name} p={p} split={split} grads")
     assert all(res.wall_s > 0 for res in results)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_forward_only_evaluation_matches_single_device(reference, p):
+    """EventLoop.evaluate (validation: Stage.evaluate per stage, activations over the transport, no
+    residuals) gives the single-device eval loss; the step's trace is left as it was."""
+    model, params, batch, loss, _ = reference
+    stages = _stages(model, p)
+    hub = InProcessHub(p)
+    mbs = split_batch(batch, 0, 1, M)
+
+    def rank(r):
+        loop = EventLoop({r: stages[r]}, tuple(range(p)), r, hub.transport(r))
+        before = loop.recorder
+        out = loop.evaluate({r: stages[r].slice_params(params)}, mbs)
+        assert loop.recorder is before and not loop.mailbox
+        return out
+
+    sums = _on_rank_threads(p, rank)
+    assert all(v is None for v in sums[:-1])
+    want = LocalEngine(model, M).eval_loss(params, batch)
+    assert_tree_close(want, loss, "fp32_parity", "single-device eval loss vs training loss")
+    assert_tree_close(sums[-1] / M, want, "fp32_parity", f"p={p} eval loss")
 
 
 @pytest.mark.parametrize("budget", [1, M])

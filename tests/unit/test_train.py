@@ -8,7 +8,8 @@ import pytest
 from jaxhybrid.cli import main
 from jaxhybrid.config import load_config
 from jaxhybrid.testing import assert_tree_close
-from jaxhybrid.train import Trainer
+from jaxhybrid import data as data_lib
+from jaxhybrid.train import Trainer, open_dataset, validation_batches
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false", "optim.warmup_steps=2"]
@@ -23,17 +24,30 @@ def _losses(run_dir):
 
 
 def test_loss_falls_on_real_text(tmp_path):
-    cfg = _cfg(tmp_path, "train.steps=40", "optim.lr=3e-3", "train.global_batch=8", "metrics.plot=true")
-    out = Trainer(cfg).run()
+    cfg = _cfg(tmp_path, "train.steps=40", "optim.lr=3e-3", "train.global_batch=8", "metrics.plot=true",
+               "train.eval_every=15", "train.eval_batches=2")
+    t = Trainer(cfg)
+    out = t.run()
     losses = _losses(tmp_path / "run")
     assert len(losses) == 40
     first, last = np.mean(losses[:3]), np.mean(losses[-3:])
     assert last < first - 1.0, (first, last)  # byte-level text: from ~ln(256)=5.5 to well below
-    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for key in ("step", "loss", "tokens_per_s", "tflops_per_device", "mfu", "step_time_s", "loss_scale"):
-        assert key in rec
+        assert key in recs[-1]
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "loss_curve.png").is_file()
     assert out["last_loss"] == losses[-1]
+    # Validation every 15 steps and at the end, on the held-out split, with the parameters after the step.
+    val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    assert sorted(val) == [15, 30, 40] and val[40] < val[15] and out["last_val_loss"] == val[40]
+    batches = validation_batches(cfg)
+    held_out = open_dataset(cfg, "val").tokens
+    assert len(batches) == 2 and all(b.shape == (8, 33) for b in batches)
+    starts = data_lib.Sampler(open_dataset(cfg, "val"), 32, 8, cfg.train.seed).starts(0)
+    assert np.array_equal(batches[0], np.stack([held_out[i:i + 33] for i in starts]))
+    model, params = t.model, t.final_state.params
+    want = np.mean([float(model.loss(params, b[:, :-1], b[:, 1:])) for b in batches])
+    assert_tree_close(np.float32(val[40]), np.float32(want), "fp32_parity", "val_loss at the last step")
 
 
 @pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
@@ -95,6 +109,9 @@ def test_overflow_skips_step_and_halves_scale(tmp_path):
     (["--set", "train.bogus=1"], "unknown config key 'train.bogus'"),
     (["--set", "train.global_batch=6", "--set", "pipeline.microbatches=4"], "global_batch=6"),
     (["--config", "MALFORMED"], "malformed YAML"),
+    (["--set", "train.eval_every=-5"], "train.eval_every=-5"),
+    (["--set", "train.eval_every=10", "--set", "data.val_fraction=0"], "data.val_fraction=0"),
+    (["--set", "train.eval_every=10", "--set", "train.eval_batches=0"], "train.eval_batches=0"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     bad = tmp_path / "bad.yaml"
@@ -121,3 +138,42 @@ def test_step_compiles_once(tmp_path):
         st, _ = t.step(st)
     assert t.engine._step._cache_size() == 1
     assert t.updater._apply._cache_size() == 1
+
+
+def test_evaluation_without_a_validation_split_is_refused(tmp_path):
+    """A prepared dataset with no held-out tokens and eval_every > 0: a ConfigError naming both,
+    raised by the Trainer before any compilation or file is written."""
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.data import prepare_data
+
+    src = tmp_path / "text.txt"
+    src.write_text("In the beginning was the word. " * 200)
+    data_dir = prepare_data(tmp_path / "data", [src], "byte", val_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"train.eval_every=5 .* has 0 tokens"):
+        Trainer(_cfg(tmp_path, f"data.path={data_dir}", "train.eval_every=5"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_compilation_cache_serves_a_rerun(tmp_path):
+    """``jaxhybrid train`` with ``run.compilation_cache=DIR`` writes the step's executable there and a
+    second run of the same job loads it instead of compiling (JAX's cache-hit log line). Subprocesses:
+    the cache is process-wide state, read once, which must not leak into the other tests."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla"
+    env = dict(os.environ, JAX_DEBUG_LOG_MODULES="jax._src.compiler,jax._src.compilation_cache",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+    def train(name):
+        sets = FAST + ["train.steps=2", f"run.dir={tmp_path / name}", f"run.compilation_cache={cache}"]
+        cmd = [sys.executable, "-m", "jaxhybrid", "train"] + [a for s in sets for a in ("--set", s)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stderr
+
+    first = train("a")
+    assert "Writing jit_step to persistent compilation cache" in first and any(cache.iterdir())
+    second = train("b")
+    assert "Persistent compilation cache hit for 'jit_step'" in second, second[-3000:]
