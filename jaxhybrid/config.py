@@ -390,10 +390,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
                 if dim % ax:
                     errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
-    if o.offload and ts > 1:
-        errors.append(f"optim.offload=true with a tensor mesh of {ts} devices: the host-offloaded optimizer "
-                      f"streams single-device buckets (Myelin V-B) and does not handle sharded parameters; "
-                      f"set optim.offload=false or parallel.tensor_depth/row/col=1")
     if world_size is not None and world_size != cfg.world_size:
         errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
                       f"!= world size {world_size}")

@@ -92,6 +92,10 @@ def build_engine(cfg: Config, model: Model):
 
 def build_updater(cfg: Config, engine):
     transform = build_transform(cfg.optim, cfg.train.steps)
+    if cfg.optim.offload and cfg.tensor_size > 1:  # each device offloads the parameter shards it owns
+        from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
+
+        return ShardedOffloadUpdater(transform, cfg)
     if cfg.optim.offload:
         from jaxhybrid.optim.offload import OffloadUpdater
 

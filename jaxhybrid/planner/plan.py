@@ -60,8 +60,7 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         continue
                     scheds = schedules if pipe > 1 else ("gpipe",)
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
-                        # The offloaded optimizer takes single-device buckets only (config validation).
-                        if (split and pipe == 1) or (off and gc * gr * gd > 1):
+                        if split and pipe == 1:  # 2BP needs a pipeline to fill
                             continue
                         yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
 
@@ -98,8 +97,8 @@ def _describe(lay: Layout) -> str:
 
 def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
     """Double the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
-    lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and offload
-    where there is no tensor grid."""
+    lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and the
+    optimizer offloaded."""
     g = gpus * 2
     while g <= gpus * 4096:
         for pipe in _divisors(g):
@@ -110,8 +109,7 @@ def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
                 for r in _divisors(rest // c):
                     if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (c, r)):
                         continue
-                    off = rest == 1  # offload only without a tensor grid (config validation)
-                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, off, "full")
+                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, True, "full")
                     if evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")

@@ -43,7 +43,8 @@ def _losses(run_dir, key: str = "loss") -> dict[int, float]:
 
 
 @pytest.mark.parametrize("n,devices,config,sets", [
-    (2, 2, "hybrid.yaml", ["parallel.data=1"]),  # 2 stages, each on a (1, 1, 2) tensor mesh
+    # 2 stages, each on a (1, 1, 2) tensor mesh whose devices offload the optimizer state of their shards
+    (2, 2, "hybrid.yaml", ["parallel.data=1", "optim.offload=true", "optim.bucket_size=20000"]),
     (4, 1, "pipeline_2x2.yaml", ["optim.offload=true", "optim.bucket_size=20000"]),  # 2 x 2, host optimizer
 ], ids=["hybrid-2x1-col2", "pipeline-2x2-offload"])
 def test_mpi_resume_is_bit_exact(tmp_path, n, devices, config, sets):

@@ -52,8 +52,10 @@ def test_loss_falls_on_real_text(tmp_path):
 
 @pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
                                            "precision.compute_dtype=bfloat16"),
-                                   ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2")],
-                         ids=["device", "offload-bf16", "tensor-2x2x2"])
+                                   ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2"),
+                                   ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2", "optim.offload=true",
+                                    "optim.bucket_size=3000", "precision.compute_dtype=bfloat16")],
+                         ids=["device", "offload-bf16", "tensor-2x2x2", "tensor-offload-bf16"])
 def test_resume_is_bit_exact(tmp_path, extra):
     straight = Trainer(_cfg(tmp_path, "train.steps=20", *extra, name="a"))
     straight.run()

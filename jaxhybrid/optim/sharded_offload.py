@@ -1,0 +1,174 @@
+"""The host-offloaded optimizer for parameters sharded over a device mesh (tensor and hybrid layouts).
+
+Myelin V-B per device: every device streams, in buckets, the fp32 master weights and optimizer state of
+the parameter shards it owns, and writes their compute-precision copies. AxoNN's layouts replicate some
+shards over mesh axes (norm weights, biases, the data axis), so each distinct shard of a leaf is owned
+by one of the devices holding it, round-robin over the shards so the host state splits evenly; the other
+holders receive the owner's updated shard by a device-to-device copy. Every owner applies the same
+global clip factor (``sq`` is the squared norm of the global gradients), so the result equals the
+single-device optimizer's, shard by shard.
+
+Checkpoints use the single-device format (``OffloadedOptimizer.state_dict``: flat global master and
+state vectors in ``jax.tree.leaves`` order), independent of the mesh, the ownership and the bucket size.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
+from jaxhybrid.optim.updater import _stats
+
+
+def _key(index: tuple) -> tuple:
+    """A hashable, sortable form of a shard's index (a tuple of slices)."""
+    return tuple((s.start or 0, s.stop, s.step or 1) if isinstance(s, slice) else (s, s, 1) for s in index)
+
+
+def is_sharded(params: Any) -> bool:
+    """Whether any leaf spans more than one device (then each device offloads its own shards)."""
+    return any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(params) if isinstance(x, jax.Array))
+
+
+@dataclass(frozen=True)
+class ShardedOffloadState:
+    """Per device id: the :class:`OffloadState` of the shards that device owns."""
+
+    per_device: dict
+
+
+class ShardedOffloadUpdater:
+    """``OffloadUpdater``'s trainer interface over sharded params: one :class:`OffloadedOptimizer` per
+    device, on the shards it owns (see the module docstring). ``stats`` is jitted over the global
+    gradients, so the norm and the overflow check see every element of every leaf once."""
+
+    def __init__(self, transform, cfg, backend: str | None = None):
+        o = cfg.optim
+        self.compute_dtype = DTYPES[cfg.precision.compute_dtype]
+        self.stats = jax.jit(_stats)
+        self._make = lambda dev: OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
+                                                    compute_dtype=cfg.precision.compute_dtype, backend=backend,
+                                                    name="adamw", device=dev)
+        self.opts: dict[int, OffloadedOptimizer] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self.owned: dict[int, list[tuple[int, tuple]]] = {}  # device id -> [(leaf, shard key)]
+
+    # -- ownership ---------------------------------------------------------------------------------
+    def _plan(self, params: Any) -> None:
+        leaves, self.treedef = jax.tree.flatten(params)
+        self.shapes = [x.shape for x in leaves]
+        self.shardings = [x.sharding for x in leaves]
+        self.gspec = FlatSpec(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params))
+        self.index: dict[tuple[int, tuple], tuple] = {}  # (leaf, key) -> the slices
+        devices = {d.id: d for x in leaves for d in x.sharding.device_set}
+        self.owned, turn = {i: [] for i in sorted(devices)}, 0
+        for k, x in enumerate(leaves):
+            holders: dict[tuple, list[int]] = {}
+            for sh in x.addressable_shards:
+                holders.setdefault(_key(sh.index), []).append(sh.device.id)
+                self.index[(k, _key(sh.index))] = sh.index
+            for key in sorted(holders):
+                ids = sorted(holders[key])
+                self.owned[ids[turn % len(ids)]].append((k, key))
+                turn += 1
+        self.devices = devices
+        self.opts = {i: self._make(devices[i]) for i, items in self.owned.items() if items}
+
+    def _local(self, leaves: list, i: int) -> list:
+        """Device ``i``'s data of the shards it owns, from global arrays laid out like the params."""
+        out = []
+        for k, key in self.owned[i]:
+            found = [sh.data for sh in leaves[k].addressable_shards if sh.device.id == i and _key(sh.index) == key]
+            if len(found) != 1:
+                raise ValueError(f"leaf {self.gspec.paths[k]}: device {i} holds no shard {key}; gradients must "
+                                 f"have the parameters' shardings")
+            out.append(found[0])
+        return out
+
+    # -- updater interface -------------------------------------------------------------------------
+    def init(self, params) -> ShardedOffloadState:
+        self._plan(params)
+        leaves = jax.tree.leaves(params)
+        return ShardedOffloadState({i: opt.init([np.asarray(x) for x in self._local(leaves, i)])
+                                    for i, opt in self.opts.items()})
+
+    def compute_params(self, params):
+        return jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+
+    def apply(self, params, opt_state: ShardedOffloadState, grads, scale, sq, nonfinite):
+        gl = jax.tree.leaves(grads)
+        sq = np.float32(sq)  # one host scalar for every device's clip factor (it is replicated on the mesh)
+        finite = not bool(nonfinite)
+
+        def one(i):
+            opt = self.opts[i]
+            st, flat, info = opt.step(opt_state.per_device[i], opt.flatten(self._local(gl, i)), loss_scale=scale,
+                                      finite=finite, sq=sq)
+            return st, opt.params_tree(flat), info["grad_norm"]
+
+        # One host thread per device: each waits on its own bucket transfers, so the devices stream their
+        # buckets at the same time instead of one after another (JAX dispatch is thread-safe).
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self.opts), thread_name_prefix="offload")
+        results = dict(zip(self.opts, self._pool.map(one, self.opts)))
+        updated = {k: x for i, (_, parts, _) in results.items() for k, x in zip(self.owned[i], parts)}
+        gnorm = next(iter(results.values()))[2]
+        return (self._assemble(updated), ShardedOffloadState({i: r[0] for i, r in results.items()}),
+                jnp.float32(gnorm))
+
+    def _assemble(self, updated: dict) -> Any:
+        """Global compute-precision arrays from the owners' updated shards (copied to the other holders)."""
+        out = []
+        for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
+            parts = []
+            for dev, index in sharding.addressable_devices_indices_map(shape).items():
+                x = updated[(k, _key(index))]
+                parts.append(x if x.devices() == {dev} else jax.device_put(x, dev))
+            out.append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
+        return self.treedef.unflatten(out)
+
+    def state_dict(self, opt_state: ShardedOffloadState) -> dict:
+        """The single-device format: global master and per-parameter state vectors, shared leaves."""
+        split = next(iter(self.opts.values())).split
+        cols = [[np.zeros(s, np.float32) for s in self.shapes] for p in [True, *split.per_param] if p]
+        shared = None
+        for i, opt in self.opts.items():
+            sd = opt.state_dict(opt_state.per_device[i])
+            flats = [sd["master"]] + [sd["state"][f"{j:03d}"] for j, p in enumerate(split.per_param) if p]
+            for col, flat in zip(cols, flats):
+                for (k, key), part in zip(self.owned[i], opt.spec.unravel_host(flat)):
+                    col[k][self.index[(k, key)]] = part
+            shared = [sd["state"][f"{j:03d}"] for j, p in enumerate(split.per_param) if not p]
+        per, sh = iter(cols[1:]), iter(shared)
+        return {"master": self.gspec.ravel_host(self.treedef.unflatten(cols[0])),
+                "state": {f"{j:03d}": self.gspec.ravel_host(self.treedef.unflatten(next(per))) if p else next(sh)
+                          for j, p in enumerate(split.per_param)}}
+
+    def load_state_dict(self, like, saved) -> ShardedOffloadState:
+        """Each device's owned shards of a single-device-format checkpoint (any layout may have written it)."""
+        split = next(iter(self.opts.values())).split
+        master = np.asarray(saved["master"], np.float32)
+        if master.shape != (self.gspec.n,):
+            raise ValueError(f"checkpoint master has shape {master.shape}; this model has {self.gspec.n} parameters")
+        leaves = lambda flat: jax.tree.leaves(self.gspec.unravel_host(np.asarray(flat, np.float32)))  # noqa: E731
+        state = {f"{j:03d}": saved["state"][f"{j:03d}"] for j in range(len(split.per_param))}
+        glob = {j: leaves(v) if p else v for (j, v), p in zip(state.items(), split.per_param)}
+        gmaster, states = leaves(master), {}
+        for i, opt in self.opts.items():
+            mine = lambda ls: opt.spec.ravel_host([ls[k][self.index[(k, key)]] for k, key in self.owned[i]])  # noqa: E731,B023
+            states[i] = opt.load_state_dict({"master": mine(gmaster), "state": {
+                j: mine(v) if p else v for (j, v), p in zip(glob.items(), split.per_param)}})
+        return ShardedOffloadState(states)
+
+    def master_params(self, opt_state: ShardedOffloadState) -> Any:
+        """fp32 master weights as the global params pytree (numpy)."""
+        return self.gspec.unravel_host(self.state_dict(opt_state)["master"])
+
+
+__all__ = ["ShardedOffloadState", "ShardedOffloadUpdater", "is_sharded"]
