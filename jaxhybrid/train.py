@@ -10,7 +10,6 @@ batches of the held-out split.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -25,52 +24,12 @@ from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer, check_resume_layout, committed_steps
 from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
+from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.model import Model
 from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.step import LocalEngine
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXHYBRID_CACHE", Path.home() / ".cache" / "jaxhybrid"))
-
-
-def enable_compilation_cache(setting: str) -> Path | None:
-    """Point JAX's persistent compilation cache at ``setting`` ("auto": ``cache_dir()/xla``; "": off) so
-    a rerun, a resume or another rank with the same stage loads its executables instead of compiling.
-    Process-wide and only read before the first compile, so the CLI calls it, not the Trainer. The size
-    bound turns on JAX's LRU eviction, whose writes take a file lock: ranks can share one directory."""
-    if not setting:
-        return None
-    path = cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
-    return path
-
-
-def open_dataset(cfg: Config, split: str = "train"):
-    """A split (train or val) of the token dataset: ``data.path`` if given, else the built-in corpus
-    prepared once into the cache."""
-    path = cfg.data.path or data_lib.ensure_builtin_data(
-        cache_dir() / "builtin", cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
-        vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
-    ds = data_lib.TokenDataset(path, split=split)
-    ds.check_vocab(cfg.model.vocab_size)
-    return ds
-
-
-def validation_batches(cfg: Config) -> list[np.ndarray]:
-    """The ``train.eval_batches`` global batches every evaluation scores: fixed windows of the val split
-    (the sampler's first steps), so successive validation losses compare the same tokens."""
-    ds = open_dataset(cfg, "val")
-    if len(ds) <= cfg.data.seq_len:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs a validation split, but the val split of "
-                          f"{ds.dir} has {len(ds)} tokens (one sequence is data.seq_len + 1 = {cfg.data.seq_len + 1}): "
-                          f"prepare the data with a larger val_fraction, or set train.eval_every=0")
-    sampler = data_lib.Sampler(ds, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
-    return [sampler.batch(i) for i in range(cfg.train.eval_batches)]
 
 
 def build_engine(cfg: Config, model: Model):

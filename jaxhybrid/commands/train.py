@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="--distributed: process 0's address")
     p.add_argument("--num-processes", type=int, default=None, help="--distributed: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="--distributed: this process's index")
+
+
+def enable_compilation_cache(setting: str) -> Path | None:
+    """Point JAX's persistent compilation cache at ``setting`` ("auto": ``cache_dir()/xla``; "": off) so
+    a rerun, a resume or another rank with the same stage loads its executables instead of compiling.
+    Process-wide and only read before the first compile, so the CLI calls it, not the Trainer. The size
+    bound turns on JAX's LRU eviction, whose writes take a file lock: ranks can share one directory."""
+    if not setting:
+        return None
+    import jax
+
+    from jaxhybrid.data.splits import cache_dir
+
+    path = cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+    return path
 
 
 def launched_world_size() -> int:
@@ -74,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             import jax
 
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
-    from jaxhybrid.train import Trainer, enable_compilation_cache
+    from jaxhybrid.train import Trainer
 
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)

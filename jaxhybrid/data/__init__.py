@@ -2,7 +2,8 @@
 
 Modules: ``tokenizer`` (byte-level and offline-trained BPE), ``prepare`` (text -> ``train.bin`` /
 ``val.bin`` / ``meta.json``, the built-in KJV corpus), ``dataset`` (``TokenDataset`` memmap and the
-resumable ``Sampler``). Importing this package does not import JAX.
+resumable ``Sampler``), ``splits`` (a config's training set and fixed validation batches). Importing
+this package does not import JAX.
 """
 from jaxhybrid.data.dataset import Sampler, TokenDataset
 from jaxhybrid.data.prepare import (DEFAULT_BPE_VOCAB, builtin_corpus_text, ensure_builtin_data, prepare_data,

@@ -9,7 +9,8 @@ from jaxhybrid.cli import main
 from jaxhybrid.config import load_config
 from jaxhybrid.testing import assert_tree_close
 from jaxhybrid import data as data_lib
-from jaxhybrid.train import Trainer, open_dataset, validation_batches
+from jaxhybrid.data.splits import open_dataset, validation_batches
+from jaxhybrid.train import Trainer
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false", "optim.warmup_steps=2"]
