@@ -177,10 +177,9 @@ class Trainer:
         ckpt = self._checkpointer()
         if cfg.run.resume:
             st = self.restore(ckpt, st)
-        from jaxhybrid.optim.memory_report import report_from_config, summary_line, write_report
+        from jaxhybrid.optim.memory_report import params_per_device, report_from_config, summary_line, write_report
 
-        n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(st.params))
-        mem = report_from_config(cfg, n_params)  # this process's model state, with and without offload
+        mem = report_from_config(cfg, params_per_device(st.params))  # with and without offload
         if writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))

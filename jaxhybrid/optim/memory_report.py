@@ -19,7 +19,7 @@ def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: b
     """Bytes held for parameters, gradients and optimizer state, by location and component.
 
     Args:
-      params: phi, the number of parameters this process owns (its stage).
+      params: phi, the parameters one device holds (its stage, or its shards: ``params_per_device``).
       compute_dtype: dtype of the device parameters and gradients.
       offload: masters and optimizer state on host in buckets of ``bucket_size`` elements.
       state_bytes_per_param: optimizer state bytes per parameter (Adam: 8).
@@ -41,6 +41,22 @@ def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: b
         host = {"params_master": 4 * params, "optimizer_state": state_bytes_per_param * params}
     return {"params": params, "compute_dtype": compute_dtype, "offload": offload, "bucket_size": bucket_size,
             "device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values())}
+
+
+def params_per_device(params) -> int:
+    """Parameters held by the fullest device: a stage's count on one device, the largest per-device sum
+    of shard sizes on a tensor mesh (replicated leaves count on every device that holds them)."""
+    import jax
+
+    held: dict = {}
+    for x in jax.tree.leaves(params):
+        shards = getattr(x, "addressable_shards", None)
+        if not shards:
+            held[None] = held.get(None, 0) + int(x.size)
+            continue
+        for sh in shards:
+            held[sh.device] = held.get(sh.device, 0) + int(sh.data.size)
+    return max(held.values(), default=0)
 
 
 def live_device_bytes(exclude: set | None = None) -> int:
@@ -70,12 +86,13 @@ def write_report(run_dir: str | Path, report: dict) -> Path:
 
 def summary_line(report: dict) -> str:
     gib = 2.0**30
-    return (f"model state: device {report['device_total'] / gib:.3f} GiB, host {report['host_total'] / gib:.3f} GiB "
-            f"(phi={report['params']}, {report['compute_dtype']}, offload={report['offload']})")
+    return (f"model state per device: device {report['device_total'] / gib:.3f} GiB, host "
+            f"{report['host_total'] / gib:.3f} GiB (phi={report['params']}, {report['compute_dtype']}, "
+            f"offload={report['offload']})")
 
 
 def report_from_config(cfg, params: int) -> dict:
-    """The report for this process's ``params`` under ``cfg`` (optim.offload, optim.bucket_size,
+    """The report for one device's ``params`` under ``cfg`` (optim.offload, optim.bucket_size,
     precision.compute_dtype), with the other choice alongside so the saving is visible at start-up."""
     kw = dict(compute_dtype=cfg.precision.compute_dtype)
     b = min(cfg.optim.bucket_size, params)

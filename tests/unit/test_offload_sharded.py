@@ -92,3 +92,16 @@ def test_tensor_mode_offload_matches_single_device_run(tensor_run):
     assert_tree_close(jax.device_get(params), jax.device_get(p), "fp32_parity", "params ")
     upd = tensor_run[1]
     assert_tree_close(upd.master_params(state), ref.opt.master_params(s), "fp32_parity", "fp32 masters ")
+
+
+def test_memory_report_counts_one_devices_shards(tensor_run):
+    """The run's memory report is per device: a (data 2, row 2, col 2) mesh holds about a quarter of
+    the parameters on each device (replicated norms and biases on top); one device holds them all."""
+    from jaxhybrid.optim.memory_report import params_per_device
+
+    _, upd, params, _, _ = tensor_run
+    total = upd.gspec.n
+    assert total / 4 <= params_per_device(params) < total / 2, (params_per_device(params), total)
+    host = jax.device_get(params)
+    assert params_per_device(host) == total
+    assert params_per_device(jax.device_put(host, jax.devices()[0])) == total
