@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,16 +40,6 @@ def enable_compilation_cache(setting: str) -> Path | None:
     return path
 
 
-def launched_world_size() -> int:
-    """World size from the launcher's environment, read without initialising MPI."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_NTASKS"):
-        if os.environ.get(var, "").isdigit():
-            if var == "SLURM_NTASKS" and "SLURM_PROCID" not in os.environ:
-                continue
-            return int(os.environ[var])
-    return 1
-
-
 def check_distributed(cfg, args) -> None:
     """``--distributed`` runs one tensor-mode mesh over processes; its options need it."""
     from jaxhybrid.config import ConfigError
@@ -73,13 +62,14 @@ def check_distributed(cfg, args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxhybrid import launch_env
     from jaxhybrid.config import load_config, validate
 
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = load_config(args.config, overrides, check=False)
     check_distributed(cfg, args)
     # Under --distributed the processes are JAX's (one mesh), not MPI ranks of a pipeline/data grid.
-    world = 1 if args.distributed else launched_world_size()
+    world = 1 if args.distributed else launch_env.world_size()
     validate(cfg, world)  # every rule that needs no devices, before any process waits for its peers
     if args.distributed:
         from jaxhybrid.tensor import distributed

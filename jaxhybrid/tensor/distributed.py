@@ -17,8 +17,7 @@ import os
 import socket
 import sys
 
-# Set by mpich/hydra (PMI), Open MPI and PMIx launchers in every rank's environment.
-MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+from jaxhybrid import launch_env
 
 
 def peer_arguments(coordinator: str | None = None, num_processes: int | None = None,
@@ -41,10 +40,9 @@ def peer_arguments(coordinator: str | None = None, num_processes: int | None = N
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id {process_id} must be in [0, --num-processes {num_processes})")
         return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
-    env = os.environ if env is None else env
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if launch_env.slurm_task(env):
         return {}
-    if any(v in env for v in MPI_RANK_VARS):
+    if launch_env.mpi_rank_set(env):
         return _from_mpi()
     raise ValueError("--distributed found no launcher (neither srun nor mpirun started this process); start "
                      "every process with `srun`, `mpirun`/`jaxhybrid launch`, or pass --coordinator HOST:PORT "
@@ -89,7 +87,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
     kwargs = peer_arguments(coordinator, num_processes, process_id)
     if mesh_devices:
-        n = kwargs.get("num_processes") or int(os.environ["SLURM_NTASKS"])
+        n = kwargs.get("num_processes") or launch_env.world_size()  # {} only under srun: its task count
         ids = gpu_block(devices_per_process(mesh_devices, n))
         if ids is not None:
             kwargs["local_device_ids"] = ids

@@ -20,20 +20,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxhybrid.launch_env import local_rank
 from jaxhybrid.tensor.mesh import BATCH, MeshShape, make_mesh
 from jaxhybrid.tensor.ops import STREAM, TensorOps
 from jaxhybrid.tensor.sharding import check_layout, param_shardings
-
-_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
-def local_rank(env=None) -> int | None:
-    """This process's rank among the ranks of its node; None when no MPI or Slurm launcher started it."""
-    env = os.environ if env is None else env
-    for var in _LOCAL_RANK_VARS:
-        if env.get(var, "").isdigit():
-            return int(env[var])
-    return None
 
 
 def gpu_block(per_rank: int, env=None) -> list[int] | None:

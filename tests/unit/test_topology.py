@@ -105,3 +105,17 @@ def test_each_mpi_rank_sees_its_own_node_local_gpus():
     assert gpu_block(1, {}) is None  # not launched by MPI or Slurm: one process keeps every device
     with pytest.raises(ValueError, match=r"node-local rank 2 needs GPUs 4..5 .* lists 4"):
         gpu_block(2, {"MPI_LOCALRANKID": "2", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+
+
+def test_launcher_environment_is_read_in_one_place():
+    """launch_env: world size, MPI rank presence and node-local rank from mpich/hydra, Open MPI, PMIx and
+    srun variables; an sbatch script's SLURM_NTASKS (no SLURM_PROCID) is not a rank's world."""
+    from jaxhybrid import launch_env as le
+
+    assert le.world_size({}) == 1 and le.local_rank({}) is None and not le.mpi_rank_set({})
+    assert le.world_size({"PMI_SIZE": "4", "PMI_RANK": "1"}) == 4 and le.mpi_rank_set({"PMI_RANK": "1"})
+    assert le.world_size({"OMPI_COMM_WORLD_SIZE": "8"}) == 8 and le.mpi_rank_set({"PMIX_RANK": "0"})
+    assert le.world_size({"SLURM_NTASKS": "16"}) == 1  # inside sbatch, before srun
+    srun = {"SLURM_NTASKS": "16", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
+    assert le.world_size(srun) == 16 and le.slurm_task(srun) and le.local_rank(srun) == 3
+    assert le.local_rank({"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "5"}) == 2  # the MPI launcher's wins
