@@ -6,7 +6,8 @@ vectors, masters and Adam state on host in buckets, Myelin V-B), timed in interl
 bytes measured as the peak of live device arrays during each optimizer phase, next to Myelin's model
 (``20 phi`` vs ``4 phi + 16 bsize``); both host stores timed; and (3) the V-C sweep: ``mpirun -n 2``
 runs the chunk-fed offloaded step (all-reduce chunks of ``k x bsize``) for k in 1, 2, 4, 8, beside the
-all-reduce alone and the optimizer alone. Prints one JSON object.
+all-reduce alone and the optimizer alone. Prints one JSON object. ``--tensor`` runs the tensor-mesh
+variant instead (:mod:`jaxhybrid.bench.offload_tensor`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-sweep", action="store_true", help="skip the mpirun -n 2 k sweep")
+    p.add_argument("--tensor", default=None, metavar="DATA,DEPTH,ROW,COL",
+                   help="instead: the per-device offload on this tensor mesh against the on-device update")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -48,6 +51,10 @@ def _peak(probe: list, others: set) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tensor:
+        from jaxhybrid.bench.offload_tensor import run_tensor
+
+        return run_tensor(args)
     import jax
     import jax.numpy as jnp
 

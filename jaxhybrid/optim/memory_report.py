@@ -9,6 +9,7 @@ compute copies of parameters and gradients stay (4 phi in half precision) plus t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -59,11 +60,12 @@ def params_per_device(params) -> int:
     return max(held.values(), default=0)
 
 
-def live_device_bytes(exclude: set | None = None) -> int:
-    """Bytes of live JAX arrays in device memory (host memory kinds and ids in ``exclude`` left out)."""
+def live_device_bytes(exclude: set | None = None, per_device: bool = False):
+    """Bytes of live JAX arrays in device memory (host memory kinds and ids in ``exclude`` left out); with
+    ``per_device``, a dict ``device -> bytes`` counting each device's shards (replicas on every holder)."""
     import jax
 
-    total = 0
+    total, held = 0, {}
     for a in jax.live_arrays():
         if exclude and id(a) in exclude:
             continue
@@ -73,7 +75,11 @@ def live_device_bytes(exclude: set | None = None) -> int:
             kind = None
         if kind in (None, "device") and not a.is_deleted():
             total += a.nbytes
-    return total
+            if per_device:
+                shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                for d in a.sharding.addressable_devices:
+                    held[d] = held.get(d, 0) + shard
+    return held if per_device else total
 
 
 def write_report(run_dir: str | Path, report: dict) -> Path:

@@ -3,8 +3,8 @@
 Myelin V-B per device: every device streams, in buckets, the fp32 master weights and optimizer state of
 the parameter shards it owns, and writes their compute-precision copies. AxoNN's layouts replicate some
 shards over mesh axes (norm weights, biases, the data axis), so each distinct shard of a leaf is owned
-by one of the devices holding it, round-robin over the shards so the host state splits evenly; the other
-holders receive the owner's updated shard by a device-to-device copy. Every owner applies the same
+by one of the devices holding it, the least loaded so far (largest shards first), so the host state
+splits evenly; the other holders receive the owner's updated shard by a device-to-device copy. Every owner applies the same
 global clip factor (``sq`` is the squared norm of the global gradients), so the result equals the
 single-device optimizer's, shard by shard.
 
@@ -67,16 +67,24 @@ class ShardedOffloadUpdater:
         self.gspec = FlatSpec(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params))
         self.index: dict[tuple[int, tuple], tuple] = {}  # (leaf, key) -> the slices
         devices = {d.id: d for x in leaves for d in x.sharding.device_set}
-        self.owned, turn = {i: [] for i in sorted(devices)}, 0
+        shards = []  # (elements, leaf, key, holders) of every distinct shard
         for k, x in enumerate(leaves):
             holders: dict[tuple, list[int]] = {}
             for sh in x.addressable_shards:
                 holders.setdefault(_key(sh.index), []).append(sh.device.id)
                 self.index[(k, _key(sh.index))] = sh.index
-            for key in sorted(holders):
-                ids = sorted(holders[key])
-                self.owned[ids[turn % len(ids)]].append((k, key))
-                turn += 1
+            size = int(np.prod(x.sharding.shard_shape(x.shape)))
+            shards += [(size, k, key, sorted(ids)) for key, ids in holders.items()]
+        # Largest first, each to its least-loaded holder: the host state and bucket traffic split evenly
+        # (a fixed rule would hand every replicated shard to the same devices). Deterministic.
+        load = dict.fromkeys(devices, 0)
+        self.owned = {i: [] for i in sorted(devices)}
+        for size, k, key, ids in sorted(shards, key=lambda t: (-t[0], t[1], t[2])):
+            owner = min(ids, key=lambda i: (load[i], i))
+            load[owner] += size
+            self.owned[owner].append((k, key))
+        for items in self.owned.values():
+            items.sort()  # leaf order within a device: its flat vector follows the model's leaves
         self.devices = devices
         self.opts = {i: self._make(devices[i]) for i, items in self.owned.items() if items}
 
