@@ -135,7 +135,7 @@ class MetricsWriter:
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps, self.log_every, self.start_step = int(total_steps), max(1, int(log_every)), int(start_step)
         self.stream = stream or sys.stderr
-        self._points, self._val_points = self._keep_earlier_records()
+        self._series = self._keep_earlier_records()  # plotted: {"loss": [(step, v)], "val_loss": [...]}
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -152,12 +152,12 @@ class MetricsWriter:
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, file=self.stream, unit="step",
                              dynamic_ncols=True)
 
-    def _keep_earlier_records(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        """Keep lines with ``step <= start_step``, rewritten atomically; return their (step, loss) and
-        (step, val_loss) points."""
+    def _keep_earlier_records(self) -> dict[str, list[tuple[int, float]]]:
+        """Keep lines with ``step <= start_step``, rewritten atomically; return their plotted points."""
+        series: dict[str, list[tuple[int, float]]] = {k: [] for k in _PLOTTED}
         if not self.path.is_file():
-            return [], []
-        kept, points, val = [], [], []
+            return series
+        kept = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 rec = json.loads(line)
@@ -165,14 +165,11 @@ class MetricsWriter:
                 continue  # a line torn by a crash mid-write
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= self.start_step:
                 kept.append(line)
-                if isinstance(rec.get("loss"), (int, float)):
-                    points.append((rec["step"], float(rec["loss"])))
-                if isinstance(rec.get("val_loss"), (int, float)):
-                    val.append((rec["step"], float(rec["val_loss"])))
+                _collect(series, rec)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(l + "\n" for l in kept), encoding="utf-8")
         os.replace(tmp, self.path)
-        return points, val
+        return series
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` of ``step``: one JSON line (flushed), TensorBoard scalars, progress."""
@@ -181,10 +178,7 @@ class MetricsWriter:
         rec = {"step": int(step), **{k: _finite_or_none(v) for k, v in metrics.items() if k != "step"}}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()  # a crash loses at most the line being written
-        if isinstance(rec.get("loss"), (int, float)):
-            self._points.append((rec["step"], float(rec["loss"])))
-        if isinstance(rec.get("val_loss"), (int, float)):
-            self._val_points.append((rec["step"], float(rec["val_loss"])))
+        _collect(self._series, rec)
         if self._tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -210,13 +204,24 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.close()
         if plot:
-            plot_loss(self._points, self.run_dir / "loss_curve.png", title=self.run_dir.name, val=self._val_points)
+            plot_loss(self._series["loss"], self.run_dir / "loss_curve.png", title=self.run_dir.name,
+                      val=self._series["val_loss"])
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close(plot=False)
+
+
+_PLOTTED = ("loss", "val_loss")
+
+
+def _collect(series: dict[str, list[tuple[int, float]]], rec: dict[str, Any]) -> None:
+    """Append ``rec``'s plotted values (those it has) to their series."""
+    for k in _PLOTTED:
+        if isinstance(rec.get(k), (int, float)):
+            series[k].append((rec["step"], float(rec[k])))
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -227,10 +232,11 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _summary(rec: dict[str, Any], short: bool = False) -> str:
-    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("tflops_per_device", "{:.3g} TFLOP/s/dev"),
-              ("mfu", "mfu {:.1%}"), ("step_time_s", "{:.3f} s/step"), ("loss_scale", "scale {:g}")]
-    if short:
-        fields = fields[:3] + fields[4:5]
+    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+              ("tflops_per_device", "{:.3g} TFLOP/s/dev"), ("mfu", "mfu {:.1%}"), ("step_time_s", "{:.3f} s/step"),
+              ("loss_scale", "scale {:g}")]
+    if short:  # the progress bar's postfix
+        fields = [f for f in fields if f[0] in ("loss", "val_loss", "tokens_per_s", "mfu")]
     parts = [fmt.format(rec[k]) for k, fmt in fields if isinstance(rec.get(k), (int, float))]
     if rec.get("skipped"):
         parts.append("SKIPPED (overflow)")

@@ -195,7 +195,7 @@ class Trainer:
         flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
                                            m.vocab_size, recompute=cfg.train.remat != "none")
         peak = metrics_lib.peak_tflops(hw, cfg.precision.compute_dtype) * 1e12
-        losses, times, val_losses = [], [], []
+        losses, times, last_val = [], [], None
         try:
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -209,7 +209,7 @@ class Trainer:
                 ev = cfg.train.eval_every
                 if ev and (st.step % ev == 0 or st.step == cfg.train.steps):
                     rec.update(self.evaluate(st.params))
-                    val_losses.append(rec["val_loss"])
+                    last_val = rec["val_loss"]
                 mw.log(st.step, rec)
                 every = cfg.checkpoint.every
                 if every and st.step % every == 0 and st.step < cfg.train.steps:
@@ -224,5 +224,5 @@ class Trainer:
         steady = times[1:] or times
         self.final_state = st
         return {"steps": st.step, "first_loss": losses[0] if losses else None,
-                "last_loss": losses[-1] if losses else None, "last_val_loss": val_losses[-1] if val_losses else None,
+                "last_loss": losses[-1] if losses else None, "last_val_loss": last_val,
                 "mean_step_time_s": float(np.mean(steady)) if steady else None}

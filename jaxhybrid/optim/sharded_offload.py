@@ -4,9 +4,9 @@ Myelin V-B per device: every device streams, in buckets, the fp32 master weights
 the parameter shards it owns, and writes their compute-precision copies. AxoNN's layouts replicate some
 shards over mesh axes (norm weights, biases, the data axis), so each distinct shard of a leaf is owned
 by one of the devices holding it, the least loaded so far (largest shards first), so the host state
-splits evenly; the other holders receive the owner's updated shard by a device-to-device copy. Every owner applies the same
-global clip factor (``sq`` is the squared norm of the global gradients), so the result equals the
-single-device optimizer's, shard by shard.
+splits evenly; the other holders receive the owner's updated shard by a device-to-device copy. Every
+owner applies the same global clip factor (``sq`` is the squared norm of the global gradients), so the
+result equals the single-device optimizer's, shard by shard.
 
 Checkpoints use the single-device format (``OffloadedOptimizer.state_dict``: flat global master and
 state vectors in ``jax.tree.leaves`` order), independent of the mesh, the ownership and the bucket size.
@@ -88,35 +88,37 @@ class ShardedOffloadUpdater:
         self.devices = devices
         self.opts = {i: self._make(devices[i]) for i, items in self.owned.items() if items}
 
-    def _local(self, leaves: list, i: int) -> list:
-        """Device ``i``'s data of the shards it owns, from global arrays laid out like the params."""
-        out = []
-        for k, key in self.owned[i]:
-            found = [sh.data for sh in leaves[k].addressable_shards if sh.device.id == i and _key(sh.index) == key]
-            if len(found) != 1:
+    def _local(self, leaves: list) -> dict[int, list]:
+        """Each owning device's data of its shards, from global arrays laid out like the params (one pass
+        over every leaf's shards, then lookups)."""
+        data = {(sh.device.id, k, _key(sh.index)): sh.data for k, x in enumerate(leaves) for sh in x.addressable_shards}
+        out = {}
+        for i in self.opts:
+            missing = [(k, key) for k, key in self.owned[i] if (i, k, key) not in data]
+            if missing:
+                k, key = missing[0]
                 raise ValueError(f"leaf {self.gspec.paths[k]}: device {i} holds no shard {key}; gradients must "
                                  f"have the parameters' shardings")
-            out.append(found[0])
+            out[i] = [data[(i, k, key)] for k, key in self.owned[i]]
         return out
 
     # -- updater interface -------------------------------------------------------------------------
     def init(self, params) -> ShardedOffloadState:
         self._plan(params)
-        leaves = jax.tree.leaves(params)
-        return ShardedOffloadState({i: opt.init([np.asarray(x) for x in self._local(leaves, i)])
-                                    for i, opt in self.opts.items()})
+        local = self._local(jax.tree.leaves(params))
+        return ShardedOffloadState({i: opt.init([np.asarray(x) for x in local[i]]) for i, opt in self.opts.items()})
 
     def compute_params(self, params):
         return jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
 
     def apply(self, params, opt_state: ShardedOffloadState, grads, scale, sq, nonfinite):
-        gl = jax.tree.leaves(grads)
+        local = self._local(jax.tree.leaves(grads))
         sq = np.float32(sq)  # one host scalar for every device's clip factor (it is replicated on the mesh)
         finite = not bool(nonfinite)
 
         def one(i):
             opt = self.opts[i]
-            st, flat, info = opt.step(opt_state.per_device[i], opt.flatten(self._local(gl, i)), loss_scale=scale,
+            st, flat, info = opt.step(opt_state.per_device[i], opt.flatten(local[i]), loss_scale=scale,
                                       finite=finite, sq=sq)
             return st, opt.params_tree(flat), info["grad_norm"]
 
@@ -169,7 +171,9 @@ class ShardedOffloadUpdater:
         glob = {j: leaves(v) if p else v for (j, v), p in zip(state.items(), split.per_param)}
         gmaster, states = leaves(master), {}
         for i, opt in self.opts.items():
-            mine = lambda ls: opt.spec.ravel_host([ls[k][self.index[(k, key)]] for k, key in self.owned[i]])  # noqa: E731,B023
+            def mine(global_leaves, i=i, opt=opt):  # device i's owned shards, flattened in its order
+                return opt.spec.ravel_host([global_leaves[k][self.index[(k, key)]] for k, key in self.owned[i]])
+
             states[i] = opt.load_state_dict({"master": mine(gmaster), "state": {
                 j: mine(v) if p else v for (j, v), p in zip(glob.items(), split.per_param)}})
         return ShardedOffloadState(states)

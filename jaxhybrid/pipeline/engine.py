@@ -125,7 +125,7 @@ class EventLoop:
         (no residuals) in (microbatch, stage) order and sends its activation on. Every rank walks that
         one global order, so with asynchronous sends no rank waits on one that waits on it. Returns the
         sum of the microbatch losses where the last stage lives, else None. The step's trace is kept."""
-        self.params, self.tokens, self.mailbox = params, np.asarray(tokens), {}
+        self.tokens, self.mailbox = np.asarray(tokens), {}
         kept, self.recorder = self.recorder, Recorder(self.rank)
         total = None
         try:
