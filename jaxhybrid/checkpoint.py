@@ -16,8 +16,34 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
+def _global(x) -> bool:
+    """A jax.Array spanning devices of other processes (``--distributed``): no process can fetch it whole,
+    so orbax writes each process's shards of it into the one checkpoint."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
 def _to_host(tree):
-    return jax.tree.map(lambda x: np.asarray(x), tree)
+    return jax.tree.map(lambda x: x if _global(x) else np.asarray(x), tree)
+
+
+def _abstract(x):
+    """The restore target of one leaf: global arrays come back with their live sharding, the rest as numpy."""
+    if _global(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    x = np.asarray(x)
+    return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def read_state(path: str | Path) -> Any:
+    """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
+    process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
+    on another topology without a target, so the target is built from its metadata, on one device."""
+    reader = ocp.StandardCheckpointer()
+    meta = reader.metadata(Path(path).absolute())
+    tree = getattr(meta, "item_metadata", meta)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
+    return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
 
 
 def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
@@ -71,15 +97,16 @@ class Checkpointer:
         return s[-1] if s else None
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        # Host copies: offloaded optimizer state is numpy already; device arrays are fetched once here.
+        # Host copies: offloaded optimizer state is numpy already; device arrays are fetched once here, except
+        # those spanning other processes, which orbax writes shard by shard from every process.
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_host(state)),
                                                          meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
-        """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical)."""
-        abstract = jax.tree.map(lambda x: np.zeros(np.shape(x), np.asarray(x).dtype) if np.ndim(x) == 0
-                                else jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), _to_host(like))
+        """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical; leaves spanning other
+        processes come back as global arrays sharded like ``like``'s)."""
+        abstract = jax.tree.map(_abstract, like)
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                   meta=ocp.args.JsonRestore()))
         return out["state"], out["meta"]

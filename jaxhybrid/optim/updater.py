@@ -43,8 +43,14 @@ def clip_factor(scale, sq, grad_clip: float):
 
 def place_like(like, saved):
     """Host arrays from a checkpoint, put back with the dtype and sharding of the live tree ``like``
-    (committed, so the restored step reuses the compiled programs of a fresh run)."""
-    return jax.tree.map(lambda ref, x: jax.device_put(np.asarray(x, dtype=ref.dtype), ref.sharding), like, saved)
+    (committed, so the restored step reuses the compiled programs of a fresh run). Leaves that spanned
+    other processes come back from the checkpoint as global arrays placed already."""
+    def put(ref, x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x.astype(ref.dtype) if x.dtype != ref.dtype else x
+        return jax.device_put(np.asarray(x, dtype=ref.dtype), ref.sharding)
+
+    return jax.tree.map(put, like, saved)
 
 
 def _stats(grads):

@@ -13,9 +13,9 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from jaxhybrid.checkpoint import read_state
 from jaxhybrid.testing import assert_tree_close
 from test_mpi_pipeline import ROOT, _env  # same env: MPIEXEC_TIMEOUT, 1 thread per rank
 
@@ -70,8 +70,8 @@ def _check_resume(a, b, n: int, resume) -> None:
     va, vb = _losses(a, "val_loss"), _losses(b, "val_loss")  # validation with the resumed parameters
     assert sorted(va) == [3, 6] and va == vb, (va, vb)
     for rank in ranks:
-        got = ocp.StandardCheckpointer().restore(b / "checkpoints" / rank.name / "6" / "state")
-        want = ocp.StandardCheckpointer().restore(a / "checkpoints" / rank.name / "6" / "state")
+        got = read_state(b / "checkpoints" / rank.name / "6" / "state")
+        want = read_state(a / "checkpoints" / rank.name / "6" / "state")
         assert_tree_close(got, want, "exact", f"{rank.name} step-6 checkpoint after resume ")
 
 
@@ -90,19 +90,22 @@ def _without_key_bias(state, d_model: int = 64):
             **{k: v for k, v in state.items() if k != "params"}}
 
 
-def test_distributed_tensor_mode_matches_one_process_and_resumes(tmp_path):
-    """``--distributed``: a (data 2, row 2, col 2) mesh over two processes of 4 CPU devices each (JAX's
-    distributed runtime, peers found from the MPI launcher, gloo collectives) logs the same losses as the
-    one-process 8-device run and writes the same checkpoints; then it resumes bit-exactly from step 3."""
-    sets = ["parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2", "model.n_layers=2"]
+@pytest.mark.parametrize("devices,data", [(4, 2), (2, 1)], ids=["data-across-processes", "row-across-processes"])
+def test_distributed_tensor_mode_matches_one_process_and_resumes(tmp_path, devices, data):
+    """``--distributed``: a (data, row 2, col 2) mesh over two processes (JAX's distributed runtime, peers
+    found from the MPI launcher, gloo collectives) logs the same losses as the one-process run on all the
+    devices and writes the same checkpoints; then it resumes bit-exactly from step 3. With data=2 each
+    process holds whole replicas; with data=1 the row axis spans the processes, so no process holds any
+    sharded parameter whole (orbax writes each process's shards into the one checkpoint)."""
+    sets = [f"parallel.data={data}", "parallel.tensor_row=2", "parallel.tensor_col=2", "model.n_layers=2"]
     one, a, b = tmp_path / "one", tmp_path / "a", tmp_path / "b"
-    _launch(0, 8, "tiny.yaml", one, *sets)
-    _launch(2, 4, "tiny.yaml", a, *sets, flags=("--distributed",))
+    _launch(0, 2 * devices, "tiny.yaml", one, *sets)
+    _launch(2, devices, "tiny.yaml", a, *sets, flags=("--distributed",))
     assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["rank_0"]  # one mesh: one checkpoint
     lo, la = _losses(one), _losses(a)
     assert sorted(la) == [1, 2, 3, 4, 5, 6]
     assert_tree_close([la[s] for s in sorted(la)], [lo[s] for s in sorted(lo)], "fp32_parity", "losses ")
-    got, want = (_without_key_bias(ocp.StandardCheckpointer().restore(r / "checkpoints" / "rank_0" / "6" / "state"))
+    got, want = (_without_key_bias(read_state(r / "checkpoints" / "rank_0" / "6" / "state"))
                  for r in (a, one))
     assert_tree_close(got, want, "fp32_parity", "step-6 checkpoint, 2 processes vs 1 ")
-    _check_resume(a, b, 1, lambda: _launch(2, 4, "tiny.yaml", b, *sets, resume=True, flags=("--distributed",)))
+    _check_resume(a, b, 1, lambda: _launch(2, devices, "tiny.yaml", b, *sets, resume=True, flags=("--distributed",)))
