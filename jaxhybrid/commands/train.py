@@ -54,11 +54,6 @@ def check_distributed(cfg, args) -> None:
                           f"and a tensor grid, got pipeline={p.pipeline}, tensor depth x row x col = "
                           f"{p.tensor_depth} x {p.tensor_row} x {p.tensor_col}; pipeline and data-only layouts "
                           f"run as MPI ranks without --distributed (jaxhybrid launch)")
-    if cfg.optim.offload:
-        # Each process would hold host state for its own shards only, and checkpoint it as if it held all.
-        raise ConfigError("--distributed with optim.offload=true: the host-offloaded optimizer keeps one process's "
-                          "shards in host memory and is not supported across processes; set optim.offload=false, "
-                          "or run the mesh in one process per node as MPI ranks (parallel.pipeline/data)")
 
 
 def run(args: argparse.Namespace) -> int:

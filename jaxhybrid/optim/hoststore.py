@@ -26,7 +26,7 @@ DEFAULT_BACKEND = {"cpu": "pinned_host", "gpu": "pinned_host", "cuda": "pinned_h
 BACKENDS = ("numpy", "pinned_host")
 
 
-def _supports(device: Any, kind: str) -> bool:
+def supports_memory(device: Any, kind: str) -> bool:
     try:
         return any(m.kind == kind for m in device.addressable_memories())
     except Exception:  # older PJRT clients without memory spaces
@@ -36,10 +36,10 @@ def _supports(device: Any, kind: str) -> bool:
 def resolve_backend(backend: str | None, device: Any) -> str:
     if backend is None:
         backend = DEFAULT_BACKEND.get(device.platform, "numpy")
-        return backend if backend == "numpy" or _supports(device, backend) else "numpy"
+        return backend if backend == "numpy" or supports_memory(device, backend) else "numpy"
     if backend not in BACKENDS:
         raise ValueError(f"offload backend={backend!r}; choose one of {', '.join(BACKENDS)} or None")
-    if backend == "pinned_host" and not _supports(device, "pinned_host"):
+    if backend == "pinned_host" and not supports_memory(device, "pinned_host"):
         raise ValueError(f"offload backend='pinned_host' but device {device} has no pinned_host memory; "
                          f"use backend='numpy'")
     return backend

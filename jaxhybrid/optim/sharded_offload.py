@@ -8,8 +8,11 @@ splits evenly; the other holders receive the owner's updated shard by a device-t
 owner applies the same global clip factor (``sq`` is the squared norm of the global gradients), so the
 result equals the single-device optimizer's, shard by shard.
 
-Checkpoints use the single-device format (``OffloadedOptimizer.state_dict``: flat global master and
-state vectors in ``jax.tree.leaves`` order), independent of the mesh, the ownership and the bucket size.
+Across processes (``--distributed``) every process plans over the shards it holds: a shard held in several
+processes (the data axis, replicated norm weights) has an owner in each, which all apply the same update.
+Checkpoints of one process use the single-device format (``OffloadedOptimizer.state_dict``: flat global
+master and state vectors in ``jax.tree.leaves`` order), independent of the mesh, the ownership and the
+bucket size; across processes, pytrees of global host-memory arrays that orbax writes shard by shard.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 from jaxhybrid.optim.updater import _stats
 
@@ -143,44 +147,90 @@ class ShardedOffloadUpdater:
             out.append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
         return self.treedef.unflatten(out)
 
-    def state_dict(self, opt_state: ShardedOffloadState) -> dict:
-        """The single-device format: global master and per-parameter state vectors, shared leaves."""
+    def _owned_columns(self, opt_state: ShardedOffloadState) -> tuple[list[dict], list]:
+        """Every owned shard's host data per column (master, then each per-parameter state), keyed by
+        (leaf, shard key), and the shared (not per-parameter) states."""
         split = next(iter(self.opts.values())).split
-        cols = [[np.zeros(s, np.float32) for s in self.shapes] for p in [True, *split.per_param] if p]
-        shared = None
+        cols: list[dict] = [{} for p in [True, *split.per_param] if p]
+        shared: list = []
         for i, opt in self.opts.items():
             sd = opt.state_dict(opt_state.per_device[i])
             flats = [sd["master"]] + [sd["state"][f"{j:03d}"] for j, p in enumerate(split.per_param) if p]
             for col, flat in zip(cols, flats):
-                for (k, key), part in zip(self.owned[i], opt.spec.unravel_host(flat)):
-                    col[k][self.index[(k, key)]] = part
+                col.update(zip(self.owned[i], opt.spec.unravel_host(flat)))
             shared = [sd["state"][f"{j:03d}"] for j, p in enumerate(split.per_param) if not p]
-        per, sh = iter(cols[1:]), iter(shared)
-        return {"master": self.gspec.ravel_host(self.treedef.unflatten(cols[0])),
-                "state": {f"{j:03d}": self.gspec.ravel_host(self.treedef.unflatten(next(per))) if p else next(sh)
-                          for j, p in enumerate(split.per_param)}}
+        return cols, shared
+
+    def state_dict(self, opt_state: ShardedOffloadState) -> dict:
+        """One process: the single-device format (flat global master and per-parameter state vectors,
+        shared leaves). Several processes (``--distributed``; none need hold every shard): each column is
+        a pytree of global arrays sharded like the params, in host memory, from which orbax writes every
+        process's shards into the one checkpoint."""
+        split = next(iter(self.opts.values())).split
+        cols, shared = self._owned_columns(opt_state)
+        if jax.process_count() > 1:
+            trees = [self._global_host(col) for col in cols]
+        else:
+            trees = []
+            for col in cols:
+                leaves = [np.zeros(s, np.float32) for s in self.shapes]
+                for (k, key), part in col.items():
+                    leaves[k][self.index[(k, key)]] = part
+                trees.append(self.gspec.ravel_host(self.treedef.unflatten(leaves)))
+        per, sh = iter(trees[1:]), iter(shared)
+        return {"master": trees[0],
+                "state": {f"{j:03d}": next(per) if p else next(sh) for j, p in enumerate(split.per_param)}}
+
+    def _global_host(self, col: dict) -> Any:
+        """A column's owned shards as global arrays with the params' shardings, in ``pinned_host`` memory
+        where the devices have it (a checkpoint then costs no device memory). Other local holders of a
+        shard get a host copy of the owner's data."""
+        leaves = []
+        for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
+            kind = "pinned_host" if supports_memory(next(iter(sharding.addressable_devices)), "pinned_host") else None
+            host = sharding.with_memory_kind(kind) if kind else sharding
+            parts = [jax.device_put(col[(k, _key(index))], jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
+                     for dev, index in sharding.addressable_devices_indices_map(shape).items()]
+            leaves.append(jax.make_array_from_single_device_arrays(shape, host, parts))
+        return self.treedef.unflatten(leaves)
 
     def load_state_dict(self, like, saved) -> ShardedOffloadState:
-        """Each device's owned shards of a single-device-format checkpoint (any layout may have written it)."""
+        """Each device's owned shards of a checkpoint in either format of :meth:`state_dict`: flat vectors
+        (any layout may have written them), or, across processes, pytrees of global arrays restored with
+        this layout's shardings (each process reads the shards it holds)."""
         split = next(iter(self.opts.values())).split
-        master = np.asarray(saved["master"], np.float32)
-        if master.shape != (self.gspec.n,):
-            raise ValueError(f"checkpoint master has shape {master.shape}; this model has {self.gspec.n} parameters")
-        leaves = lambda flat: jax.tree.leaves(self.gspec.unravel_host(np.asarray(flat, np.float32)))  # noqa: E731
         state = {f"{j:03d}": saved["state"][f"{j:03d}"] for j in range(len(split.per_param))}
-        glob = {j: leaves(v) if p else v for (j, v), p in zip(state.items(), split.per_param)}
-        gmaster, states = leaves(master), {}
+        columns = [saved["master"]] + [v for v, p in zip(state.values(), split.per_param) if p]
+        if not isinstance(saved["master"], (np.ndarray, jax.Array)):  # pytrees of global arrays
+            pick = [self._local_pieces(c) for c in columns]
+        else:
+            master = np.asarray(saved["master"], np.float32)
+            if master.shape != (self.gspec.n,):
+                raise ValueError(f"checkpoint master has shape {master.shape}; this model has {self.gspec.n} "
+                                 f"parameters")
+            flat = [jax.tree.leaves(self.gspec.unravel_host(np.asarray(c, np.float32))) for c in columns]
+            pick = [{(k, key): g[k][self.index[(k, key)]] for k, key in self.index} for g in flat]
+        states = {}
         for i, opt in self.opts.items():
-            def mine(global_leaves, i=i, opt=opt):  # device i's owned shards, flattened in its order
-                return opt.spec.ravel_host([global_leaves[k][self.index[(k, key)]] for k, key in self.owned[i]])
-
-            states[i] = opt.load_state_dict({"master": mine(gmaster), "state": {
-                j: mine(v) if p else v for (j, v), p in zip(glob.items(), split.per_param)}})
+            mine = [opt.spec.ravel_host([col[item] for item in self.owned[i]]) for col in pick]
+            per, rest = iter(mine[1:]), {}
+            for (j, v), p in zip(state.items(), split.per_param):
+                rest[j] = next(per) if p else v
+            states[i] = opt.load_state_dict({"master": mine[0], "state": rest})
         return ShardedOffloadState(states)
 
+    def _local_pieces(self, tree) -> dict:
+        """(leaf, shard key) -> numpy data of this process's shards of a pytree of global arrays."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.shapes):
+            raise ValueError(f"checkpoint column has {len(leaves)} leaves; this model has {len(self.shapes)}")
+        return {(k, _key(sh.index)): np.asarray(sh.data, np.float32) for k, x in enumerate(leaves)
+                for sh in x.addressable_shards}
+
     def master_params(self, opt_state: ShardedOffloadState) -> Any:
-        """fp32 master weights as the global params pytree (numpy)."""
-        return self.gspec.unravel_host(self.state_dict(opt_state)["master"])
+        """fp32 master weights as the global params pytree (numpy; across processes, global host arrays)."""
+        master = self.state_dict(opt_state)["master"]
+        return master if jax.process_count() > 1 else self.gspec.unravel_host(master)
 
 
 __all__ = ["ShardedOffloadState", "ShardedOffloadUpdater", "is_sharded"]
