@@ -40,3 +40,12 @@ class FlatSpec:
 
     def unravel_host(self, flat: np.ndarray) -> Any:
         return self._unravel(np.asarray(flat))
+
+
+def release(tree: Any) -> None:
+    """Delete the device buffers of a pytree whose owner hands it over (what jit donation does to its
+    donated inputs): each is freed once the computations already queued on it have read it, instead of
+    when the caller's last reference goes. Non-array leaves are left alone."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()

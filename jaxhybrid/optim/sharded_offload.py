@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.optim.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 from jaxhybrid.optim.updater import _stats
@@ -116,14 +116,22 @@ class ShardedOffloadUpdater:
         return jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
 
     def apply(self, params, opt_state: ShardedOffloadState, grads, scale, sq, nonfinite):
-        local = self._local(jax.tree.leaves(grads))
+        """One step; consumes ``params`` and ``grads`` as ``OffloadUpdater.apply`` does (and for the same
+        reason): every device then holds its flat gradient shards and the flat parameters its buckets fill."""
         sq = np.float32(sq)  # one host scalar for every device's clip factor (it is replicated on the mesh)
         finite = not bool(nonfinite)
+        release(params)
+        local = self._local(jax.tree.leaves(grads))
+        flat_g = {i: opt.flatten(local[i]) for i, opt in self.opts.items()}
+        del local
+        for opt in self.opts.values():
+            if opt.on_bucket is not None:
+                opt.on_bucket(-1)
+        release(grads)
 
         def one(i):
             opt = self.opts[i]
-            st, flat, info = opt.step(opt_state.per_device[i], opt.flatten(local[i]), loss_scale=scale,
-                                      finite=finite, sq=sq)
+            st, flat, info = opt.step(opt_state.per_device[i], flat_g.pop(i), loss_scale=scale, finite=finite, sq=sq)
             return st, opt.params_tree(flat), info["grad_norm"]
 
         # One host thread per device: each waits on its own bucket transfers, so the devices stream their
