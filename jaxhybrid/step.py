@@ -66,6 +66,27 @@ def mean_loss(model: Model, params: Params, mbs: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
+def accumulated_step(loss_fn):
+    """The jittable training step of the one-program engines (local and tensor): ``step(params, mbs,
+    scale) -> (mean loss, mean gradients of loss * scale)`` over microbatches ``[M, mb, seq+1]``,
+    accumulated in a ``lax.scan`` (one microbatch's activations live at a time); ``loss_fn(params, mb)``
+    is the model's mean loss on one microbatch. With ``M == 1`` it is ``jax.value_and_grad`` alone."""
+    def step(params, mbs, scale):
+        def one(carry, mb):
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        if mbs.shape[0] == 1:
+            (total, grads), _ = one(init, mbs[0])
+        else:
+            (total, grads), _ = jax.lax.scan(one, init, mbs)
+        m = mbs.shape[0]
+        return total / (m * scale), jax.tree.map(lambda x: x / m, grads)
+
+    return step
+
+
 class LocalEngine:
     """Single device, whole model; microbatches accumulate in one jitted step (gradient accumulation).
 
@@ -77,24 +98,10 @@ class LocalEngine:
         self.microbatches = microbatches
         policy = remat_policy(remat)
 
-        def loss_fn(params, tokens, targets):
-            return model.loss(params, tokens, targets, remat=policy, interval=interval)
+        def loss_fn(params, mb):
+            return model.loss(params, mb[:, :-1], mb[:, 1:], remat=policy, interval=interval)
 
-        def step(params, mbs, scale):
-            def one(carry, mb):
-                loss, grads = jax.value_and_grad(lambda p: loss_fn(p, mb[:, :-1], mb[:, 1:]) * scale)(params)
-                acc_l, acc_g = carry
-                return (acc_l + loss, jax.tree.map(jnp.add, acc_g, grads)), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            if mbs.shape[0] == 1:
-                (l, g), _ = one((jnp.zeros((), jnp.float32), zeros), mbs[0])
-            else:
-                (l, g), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), zeros), mbs)
-            m = mbs.shape[0]
-            return l / (m * scale), jax.tree.map(lambda x: x / m, g)
-
-        self._step = jax.jit(step)
+        self._step = jax.jit(accumulated_step(loss_fn))
         self._eval = jax.jit(lambda params, mbs: mean_loss(model, params, mbs))
 
     def init_params(self, rng: jax.Array) -> Params:

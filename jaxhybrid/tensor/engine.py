@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxhybrid.model import Model
 from jaxhybrid.model.config import ModelConfig
-from jaxhybrid.step import mean_loss
+from jaxhybrid.step import accumulated_step, mean_loss
 from jaxhybrid.tensor.linear import ALLGATHER_NAME
 from jaxhybrid.tensor.mesh import MeshShape, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
@@ -80,21 +80,7 @@ class TensorEngine:
         remat = tensor_remat(cfg.train.remat, self.ops.switches.cache_allgather)
         model = self.model
 
-        def step(params, mbs, scale):
-            def one(carry, mb):
-                loss, g = jax.value_and_grad(
-                    lambda p: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat) * scale)(params)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            init = (jnp.zeros((), jnp.float32), zeros)
-            if mbs.shape[0] == 1:
-                (l, g), _ = one(init, mbs[0])
-            else:
-                (l, g), _ = jax.lax.scan(one, init, mbs)
-            m = mbs.shape[0]
-            return l / (m * scale), jax.tree.map(lambda x: x / m, g)
-
+        step = accumulated_step(lambda p, mb: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat))
         rep = NamedSharding(self.mesh, P())
         self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
                              out_shardings=(rep, self.shardings), compiler_options=compiler_options)
