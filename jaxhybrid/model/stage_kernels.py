@@ -43,6 +43,7 @@ class StageKernels:
                                                        self.last_block, self.is_first, self.is_last))
         self._fn = None
         self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
+        self._param_dtypes = {_F32, np.dtype(self.model.dtype)}
 
     # ---- the stage as a function of (params, x) through a given ops tape --------------------------------
     def _run(self, tape, params, x, targets, lo, hi, embed: bool, head: bool):
@@ -212,18 +213,24 @@ class StageKernels:
 
     # ---- validation (before any compile) ----------------------------------------------------------------
     def _check_params(self, params):
+        """Params are the stage's slice, all float32 masters or all in the compute dtype (the offloaded
+        optimizer keeps the masters on host and hands the stage its compute copy, Myelin V-B)."""
         # Fast path for a structure already accepted (the hot per-microbatch calls): a flatten and a dtype
         # compare per leaf instead of the key paths that only the error message needs (~12 vs ~33 us).
         leaves, treedef = jax.tree.flatten(params)
-        if treedef == self._params_treedef and all(getattr(v, "dtype", None) == _F32 for v in leaves):
+        dtypes = {getattr(v, "dtype", None) for v in leaves}
+        if treedef == self._params_treedef and len(dtypes) == 1 and dtypes <= self._param_dtypes:
             return
         if not isinstance(params, dict) or sorted(params) != sorted(self.param_names):
             got = sorted(params) if isinstance(params, dict) else type(params).__name__
             raise ValueError(f"{self!r} expects params {sorted(self.param_names)}, got {got}; use slice_params")
-        bad = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
-               if jnp.dtype(v.dtype) != jnp.float32]
-        if bad:
-            raise ValueError(f"stage params must be float32 masters; not float32: {bad[:4]}")
+        found = {}
+        for k, v in jax.tree_util.tree_flatten_with_path(params)[0]:
+            found.setdefault(str(jnp.dtype(v.dtype)), []).append(jax.tree_util.keystr(k))
+        if len(found) > 1 or not set(found) <= {str(d) for d in self._param_dtypes}:
+            allowed = " or ".join(sorted({str(d) for d in self._param_dtypes}))
+            raise ValueError(f"stage params must all be {allowed} (float32 masters, or the compute copy of "
+                             f"the offloaded optimizer); got " + "; ".join(f"{d}: {p[:3]}" for d, p in found.items()))
         self._params_treedef = treedef
 
     def _check_inputs(self, params, x, targets):

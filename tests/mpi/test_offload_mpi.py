@@ -20,5 +20,5 @@ def test_offload_bit_exact_under_mpirun():
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    for case in ("data-k1", "data-k2", "pipeline-2stage"):
+    for case in ("data-k1", "data-k2", "pipeline-2stage", "pipeline-2stage-bf16"):
         assert f"CASE {case} ok" in out.stdout, text[-4000:]
