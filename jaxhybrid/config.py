@@ -64,6 +64,7 @@ class OptimConfig:
     offload: bool = False  # fp32 master weights + Adam state on host, streamed in buckets (Myelin V-B)
     bucket_size: int = 1 << 20  # elements per offload bucket (bsize); at most a rank's parameter count
     allreduce_coarsening: int = 1  # k: all-reduce chunks of k * bucket_size (Myelin V-C)
+    stream_allreduce: bool = True  # offload x data replicas: update each reduced chunk's buckets at once (V-C)
 
 
 @dataclass(frozen=True)

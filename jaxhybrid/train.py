@@ -113,6 +113,8 @@ class Trainer:
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
         self.rank = int(getattr(self.engine, "rank", 0))
+        self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")
+                         and getattr(self.engine, "streams_reduced_chunks", False))
 
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -152,12 +154,17 @@ class Trainer:
         if st.step == cfg.train.inject_overflow_step:
             scale = math.inf  # an injected overflow travels the real path: non-finite grads
         batch = self.sampler.batch(st.step)
-        loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
-        # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
-        norm_view = getattr(self.engine, "norm_view", None)
-        sq, nonfinite = self.updater.stats(norm_view(grads) if norm_view else grads)
-        sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
-        params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
+        if self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
+            loss, chunks = self.engine.loss_and_grad_chunks(st.params, batch, scale, self.updater.opt.flatten)
+            params, opt_state, gnorm, nonfinite = self.updater.apply_streamed(
+                st.params, st.opt_state, chunks, scale, self.engine.global_sum, self.engine.global_max)
+        else:
+            loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
+            # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
+            norm_view = getattr(self.engine, "norm_view", None)
+            sq, nonfinite = self.updater.stats(norm_view(grads) if norm_view else grads)
+            sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
+            params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
         finite = not bool(nonfinite)
         info = {"loss": float(loss), "grad_norm": float(gnorm), "loss_scale": float(scale),
                 "skipped": not finite}

@@ -349,6 +349,20 @@ class OffloadUpdater:
         del flat_g
         return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"])
 
+    def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max):
+        """Myelin V-C: the step fed by reduced gradient chunks as the all-reduce produces them
+        (``PipelineEngine.loss_and_grad_chunks``). Consumes ``params`` as :meth:`apply` does. The norm
+        for clipping is summed from the reduced chunks over the stages (``global_sum``); with clipping on
+        every chunk is reduced before the first bucket updates (the first prefetch still overlaps), without
+        it the updates overlap the reductions. A non-finite chunk on any rank (``global_max``) rolls every
+        rank back to ``opt_state`` and its parameters. Returns ``(params, state, grad_norm, nonfinite)``."""
+        release(params)
+        new_state, flat, info = self.opt.step(opt_state, chunks=chunks, loss_scale=scale, global_sum=global_sum)
+        nonfinite = global_max(jnp.float32(info["nonfinite"]))
+        if bool(nonfinite) and not info["nonfinite"]:  # another rank overflowed: undo this rank's update
+            new_state, flat = opt_state, self.opt.device_params(opt_state)
+        return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"]), nonfinite
+
     def state_dict(self, opt_state) -> dict:
         return self.opt.state_dict(opt_state)
 

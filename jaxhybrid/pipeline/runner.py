@@ -133,24 +133,67 @@ class PipelineEngine:
 
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         t0 = time.perf_counter()
-        mbs = self._microbatches(batch)
-        # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
-        cot = float(loss_scale) / (self.microbatches * self.replicas)
         self.watchdog.arm("pipeline phase")
         try:
-            res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
-            grads = res.grads[self.stage_index]
-            t1 = time.perf_counter()
-            grads = self._sum_tied(grads)
+            loss, grads, t1 = self._pipeline_phase(params, batch, loss_scale)
             self.watchdog.beat("data-parallel all-reduce")
             if self.replicas > 1:
                 grads = allreduce_tree(grads, self.topo.column, self.chunk)
-            loss = self._mean_over_batch(res.loss_sum)
         finally:
             self.watchdog.disarm()
         t2 = time.perf_counter()
         self.last_step = {"pipeline_s": t1 - t0, "reduce_s": t2 - t1, "step_s": t2 - t0}
         return loss, grads
+
+    def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float):
+        """The schedule over this replica's microbatches: (global mean loss, this rank's gradients with
+        tied embeddings summed, not yet reduced over replicas, the time it ended)."""
+        mbs = self._microbatches(batch)
+        # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
+        cot = float(loss_scale) / (self.microbatches * self.replicas)
+        res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
+        t1 = time.perf_counter()
+        return self._mean_over_batch(res.loss_sum), self._sum_tied(res.grads[self.stage_index]), t1
+
+    @property
+    def streams_reduced_chunks(self) -> bool:
+        """Whether :meth:`loss_and_grad_chunks` applies: data replicas to reduce over, gradients on one
+        device (a hybrid rank's sharded leaves reduce per device), and no tied-embedding copy that the
+        optimizer's own norm would count twice."""
+        tied = self.cfg.model.tie_embeddings and self.num_stages > 1
+        return self.replicas > 1 and self.local is None and not tied
+
+    def loss_and_grad_chunks(self, params: dict, batch: np.ndarray, loss_scale: float, flatten):
+        """Myelin V-C: the pipeline phase, then the data-parallel all-reduce left to the consumer, which
+        gets ``(start, end, reduced)`` chunks of ``k x bsize`` elements of ``flatten(grads)``, each as soon
+        as its reduction is done with the next one already dispatched, so the offloaded optimizer updates a
+        chunk's buckets while the next chunk is reduced. Returns ``(loss, chunks)``; the unreduced pytree
+        is released once flattened (the footprint stays parameters + gradients + buckets)."""
+        from jaxhybrid.optim.allreduce import iter_reduced_chunks
+        from jaxhybrid.optim.flat import release
+
+        if not self.streams_reduced_chunks:
+            raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1, one device per rank and "
+                             f"untied embeddings across stages")
+        t0 = time.perf_counter()
+        self.watchdog.arm("pipeline phase")
+        try:
+            loss, grads, t1 = self._pipeline_phase(params, batch, loss_scale)
+        finally:
+            self.watchdog.disarm()
+        flat = flatten(grads)
+        release(grads)
+        self.last_step = {"pipeline_s": t1 - t0, "step_s": t1 - t0}
+        return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk),
+                                   "data-parallel all-reduce streamed into the optimizer")
+
+    def _watched(self, chunks, what: str):
+        """The chunk iterator under the watchdog: a dead peer mid-reduction ends the job, as in the phase."""
+        self.watchdog.arm(what)
+        try:
+            yield from chunks
+        finally:
+            self.watchdog.disarm()
 
     def global_sum(self, x):
         """Sum over the stages of this replica (the model-parallel group)."""

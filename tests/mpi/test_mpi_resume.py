@@ -53,6 +53,23 @@ def test_mpi_resume_is_bit_exact(tmp_path, n, devices, config, sets):
     _check_resume(a, b, n, lambda: _launch(n, devices, config, b, *sets, resume=True))
 
 
+def test_streamed_allreduce_matches_reduce_then_update(tmp_path):
+    """Myelin V-C in the trainer: on the 2 x 2 grid with the offloaded optimizer, the update fed chunk by
+    chunk (2 buckets each) as the data-parallel all-reduce produces them logs the losses and writes the
+    checkpoints of reducing every gradient first (the clip norm is summed per chunk there, per leaf here)."""
+    sets = ["optim.offload=true", "optim.bucket_size=20000", "optim.allreduce_coarsening=2", "train.steps=4",
+            "checkpoint.every=4", "train.eval_every=0"]
+    on, off = tmp_path / "on", tmp_path / "off"
+    _launch(4, 1, "pipeline_2x2.yaml", on, *sets)
+    _launch(4, 1, "pipeline_2x2.yaml", off, *sets, "optim.stream_allreduce=false")
+    lon, loff = _losses(on), _losses(off)
+    assert sorted(lon) == [1, 2, 3, 4]
+    assert_tree_close([lon[s] for s in sorted(lon)], [loff[s] for s in sorted(loff)], "fp32_parity", "losses ")
+    for rank in sorted((on / "checkpoints").iterdir()):
+        got, want = (_without_key_bias(read_state(r / "checkpoints" / rank.name / "4" / "state")) for r in (on, off))
+        assert_tree_close(got, want, "fp32_parity", f"{rank.name} step-4 checkpoint, streamed vs not ")
+
+
 def _check_resume(a, b, n: int, resume) -> None:
     """Copy run ``a`` to ``b`` without its step-6 checkpoints, run ``resume()`` and compare with ``a``."""
     shutil.copytree(a, b)

@@ -181,6 +181,39 @@ def test_updater_matches_device_updater():
     assert_tree_close(off.state_dict(off.load_state_dict(sa, like)), like, "exact", "state_dict round trip")
 
 
+def test_streamed_update_matches_whole_gradient_update_and_rolls_back_on_a_peer_overflow():
+    """``OffloadUpdater.apply_streamed`` (Myelin V-C, fed reduced chunks as ``PipelineEngine`` yields them)
+    against ``apply`` on the whole gradient; then a peer's overflow (``global_max`` says 1 while this
+    rank's chunks were finite) leaves the host state as it was and rebuilds the old parameters."""
+    from jaxhybrid.config import Config, OptimConfig
+
+    _, params, batches, grad = _setup()
+    cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=0.5))
+    a, b = OffloadUpdater(TX, cfg), OffloadUpdater(TX, cfg)
+    pa, sa = a.compute_params(params), a.init(params)
+    pb, sb = b.compute_params(params), b.init(params)
+
+    def chunks(flat, k=2):  # k buckets per chunk, as iter_reduced_chunks cuts a reduced vector
+        n = flat.shape[0]
+        return ((s, min(s + k * 64, n), flat[s:min(s + k * 64, n)]) for s in range(0, n, k * 64))
+
+    same = lambda x: x  # noqa: E731  (one rank: the sums and maxima over ranks are the values)
+    for batch in batches[:3]:
+        ga, gb = grad(pa, batch, 1.0), grad(pb, batch, 1.0)
+        pa, sa, na, nf = a.apply_streamed(pa, sa, chunks(a.opt.flatten(ga)), 1.0, same, same)
+        pb, sb, nb = b.apply(pb, sb, gb, 1.0, *b.stats(gb))
+        assert float(nf) == 0.0
+        assert_tree_close(float(na), float(nb), "fp32_parity", "grad norm ")
+    assert_tree_close(pa, pb, "fp32_parity", "params")  # the norm is summed per chunk, not per leaf
+    assert_tree_close(a.state_dict(sa), b.state_dict(sb), "fp32_parity", "host state ")
+    before = a.state_dict(sa)
+    g = grad(pa, batches[3], 1.0)
+    pc, sc, _, nf = a.apply_streamed(pa, sa, chunks(a.opt.flatten(g)), 1.0, same, lambda x: jnp.float32(1.0))
+    assert float(nf) == 1.0
+    assert_tree_close(a.state_dict(sc), before, "exact", "host state after a peer's overflow ")
+    assert_tree_close(pc, a.opt.params_tree(a.opt.device_params(sa)), "exact", "params after a peer's overflow ")
+
+
 def test_trainer_path_holds_myelins_device_footprint():
     """``OffloadUpdater.apply`` called as ``Trainer.step`` calls it (the params and gradient pytrees the
     engine used) consumes both, and its device peak, probed after the gradients are flattened and after
