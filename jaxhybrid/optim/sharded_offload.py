@@ -144,15 +144,22 @@ class ShardedOffloadUpdater:
         return (self._assemble(updated), ShardedOffloadState({i: r[0] for i, r in results.items()}),
                 jnp.float32(gnorm))
 
-    def _assemble(self, updated: dict) -> Any:
-        """Global compute-precision arrays from the owners' updated shards (copied to the other holders)."""
+    def _assemble(self, pieces: dict, kind: str | None = None) -> Any:
+        """Global arrays with the params' shardings from one array per distinct shard (``pieces``: (leaf,
+        shard key) -> the owner's device array, or host data): every local holder gets its copy (the other
+        holders of a device shard by a device-to-device copy). ``kind``: in that memory kind."""
         out = []
         for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
             parts = []
             for dev, index in sharding.addressable_devices_indices_map(shape).items():
-                x = updated[(k, _key(index))]
-                parts.append(x if x.devices() == {dev} else jax.device_put(x, dev))
-            out.append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
+                x = pieces[(k, _key(index))]
+                if kind or not isinstance(x, jax.Array):
+                    x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
+                elif x.devices() != {dev}:
+                    x = jax.device_put(x, dev)
+                parts.append(x)
+            target = sharding.with_memory_kind(kind) if kind else sharding
+            out.append(jax.make_array_from_single_device_arrays(shape, target, parts))
         return self.treedef.unflatten(out)
 
     def _owned_columns(self, opt_state: ShardedOffloadState) -> tuple[list[dict], list]:
@@ -176,8 +183,10 @@ class ShardedOffloadUpdater:
         process's shards into the one checkpoint."""
         split = next(iter(self.opts.values())).split
         cols, shared = self._owned_columns(opt_state)
-        if jax.process_count() > 1:
-            trees = [self._global_host(col) for col in cols]
+        if jax.process_count() > 1:  # host memory where the devices have it: a checkpoint costs no device bytes
+            dev = self.devices[next(iter(self.opts))]  # a device of this process
+            kind = "pinned_host" if supports_memory(dev, "pinned_host") else None
+            trees = [self._assemble(col, kind) for col in cols]
         else:
             trees = []
             for col in cols:
@@ -188,19 +197,6 @@ class ShardedOffloadUpdater:
         per, sh = iter(trees[1:]), iter(shared)
         return {"master": trees[0],
                 "state": {f"{j:03d}": next(per) if p else next(sh) for j, p in enumerate(split.per_param)}}
-
-    def _global_host(self, col: dict) -> Any:
-        """A column's owned shards as global arrays with the params' shardings, in ``pinned_host`` memory
-        where the devices have it (a checkpoint then costs no device memory). Other local holders of a
-        shard get a host copy of the owner's data."""
-        leaves = []
-        for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
-            kind = "pinned_host" if supports_memory(next(iter(sharding.addressable_devices)), "pinned_host") else None
-            host = sharding.with_memory_kind(kind) if kind else sharding
-            parts = [jax.device_put(col[(k, _key(index))], jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
-                     for dev, index in sharding.addressable_devices_indices_map(shape).items()]
-            leaves.append(jax.make_array_from_single_device_arrays(shape, host, parts))
-        return self.treedef.unflatten(leaves)
 
     def load_state_dict(self, like, saved) -> ShardedOffloadState:
         """Each device's owned shards of a checkpoint in either format of :meth:`state_dict`: flat vectors
