@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxhybrid.config import Config
 from jaxhybrid.model import Model
-from jaxhybrid.optim.allreduce import allreduce_tree
+from jaxhybrid.optim.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.optim.flat import release
 from jaxhybrid.pipeline.engine import EventLoop
 from jaxhybrid.pipeline.schedule import make_schedule
 from jaxhybrid.pipeline.transport import InProcessHub
@@ -169,9 +170,6 @@ class PipelineEngine:
         as its reduction is done with the next one already dispatched, so the offloaded optimizer updates a
         chunk's buckets while the next chunk is reduced. Returns ``(loss, chunks)``; the unreduced pytree
         is released once flattened (the footprint stays parameters + gradients + buckets)."""
-        from jaxhybrid.optim.allreduce import iter_reduced_chunks
-        from jaxhybrid.optim.flat import release
-
         if not self.streams_reduced_chunks:
             raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1, one device per rank and "
                              f"untied embeddings across stages")
