@@ -16,19 +16,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
-def _global(x) -> bool:
+def spans_processes(x) -> bool:
     """A jax.Array spanning devices of other processes (``--distributed``): no process can fetch it whole,
     so orbax writes each process's shards of it into the one checkpoint."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def _to_host(tree):
-    return jax.tree.map(lambda x: x if _global(x) else np.asarray(x), tree)
+    return jax.tree.map(lambda x: x if spans_processes(x) else np.asarray(x), tree)
 
 
 def _abstract(x):
     """The restore target of one leaf: global arrays come back with their live sharding, the rest as numpy."""
-    if _global(x):
+    if spans_processes(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     x = np.asarray(x)
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)

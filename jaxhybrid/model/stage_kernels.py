@@ -227,9 +227,9 @@ class StageKernels:
         found = {}
         for k, v in jax.tree_util.tree_flatten_with_path(params)[0]:
             found.setdefault(str(jnp.dtype(v.dtype)), []).append(jax.tree_util.keystr(k))
-        if len(found) > 1 or not set(found) <= {str(d) for d in self._param_dtypes}:
-            allowed = " or ".join(sorted({str(d) for d in self._param_dtypes}))
-            raise ValueError(f"stage params must all be {allowed} (float32 masters, or the compute copy of "
+        allowed = sorted({str(d) for d in self._param_dtypes})
+        if len(found) > 1 or not set(found) <= set(allowed):
+            raise ValueError(f"stage params must all be {' or '.join(allowed)} (float32 masters, or the compute copy of "
                              f"the offloaded optimizer); got " + "; ".join(f"{d}: {p[:3]}" for d, p in found.items()))
         self._params_treedef = treedef
 
