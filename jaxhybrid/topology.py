@@ -119,14 +119,18 @@ class Topology:
         self._record_pid()
 
     def _record_pid(self) -> None:
-        """Under ``jaxhybrid launch``, leave ``rank -> pid`` so a rank killed by a signal (hydra names
-        only its PID) can be reported by rank."""
+        """Under ``jaxhybrid launch``, leave ``rank -> pid``, and a ``.exit`` marker when the interpreter
+        exits normally, so that the launcher can name the first rank that ended abnormally (killed by a
+        signal, or aborted: ``MPI_Abort`` skips Python's exit handlers) (``commands/rankwatch.py``)."""
+        import atexit
         import os
 
         pid_dir = os.environ.get("JAXHYBRID_PID_DIR")
         if pid_dir and os.path.isdir(pid_dir):
-            with open(os.path.join(pid_dir, f"rank{self.rank}.pid"), "w") as f:
+            base = os.path.join(pid_dir, f"rank{self.rank}")
+            with open(base + ".pid", "w") as f:
                 f.write(f"{os.getpid()} rank {self.rank} (stage {self.stage}, replica {self.replica})")
+            atexit.register(lambda: os.path.isdir(pid_dir) and open(base + ".exit", "w").close())
 
     @classmethod
     def from_config(cls, cfg: Config, comm: Any = None) -> "Topology":

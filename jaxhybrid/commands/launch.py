@@ -6,22 +6,21 @@ uncaught exception on any rank aborts the whole job (mpich alone would leave the
 ``OMP_NUM_THREADS`` and XLA's CPU thread flags get ``cores // N`` threads each (oversubscribed ranks
 whose pools spin starve each other, facts.md).
 
-A rank killed by a signal leaves no Python message; hydra names only its PID. Each rank records
-``rank -> pid`` in a directory given by ``JAXHYBRID_PID_DIR`` (see :mod:`jaxhybrid.topology`), and the
-launcher, which relays the job's output, translates hydra's ``PID n`` into ``rank r (stage i, replica j)``.
+A rank killed by a signal leaves no Python message, and hydra's report may name a bystander. The
+launcher watches the ranks' PIDs while it relays the job's output and, when the job fails, names the
+first rank that ended abnormally (:mod:`jaxhybrid.commands.rankwatch`).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-PID_DIR_ENV = "JAXHYBRID_PID_DIR"
+from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, bystanders, name_hydra_pids
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,20 +123,6 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
     return [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "train", *args]
 
 
-def name_dead_ranks(output_lines: list[str], pid_dir: Path) -> list[str]:
-    """Hydra's ``PID n`` lines -> ``rank r (...)`` using the pid files the ranks wrote."""
-    names = {}
-    for f in pid_dir.glob("rank*.pid"):
-        pid, _, who = f.read_text().partition(" ")
-        names[pid.strip()] = who.strip()
-    out = []
-    for line in output_lines:
-        m = re.search(r"PID (\d+) RUNNING AT", line)
-        if m and m.group(1) in names:
-            out.append(f"{names[m.group(1)]} (pid {m.group(1)})")
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
@@ -150,18 +135,26 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="jaxhybrid-pids-") as pid_dir:
         env[PID_DIR_ENV] = pid_dir
+        watch = RankWatch(Path(pid_dir))
+        watch.start()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         tail: list[str] = []
         assert proc.stdout is not None
-        for line in proc.stdout:  # relay the job's output, remembering hydra's report
+        for line in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
             sys.stdout.write(line)
             sys.stdout.flush()
-            if "RUNNING AT" in line:
+            if "RUNNING AT" in line or "Abort(" in line or line.startswith("jaxhybrid"):
                 tail.append(line)
         rc = proc.wait()
+        watch.stop()
         if rc != 0:
-            for who in name_dead_ranks(tail, Path(pid_dir)):
-                print(f"jaxhybrid launch: {who} ended abnormally; the job was stopped (exit code {rc})",
-                      file=sys.stderr, flush=True)
+            first = watch.first_abnormal(bystanders(tail))
+            if len(first) > 1:  # ended before the watcher woke: their order is unknown
+                named = [f"{', '.join(first)} ended abnormally, together the first ranks to end"]
+            else:
+                named = [f"{who} ended abnormally, the first rank to end" for who in first] or \
+                    [f"{who} ended abnormally" for who in name_hydra_pids(tail, Path(pid_dir))]
+            for what in named:
+                print(f"jaxhybrid launch: {what}; the job was stopped (exit code {rc})", file=sys.stderr, flush=True)
         return rc

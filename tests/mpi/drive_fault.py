@@ -1,7 +1,8 @@
-"""MPI fault driver (tests/mpi/test_mpi_pipeline.py): a 2-stage pipeline where rank 1 fails at step 1.
+"""MPI fault driver (tests/mpi/test_mpi_pipeline.py): a 2-stage pipeline (x ``--data`` replicas) where
+rank ``--victim`` (default 1) fails at step 1.
 
-``--mode exception``: rank 1's forward raises; ``kill``: rank 1 SIGKILLs itself; ``hang``: rank 1's
-forward sleeps forever (the watchdog, deadline ``--deadline`` seconds, must end the job). Step 0 runs
+``--mode exception``: its forward raises; ``kill``: it SIGKILLs itself; ``hang``: its forward sleeps
+forever (the watchdog, deadline ``--deadline`` seconds, must end the job). Step 0 runs
 normally first so compilation is not mistaken for a hang. The faulty rank writes the wall time of the
 fault to ``--stamp`` so the test can measure how long the job took to end.
 """
@@ -28,19 +29,21 @@ def main() -> int:
     ap.add_argument("--mode", choices=("exception", "kill", "hang", "none"), required=True)
     ap.add_argument("--deadline", type=float, default=2.0)
     ap.add_argument("--stamp", required=True)
+    ap.add_argument("--data", type=int, default=1)
+    ap.add_argument("--victim", type=int, default=1)
     a = ap.parse_args()
     cfg = config_from_dict({
         "model": {"name": "gpt-tiny", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
                   "max_seq_len": 16},
-        "data": {"seq_len": 8}, "train": {"global_batch": 4},
-        "parallel": {"pipeline": 2, "data": 1}, "pipeline": {"schedule": "1f1b", "microbatches": 2}})
+        "data": {"seq_len": 8}, "train": {"global_batch": 4 * a.data},
+        "parallel": {"pipeline": 2, "data": a.data}, "pipeline": {"schedule": "1f1b", "microbatches": 2}})
     engine = PipelineEngine(cfg, Model(cfg.model), Topology.from_config(cfg))
     params = engine.init_params(jax.random.key(0))
-    batch = np.random.default_rng(0).integers(0, 64, (4, 9)).astype(np.int32)
+    batch = np.random.default_rng(0).integers(0, 64, (4 * a.data, 9)).astype(np.int32)
     engine.loss_and_grads(params, batch, 1.0)  # step 0: compiles
     engine.watchdog.deadline_s = a.deadline
     MPI.COMM_WORLD.Barrier()
-    if engine.rank == 1 and a.mode != "none":
+    if engine.rank == a.victim and a.mode != "none":
         with open(a.stamp, "w") as f:
             f.write(repr(time.time()))
         if a.mode == "kill":

@@ -78,15 +78,19 @@ def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
     assert any("llama" in c for c in found) and any("opt=BCDE" in c for c in found), "\n".join(found)
 
 
-@pytest.mark.parametrize("mode,expect", [
-    ("exception", r"rank 1 \(stage 1, replica 0\) failed: RuntimeError: injected failure"),
-    ("kill", r"rank 1 \(stage 1, replica 0\) \(pid \d+\) ended abnormally"),
-    ("hang", r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from pipeline rank 1"),
-])
-def test_fault_ends_job_naming_the_rank(tmp_path, mode, expect):
+@pytest.mark.parametrize("mode,data,victim,expect", [
+    ("exception", 1, 1, r"rank 1 \(stage 1, replica 0\) failed: RuntimeError: injected failure"),
+    ("kill", 1, 1, r"rank 1 \(stage 1, replica 0\) \(pid \d+\) ended abnormally"),
+    # 2 x 2: hydra named a bystander here (rank 0 or 1, aborted when its peer vanished); the launcher's
+    # own watch of the PIDs must name the killed rank.
+    ("kill", 2, 3, r"rank 3 \(stage 1, replica 1\) \(pid \d+\)[^\n]* ended abnormally, \w* ?the first rank"),
+    ("hang", 1, 1, r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from pipeline rank 1"),
+], ids=["exception", "kill", "kill-2x2-rank3", "hang"])
+def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     stamp = tmp_path / "stamp"
-    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "120", "--script",
-           str(HERE / "drive_fault.py"), "--", "--mode", mode, "--deadline", "2", "--stamp", str(stamp)]
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", str(2 * data), "--timeout", "120", "--script",
+           str(HERE / "drive_fault.py"), "--", "--mode", mode, "--deadline", "2", "--stamp", str(stamp),
+           "--data", str(data), "--victim", str(victim)]
     r = subprocess.run(cmd, env=_env(120), cwd=ROOT, capture_output=True, text=True, timeout=180)
     ended = time.time()
     out = r.stdout + r.stderr

@@ -119,3 +119,50 @@ def test_launcher_environment_is_read_in_one_place():
     srun = {"SLURM_NTASKS": "16", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
     assert le.world_size(srun) == 16 and le.slurm_task(srun) and le.local_rank(srun) == 3
     assert le.local_rank({"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "5"}) == 2  # the MPI launcher's wins
+
+
+def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
+    """The launcher's failure report: hydra may name a bystander, so the watcher keeps the order in which
+    the ranks' PIDs ended; a rank that left its normal-exit marker is never blamed."""
+    import subprocess
+    import sys
+    import time
+
+    from jaxhybrid.commands.rankwatch import RankWatch, bystanders, name_hydra_pids
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        for r, p in enumerate(procs):
+            (tmp_path / f"rank{r}.pid").write_text(f"{p.pid} rank {r} (stage {r % 2}, replica {r // 2})")
+        watch = RankWatch(tmp_path, period_s=0.01)
+        watch.start()
+        time.sleep(0.1)
+        (tmp_path / "rank0.exit").touch()  # rank 0 finished normally first: not the culprit
+        procs[0].kill(), procs[0].wait()
+        time.sleep(0.2)
+        procs[2].kill(), procs[2].wait()  # then rank 2 was killed,
+        time.sleep(0.2)
+        procs[1].kill(), procs[1].wait()  # and rank 1 went down with the job
+        time.sleep(0.2)
+        watch.stop()
+        assert [pid for _, pid, _ in watch.ended] == [procs[0].pid, procs[2].pid, procs[1].pid]
+        rank = {r: f"rank {r} (stage {r % 2}, replica {r // 2}) (pid {p.pid})" for r, p in enumerate(procs)}
+        hydra = [f"=   PID {procs[1].pid} RUNNING AT node7", "=   EXIT CODE: 9"]  # a bystander
+        assert watch.first_abnormal() == [rank[2]]
+        assert name_hydra_pids(hydra, tmp_path) == [rank[1]]
+        # Two ranks ended before one wake-up: both are named.
+        watch.ended = [(5, p.pid, f"rank {r} (stage {r % 2}, replica {r // 2})") for r, p in enumerate(procs[1:], 1)]
+        assert watch.first_abnormal() == [rank[1], rank[2]]
+        # A rank that MPI aborted when its peer vanished (mpich's "Abort(c) on node R") is passed over
+        # while another ended abnormally; one that reported its own failure is not a bystander.
+        out = ["copy_iovs(224).........: process_vm_readv failed (errno 3) - aborting",
+               "Abort(606246415) on node 1 (rank 0 in comm 464): application called MPI_Abort(...) - process 0",
+               "Abort(1) on node 0 (rank 0 in comm 496): application called MPI_Abort(comm=0x84000002, 1) - process 0",
+               "jaxhybrid: rank 0 (stage 0, replica 0) failed: ValueError: bad batch; aborting the job"]
+        assert bystanders(out) == {1}
+        watch.ended = [(4, procs[1].pid, "rank 1 (stage 1, replica 0)"), (5, procs[2].pid, "rank 2 (stage 0, replica 1)")]
+        assert watch.first_abnormal(bystanders(out)) == [rank[2]] and watch.first_abnormal() == [rank[1]]
+        assert watch.first_abnormal({1, 2}) == [rank[1]]  # all bystanders: the first to end after all
+    finally:
+        for p in procs:
+            p.kill()
