@@ -56,7 +56,7 @@ def build_updater(cfg: Config, engine):
 
         return ShardedOffloadUpdater(transform, cfg)
     if cfg.optim.offload:
-        from jaxhybrid.optim.offload import OffloadUpdater
+        from jaxhybrid.optim.offload_updater import OffloadUpdater
 
         return OffloadUpdater(transform, cfg)
     return DeviceUpdater(transform, cfg.optim.grad_clip)

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform
     from jaxhybrid.optim.memory_report import model_state_bytes
-    from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadUpdater
+    from jaxhybrid.optim.offload import OffloadedOptimizer
+    from jaxhybrid.optim.offload_updater import OffloadUpdater
     from jaxhybrid.step import LocalEngine
 
     over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])

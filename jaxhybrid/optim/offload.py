@@ -21,7 +21,6 @@ size or host backend.
 """
 from __future__ import annotations
 
-import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -32,9 +31,9 @@ import numpy as np
 import optax
 
 from jaxhybrid.optim.buckets import BucketLayout, check_bucketable
-from jaxhybrid.optim.flat import FlatSpec, release
+from jaxhybrid.optim.flat import FlatSpec
 from jaxhybrid.optim.hoststore import make_store
-from jaxhybrid.optim.updater import _stats, clip_factor
+from jaxhybrid.optim.bucket_programs import Prefetcher, programs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -80,7 +79,7 @@ class OffloadedOptimizer:
         self.layout: BucketLayout | None = None
         self.on_bucket: Callable[[int], None] | None = None  # instrumentation (memory probes)
         (self._update, self._upcast, self._write, self._factor, self._sq,
-         self._init_bucket) = _programs(inner, self.split, self.compute_dtype, self.grad_clip)
+         self._init_bucket) = programs(inner, self.split, self.compute_dtype, self.grad_clip)
 
     # -- set-up ------------------------------------------------------------------------------------
     def init(self, params: Any) -> OffloadState:
@@ -158,7 +157,7 @@ class OffloadedOptimizer:
             params = params if params is not None else self.device_params(state)
             return state, params, {"grad_norm": float("nan"), "skipped": True, "nonfinite": 1.0}
         scale = jnp.float32(loss_scale)
-        fetch = _Prefetcher(self.store, state.buckets, self.prefetch + 1)
+        fetch = Prefetcher(self.store, state.buckets, self.prefetch + 1)
         fetch.top_up(0)
         own_sq = sq is None
         if own_sq and self.grad_clip > 0:
@@ -247,56 +246,6 @@ class OffloadedOptimizer:
         return self.split.treedef.unflatten(leaves)
 
 
-@functools.lru_cache(maxsize=64)
-def _programs(inner, split, cdt, grad_clip: float):
-    """The jitted per-bucket programs, shared by optimizers with the same transform (compile once)."""
-
-    def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
-        master, per = bucket[0], bucket[1:]
-        g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
-        g = g * factor.astype(g.dtype)
-        # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
-        # XLA turns optax's division by the scalar bias correction into a multiplication by its
-        # reciprocal, which rounds differently from on-device optax on a real parameter tree.
-        h = max(master.shape[0] // 2, 1)
-        two = lambda x: (x[:h], x[h:])
-        updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
-        new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
-        new_per, new_shared = split.split(new)
-        new_per = tuple(jnp.concatenate(x) for x in new_per)
-        params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))
-        nonfinite = jnp.logical_or(nonfinite, jnp.logical_not(jnp.all(jnp.isfinite(g))))
-        return (new_master, *new_per), new_shared, params, nonfinite
-
-    update_j = jax.jit(update, donate_argnums=(0, 4))
-    upcast_j = jax.jit(lambda g, off, n: jax.lax.dynamic_slice(g, (off,), (n,)).astype(jnp.float32),
-                       static_argnums=2)
-    write_j = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
-                      donate_argnums=0)
-    factor_j = jax.jit(lambda scale, sq: clip_factor(scale, sq, grad_clip))
-    sq_j = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
-    init_j = jax.jit(lambda m: split.split(inner.init(m)))
-    return update_j, upcast_j, write_j, factor_j, sq_j, init_j
-
-
-class _Prefetcher:
-    """Keeps up to ``depth`` buckets fetched ahead (``device_put`` is asynchronous)."""
-
-    def __init__(self, store, buckets: tuple, depth: int):
-        self.store, self.buckets, self.depth = store, buckets, depth
-        self.ready: dict[int, tuple] = {}
-        self.next = 0
-
-    def top_up(self, i: int) -> None:
-        while self.next < min(i + self.depth, len(self.buckets)):
-            self.ready[self.next] = self.store.fetch(self.buckets[self.next])
-            self.next += 1
-
-    def get(self, i: int) -> tuple:
-        self.top_up(i)
-        return self.ready.pop(i)
-
-
 def _checked(chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
     expect = 0
     for s, e, arr in chunks:
@@ -307,64 +256,3 @@ def _checked(chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array
         yield s, e, arr
     if expect != layout.n:
         raise ValueError(f"reduced chunks ended at element {expect}; expected {layout.n}")
-
-
-class OffloadUpdater:
-    """The trainer's updater interface (like ``DeviceUpdater``) over :class:`OffloadedOptimizer`.
-
-    ``apply`` takes the params pytree the engine used and returns the new compute-precision pytree;
-    ``stats`` matches ``DeviceUpdater.stats`` so the norm and overflow are agreed the same way.
-    """
-
-    def __init__(self, transform: optax.GradientTransformation, cfg, backend: str | None = None):
-        o = cfg.optim
-        self.opt = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
-                                      compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw")
-        self.stats = jax.jit(_stats)
-
-    def init(self, params) -> OffloadState:
-        return self.opt.init(params)
-
-    def compute_params(self, params):
-        return jax.tree.map(lambda x: jnp.asarray(x, self.opt.compute_dtype), params)
-
-    def apply(self, params, opt_state, grads, scale, sq, nonfinite):
-        """One step; consumes ``params`` and ``grads`` (their buffers are deleted, as jit donation would).
-
-        Why: Myelin's device footprint is the compute parameters, the gradients and a few buckets. Kept
-        alive by the caller, the old parameter and gradient pytrees sat next to the flat vectors the
-        buckets slice (measured 2.17 MB against a 1.27 MB goal on gpt-tiny, ``bench offload``). The old
-        compute parameters are not needed at all (each bucket writes its new ones from the host masters,
-        and a skipped step rebuilds them from there), so they go first; the gradient pytree goes once its
-        flat copy is queued. At most two pytree-sized arrays are then alive at any moment: the gradients
-        twice while they are flattened (``on_bucket(-1)`` probes it), then one flat gradient vector and
-        the flat parameter vector the buckets fill in place."""
-        release(params)
-        flat_g = self.opt.flatten(grads)
-        if self.opt.on_bucket is not None:
-            self.opt.on_bucket(-1)
-        release(grads)
-        new_state, flat, info = self.opt.step(opt_state, flat_g, loss_scale=scale, finite=not bool(nonfinite),
-                                              sq=sq)
-        del flat_g
-        return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"])
-
-    def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max):
-        """Myelin V-C: the step fed by reduced gradient chunks as the all-reduce produces them
-        (``PipelineEngine.loss_and_grad_chunks``). Consumes ``params`` as :meth:`apply` does. The norm
-        for clipping is summed from the reduced chunks over the stages (``global_sum``); with clipping on
-        every chunk is reduced before the first bucket updates (the first prefetch still overlaps), without
-        it the updates overlap the reductions. A non-finite chunk on any rank (``global_max``) rolls every
-        rank back to ``opt_state`` and its parameters. Returns ``(params, state, grad_norm, nonfinite)``."""
-        release(params)
-        new_state, flat, info = self.opt.step(opt_state, chunks=chunks, loss_scale=scale, global_sum=global_sum)
-        nonfinite = global_max(jnp.float32(info["nonfinite"]))
-        if bool(nonfinite) and not info["nonfinite"]:  # another rank overflowed: undo this rank's update
-            new_state, flat = opt_state, self.opt.device_params(opt_state)
-        return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"]), nonfinite
-
-    def state_dict(self, opt_state) -> dict:
-        return self.opt.state_dict(opt_state)
-
-    def load_state_dict(self, like, saved) -> OffloadState:
-        return self.opt.load_state_dict(saved)

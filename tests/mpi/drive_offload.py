@@ -25,7 +25,8 @@ import optax
 from mpi4py import MPI
 
 from jaxhybrid.optim.allreduce import iter_reduced_chunks
-from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadUpdater
+from jaxhybrid.optim.offload import OffloadedOptimizer
+from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater
 from jaxhybrid.testing import assert_tree_close
 

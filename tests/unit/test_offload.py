@@ -9,7 +9,8 @@ import pytest
 
 from jaxhybrid.optim.allreduce import iter_reduced_chunks
 from jaxhybrid.optim.memory_report import model_state_bytes
-from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadUpdater
+from jaxhybrid.optim.offload import OffloadedOptimizer
+from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater
 from jaxhybrid.testing import assert_tree_close
 

@@ -16,7 +16,7 @@ import pytest
 from jaxhybrid.config import load_config
 from jaxhybrid.model import Model
 from jaxhybrid.optim import build_transform
-from jaxhybrid.optim.offload import OffloadUpdater
+from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater, is_sharded
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.tensor.engine import TensorEngine

@@ -1,0 +1,65 @@
+"""The per-bucket programs of the offloaded optimizer (Myelin V-B) and the host-to-device prefetcher.
+
+Each program is jitted once per (transform, compute dtype, clip) and shared by every optimizer that
+uses the same transform; the bucket update donates the fetched bucket and the device parameter vector,
+so a step holds only the buckets in flight besides the flat parameters and gradients.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxhybrid.optim.updater import clip_factor
+
+
+@functools.lru_cache(maxsize=64)
+def programs(inner, split, cdt, grad_clip: float):
+    """The jitted per-bucket programs, shared by optimizers with the same transform (compile once)."""
+
+    def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
+        master, per = bucket[0], bucket[1:]
+        g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
+        g = g * factor.astype(g.dtype)
+        # The bucket is updated as two leaves, as a model's many-leaf tree is: with a single leaf
+        # XLA turns optax's division by the scalar bias correction into a multiplication by its
+        # reciprocal, which rounds differently from on-device optax on a real parameter tree.
+        h = max(master.shape[0] // 2, 1)
+        two = lambda x: (x[:h], x[h:])
+        updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
+        new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
+        new_per, new_shared = split.split(new)
+        new_per = tuple(jnp.concatenate(x) for x in new_per)
+        params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))
+        nonfinite = jnp.logical_or(nonfinite, jnp.logical_not(jnp.all(jnp.isfinite(g))))
+        return (new_master, *new_per), new_shared, params, nonfinite
+
+    update_j = jax.jit(update, donate_argnums=(0, 4))
+    upcast_j = jax.jit(lambda g, off, n: jax.lax.dynamic_slice(g, (off,), (n,)).astype(jnp.float32),
+                       static_argnums=2)
+    write_j = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
+                      donate_argnums=0)
+    factor_j = jax.jit(lambda scale, sq: clip_factor(scale, sq, grad_clip))
+    sq_j = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
+    init_j = jax.jit(lambda m: split.split(inner.init(m)))
+    return update_j, upcast_j, write_j, factor_j, sq_j, init_j
+
+
+class Prefetcher:
+    """Keeps up to ``depth`` buckets fetched ahead (``device_put`` is asynchronous)."""
+
+    def __init__(self, store, buckets: tuple, depth: int):
+        self.store, self.buckets, self.depth = store, buckets, depth
+        self.ready: dict[int, tuple] = {}
+        self.next = 0
+
+    def top_up(self, i: int) -> None:
+        while self.next < min(i + self.depth, len(self.buckets)):
+            self.ready[self.next] = self.store.fetch(self.buckets[self.next])
+            self.next += 1
+
+    def get(self, i: int) -> tuple:
+        self.top_up(i)
+        return self.ready.pop(i)
