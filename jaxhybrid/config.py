@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from jaxhybrid.model.config import ModelConfig, resolve_model
-
-
-class ConfigError(ValueError):
-    """A configuration the run cannot execute. The message names the values and the fix."""
+from jaxhybrid.config_parse import ConfigError, apply_updates, load_yaml, merge, parse_overrides, to_plain
+from jaxhybrid.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -163,136 +159,7 @@ class Config:
         return p.tensor_col * p.tensor_row * p.tensor_depth
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
-
-
-def _to_plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _to_plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_to_plain(v) for v in x]
-    return x
-
-
-def _coerce(value: Any, typ: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's declared type, or raise naming the key."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return tuple(_coerce(v, args[0], key) for v in value)
-    try:
-        if typ is bool:
-            if isinstance(value, str):
-                low = value.lower()
-                if low in ("1", "true", "yes", "on"):
-                    return True
-                if low in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError
-            if isinstance(value, (bool, int)):
-                return bool(value)
-            raise ValueError
-        if typ is int:
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            if isinstance(value, str):
-                return int(float(value)) if "e" in value.lower() else int(value)
-            return int(value)
-        if typ is float:
-            return float(value)
-        if typ is str:
-            if isinstance(value, (dict, list)):
-                raise ValueError
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
-    return value
-
-
-def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> Any:
-    """Return a copy of dataclass ``obj`` with nested ``updates``; unknown keys raise ConfigError."""
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    changes = {}
-    for key, value in updates.items():
-        path = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(sorted(names))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if isinstance(value, str) and key == "model":
-                changes[key] = resolve_model(value)
-                continue
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}: expected a mapping of keys, got {value!r}")
-            if key == "model" and "name" in value:
-                # A model preset first, then the explicit fields on top of it.
-                base = resolve_model(str(value["name"]))
-                rest = {k: v for k, v in value.items() if k != "name"}
-                changes[key] = _apply(base, rest, path + ".")
-                continue
-            changes[key] = _apply(current, value, path + ".")
-        else:
-            changes[key] = _coerce(value, hints[key], path)
-    return dataclasses.replace(obj, **changes)
-
-
-def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are parsed as YAML scalars."""
-    tree: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--set expects key=value, got {pair!r}")
-        key, raw = pair.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: '{part}' is both a value and a section")
-        node[parts[-1]] = value
-    return tree
-
-
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML override file; ``include: other.yaml`` pulls another file in first."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"malformed YAML in {p}{where}: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
-    inc = data.pop("include", None)
-    if inc:
-        data = _merge(load_yaml(p.parent / inc), data)
-    return data
+        return to_plain(dataclasses.asdict(self))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -300,21 +167,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults <- YAML file <- ``--set`` overrides, then :func:`validate`."""
     tree: dict[str, Any] = load_yaml(path) if path else {}
     cli = parse_overrides(list(overrides))
-    tree = _merge(tree, cli)
-    cfg = _apply(Config(), tree)
+    tree = merge(tree, cli)
+    cfg = apply_updates(Config(), tree)
     if cfg.plan.file:
         # A plan from `jaxhybrid plan --out` sits between the YAML file and the command line.
         from jaxhybrid.planner.plan import load_plan_overrides
 
         base = load_yaml(path) if path else {}
-        cfg = _apply(Config(), _merge(_merge(base, load_plan_overrides(cfg.plan.file)), cli))
+        cfg = apply_updates(Config(), merge(merge(base, load_plan_overrides(cfg.plan.file)), cli))
     if check:
         validate(cfg)
     return cfg
 
 
 def config_from_dict(tree: dict[str, Any], *, check: bool = True) -> Config:
-    cfg = _apply(Config(), tree)
+    cfg = apply_updates(Config(), tree)
     if check:
         validate(cfg)
     return cfg
