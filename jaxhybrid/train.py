@@ -25,6 +25,7 @@ from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer, check_resume_layout, committed_steps
 from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
+from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
 from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.optim.updater import place_like
@@ -194,7 +195,7 @@ class Trainer:
             print(summary_line(mem), file=sys.stderr, flush=True)
         hw = metrics_lib.load_hardware(cfg.metrics.hardware)
         n_dev = cfg.num_devices
-        mw = metrics_lib.MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
+        mw = MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
                                        progress=cfg.metrics.progress, is_writer=writer,
                                        log_every=cfg.train.log_every, start_step=st.step)
         tokens = cfg.train.global_batch * cfg.data.seq_len

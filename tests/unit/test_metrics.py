@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid import metrics as M
+from jaxhybrid.metrics_writer import MetricsWriter
 
 
 def test_flops_formula_hand_computed():
@@ -64,7 +65,7 @@ def _records(n, start=1):
 
 def test_writer_jsonl_tensorboard_plain_progress_and_plot(tmp_path):
     out = io.StringIO()  # not a terminal: plain lines every log_every steps, plus the first and last
-    w = M.MetricsWriter(tmp_path / "run", total_steps=7, tensorboard=True, progress=True, log_every=3, stream=out)
+    w = MetricsWriter(tmp_path / "run", total_steps=7, tensorboard=True, progress=True, log_every=3, stream=out)
     for step, rec in _records(7):
         w.log(step, rec)
     w.close(plot=True)
@@ -82,12 +83,12 @@ def test_writer_jsonl_tensorboard_plain_progress_and_plot(tmp_path):
 
 
 def test_writer_resume_drops_lines_after_the_checkpoint(tmp_path):
-    w = M.MetricsWriter(tmp_path, total_steps=10, tensorboard=False, progress=False)
+    w = MetricsWriter(tmp_path, total_steps=10, tensorboard=False, progress=False)
     for step, rec in _records(6):
         w.log(step, rec)
     w.close(plot=False)
     # Crash after step 6, checkpoint at step 4: steps 5 and 6 will be recomputed by the resumed run.
-    w = M.MetricsWriter(tmp_path, total_steps=10, tensorboard=False, progress=False, start_step=4)
+    w = MetricsWriter(tmp_path, total_steps=10, tensorboard=False, progress=False, start_step=4)
     for step, rec in _records(2, start=5):
         w.log(step, rec)
     w.close(plot=True)
@@ -102,7 +103,7 @@ class _Tty(io.StringIO):
 
 def test_writer_tty_shows_a_bar_not_lines(tmp_path):
     out = _Tty()
-    w = M.MetricsWriter(tmp_path, total_steps=5, tensorboard=False, progress=True, log_every=1, stream=out)
+    w = MetricsWriter(tmp_path, total_steps=5, tensorboard=False, progress=True, log_every=1, stream=out)
     for step, rec in _records(5):
         w.log(step, rec)
     w.close(plot=False)
@@ -111,7 +112,7 @@ def test_writer_tty_shows_a_bar_not_lines(tmp_path):
 
 
 def test_non_writer_rank_writes_nothing(tmp_path):
-    w = M.MetricsWriter(tmp_path / "rank1", total_steps=3, is_writer=False)
+    w = MetricsWriter(tmp_path / "rank1", total_steps=3, is_writer=False)
     for step, rec in _records(3):
         w.log(step, rec)
     w.close(plot=True)
