@@ -4,12 +4,12 @@ Each rank records ``rank -> pid`` in the directory given by ``JAXHYBRID_PID_DIR`
 made, and a ``rank<r>.exit`` marker when its interpreter exits normally (see :mod:`jaxhybrid.topology`).
 A rank killed by a signal (the OOM killer, ``kill -9``) leaves no Python message, and hydra's report
 is no help: it names the PID of whichever process it saw end, often a bystander that MPI aborted once
-its peer vanished (measured: a 2 x 2 job whose rank 3 was killed was reported as "PID of rank 0").
-:class:`RankWatch` polls the ranks' PIDs while the job runs (every 50 ms; all ranks were gone 0.5 s
-after one was killed) and keeps the order in which they ended, so the launcher can name the first rank
-that ended without its exit marker (all of them, when several end before the watcher wakes). Hydra's
-``PID n`` lines are the fallback (:func:`name_hydra_pids`), e.g. for a rank that died before it
-recorded its PID.
+its peer vanished (measured: a 2 x 2 job whose rank 3 was killed was reported by the PID of rank 0, in
+another run of rank 1). :class:`RankWatch` watches the ranks' PIDs while the job runs and keeps the
+order in which they ended, so the launcher can name the first rank that ended without its exit marker
+and without mpich's report that it aborted on a peer's failure (:func:`bystanders`); all of them when
+several end before the watcher wakes. Hydra's ``PID n`` lines are the fallback
+(:func:`name_hydra_pids`), e.g. for a rank that died before it recorded its PID.
 """
 from __future__ import annotations
 
