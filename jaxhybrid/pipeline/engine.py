@@ -19,7 +19,7 @@ over microbatches and replicas gives the gradient of ``mean loss x loss_scale``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -27,26 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
-from jaxhybrid.pipeline.trace import Event
+from jaxhybrid.pipeline.trace import Recorder
 from jaxhybrid.pipeline.transport import Envelope, MsgKind, Transport, wait_message
 
 _add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-
-
-@dataclass
-class Recorder:
-    """Per-rank timeline of :class:`~jaxhybrid.pipeline.trace.Event` (kinds F/B/BI/BW, wait, send,
-    recv), times in seconds of ``time.perf_counter`` (merge ranks with per-rank offsets)."""
-
-    rank: int = 0
-    events: list[Event] = field(default_factory=list)
-
-    def add(self, name: str, kind: str, start: float, end: float, mbs: tuple[int, ...] = (),
-            stage: int = -1) -> None:
-        self.events.append(Event(self.rank, name, kind, start, end, tuple(mbs), stage))
-
-    def total(self, *kinds: str) -> float:
-        return sum(e.end - e.start for e in self.events if e.kind in kinds)
 
 
 @dataclass

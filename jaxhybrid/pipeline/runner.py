@@ -256,21 +256,12 @@ class PipelineEngine:
 
     def write_trace(self, run_dir: str) -> dict | None:
         """Merged Chrome trace, Gantt PNG and measured bubble ratio of the last step (rank 0 writes)."""
-        from pathlib import Path
-
         per_rank = self.gather_events()
         if per_rank is None:
             return None
-        from jaxhybrid.pipeline.trace import Timeline, save_gantt, write_chrome_trace
+        from jaxhybrid.pipeline.trace import write_measured
 
-        tl = Timeline.merge(per_rank)
-        out = Path(run_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(tl, out / "trace.json")
-        save_gantt(tl, out / "trace.png", title=f"{self.schedule.name} measured")
-        busy = sum(tl.busy(r) for r in range(tl.num_ranks))
-        bubble = 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12)
-        return {"bubble_ratio": bubble, "makespan_s": tl.makespan}
+        return write_measured(per_rank, run_dir, f"{self.schedule.name} measured")
 
     def close(self) -> None:
         self.watchdog.close()

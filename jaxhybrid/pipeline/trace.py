@@ -18,7 +18,7 @@ earliest event starts at 0.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -47,6 +47,22 @@ class Event:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+@dataclass
+class Recorder:
+    """Per-rank timeline of :class:`Event` (kinds F/B/BI/BW, wait, send,
+    recv), times in seconds of ``time.perf_counter`` (merge ranks with per-rank offsets)."""
+
+    rank: int = 0
+    events: list[Event] = field(default_factory=list)
+
+    def add(self, name: str, kind: str, start: float, end: float, mbs: tuple[int, ...] = (),
+            stage: int = -1) -> None:
+        self.events.append(Event(self.rank, name, kind, start, end, tuple(mbs), stage))
+
+    def total(self, *kinds: str) -> float:
+        return sum(e.end - e.start for e in self.events if e.kind in kinds)
 
 
 @dataclass(frozen=True)
@@ -150,3 +166,15 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_measured(per_rank: list[list[Event]], run_dir: str | Path, title: str) -> dict:
+    """Merged Chrome trace (``trace.json``) and Gantt PNG (``trace.png``) of the ranks' measured events;
+    returns the measured bubble ratio and makespan."""
+    tl = Timeline.merge(per_rank)
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(tl, out / "trace.json")
+    save_gantt(tl, out / "trace.png", title=title)
+    busy = sum(tl.busy(r) for r in range(tl.num_ranks))
+    return {"bubble_ratio": 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12), "makespan_s": tl.makespan}
