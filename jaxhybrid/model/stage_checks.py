@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhybrid.model.residuals import Residuals
 
 
 class StageChecks:
-    """Mixed into the stage kernels; needs ``cfg``, ``model``, ``param_names``, ``is_first``, ``is_last``,
-    ``_param_dtypes`` and ``_params_treedef`` from them."""
+    """Mixed into the stage kernels, which supply ``cfg``, ``model``, ``param_names``, ``is_first`` and
+    ``is_last``, and call :meth:`_init_checks` once."""
+
+    def _init_checks(self) -> None:
+        self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
+        self._param_dtypes = {np.dtype("float32"), np.dtype(self.model.dtype)}  # masters, compute copy
 
     def _check_params(self, params):
         """Params are the stage's slice, all float32 masters or all in the compute dtype (the offloaded

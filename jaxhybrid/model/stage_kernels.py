@@ -18,7 +18,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxhybrid.model import backprop as bp
 from jaxhybrid.model import residuals as rs
@@ -41,8 +40,7 @@ class StageKernels(StageChecks):
         self._eval = jax.jit(lambda p, x, t: self._run(bp.Tape("plain"), p, x, t, self.first_block,
                                                        self.last_block, self.is_first, self.is_last))
         self._fn = None
-        self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
-        self._param_dtypes = {np.dtype("float32"), np.dtype(self.model.dtype)}  # masters, compute copy
+        self._init_checks()
 
     # ---- the stage as a function of (params, x) through a given ops tape --------------------------------
     def _run(self, tape, params, x, targets, lo, hi, embed: bool, head: bool):
