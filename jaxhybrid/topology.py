@@ -129,7 +129,7 @@ class Topology:
         if pid_dir and os.path.isdir(pid_dir):
             base = os.path.join(pid_dir, f"rank{self.rank}")
             with open(base + ".pid", "w") as f:
-                f.write(f"{os.getpid()} rank {self.rank} (stage {self.stage}, replica {self.replica})")
+                f.write(f"{os.getpid()} {self.who}")
             atexit.register(lambda: os.path.isdir(pid_dir) and open(base + ".exit", "w").close())
 
     @classmethod
@@ -142,6 +142,11 @@ class Topology:
         grid.check_world(base.Get_size())
         blocks = partition_blocks(cfg.model.n_layers, grid.pipeline, cfg.parallel.partition)
         return cls(grid, blocks, base)
+
+    @property
+    def who(self) -> str:
+        """``rank r (stage i, replica j)``: how every message and the launcher's PID files name this rank."""
+        return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
 
     @property
     def num_stages(self) -> int:

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="jaxhybrid-pids-") as pid_dir:
         env[PID_DIR_ENV] = pid_dir
-        watch = RankWatch(Path(pid_dir))
+        watch = RankWatch(Path(pid_dir), args.n)
         watch.start()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)

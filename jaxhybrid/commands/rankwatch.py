@@ -62,44 +62,44 @@ def _alive(pid: int) -> bool:
 
 
 class RankWatch(threading.Thread):
-    """Watches the ranks' PIDs (new PID files are picked up as ranks start) and records the order in
-    which they end: ``ended`` is a list of ``(wake-up number, pid, who)``. Where the kernel has pidfds
-    (Linux 5.3) the thread sleeps in ``poll`` on them and wakes at the first exit; hydra needs longer to
-    stop the other ranks, so the first rank usually ends alone in its wake-up (a 2-core machine starved
-    a 20 ms polling loop enough that bystanders often shared its tick). Elsewhere it polls the PIDs."""
+    """Watches the PIDs of the ``n`` ranks (their PID files are read until all ``n`` appeared) and records
+    the order in which they end: ``ended`` is a list of ``(wake-up number, pid, who)``. Where the kernel
+    has pidfds (Linux 5.3) the thread sleeps in ``poll`` on them and wakes at the first exit; hydra needs
+    longer to stop the other ranks, so the first rank usually ends alone in its wake-up (a 2-core machine
+    starved a 20 ms polling loop enough that bystanders often shared its tick). Elsewhere it polls."""
 
-    def __init__(self, pid_dir: Path, period_s: float = 0.02):
+    def __init__(self, pid_dir: Path, n: int, period_s: float = 0.02):
         super().__init__(daemon=True, name="jaxhybrid-rankwatch")
-        self.pid_dir, self.period_s = Path(pid_dir), period_s
+        self.pid_dir, self.n, self.period_s = Path(pid_dir), n, period_s
         self.ended: list[tuple[int, int, str]] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
-        live: dict[int, str] = {}
-        fds: dict[int, int] = {}  # pidfd -> pid
+        names: dict[int, str] = {}  # every rank seen so far
+        live: dict[int, int | None] = {}  # pid -> its pidfd (None: polled)
         poller, tick = select.poll(), 0
         try:
             while not self._halt.is_set():
-                for pid, who in read_pid_files(self.pid_dir).items():
-                    if pid in live or any(pid == e[1] for e in self.ended):
-                        continue
-                    live[pid] = who
-                    fd = _pidfd(pid)
-                    if fd is not None:
-                        fds[fd] = pid
-                        poller.register(fd, select.POLLIN)
-                ready = poller.poll(self.period_s * 1000)
+                if len(names) < self.n:
+                    for pid, who in read_pid_files(self.pid_dir).items():
+                        if pid not in names:
+                            names[pid] = who
+                            live[pid] = _pidfd(pid)
+                            if live[pid] is not None:
+                                poller.register(live[pid], select.POLLIN)
+                ready = {fd for fd, _ in poller.poll(self.period_s * 1000)}
                 tick += 1
-                gone = {fds[fd] for fd, _ in ready}
-                gone |= {p for p in live if p not in fds.values() and not _alive(p)}
-                for fd in [fd for fd, p in fds.items() if p in gone]:
-                    poller.unregister(fd)
-                    del fds[fd]
-                    os.close(fd)
-                self.ended.extend((tick, pid, live.pop(pid)) for pid in sorted(gone))
+                gone = sorted(p for p, fd in live.items() if (fd in ready if fd is not None else not _alive(p)))
+                for pid in gone:
+                    fd = live.pop(pid)
+                    if fd is not None:
+                        poller.unregister(fd)
+                        os.close(fd)
+                    self.ended.append((tick, pid, names[pid]))
         finally:
-            for fd in fds:
-                os.close(fd)
+            for fd in live.values():
+                if fd is not None:
+                    os.close(fd)
 
     def stop(self) -> None:
         self._halt.set()
@@ -119,10 +119,10 @@ class RankWatch(threading.Thread):
 def bystanders(output_lines: list[str]) -> set[int]:
     """Ranks that MPI aborted after noticing another's failure: mpich's ``Abort(c) on node R`` (R the
     world rank) without the rank's own ``jaxhybrid: rank R ... failed`` or watchdog report."""
-    aborted = {int(m.group(1)) for ln in output_lines for m in [re.search(r"Abort\(-?\d+\) on node (\d+)", ln)] if m}
-    own = {int(m.group(1)) for ln in output_lines
-           for m in [re.search(r"jaxhybrid(?: watchdog)?: rank (\d+) .*(?:failed|made no progress)", ln)] if m}
-    return aborted - own
+    text = "\n".join(output_lines)
+    aborted = re.findall(r"Abort\(-?\d+\) on node (\d+)", text)
+    own = re.findall(r"jaxhybrid(?: watchdog)?: rank (\d+) .*(?:failed|made no progress)", text)
+    return {int(r) for r in aborted} - {int(r) for r in own}
 
 
 def _rank_of(who: str) -> int:

@@ -52,10 +52,9 @@ class PipelineEngine:
         # Pure checks first: a bad schedule/microbatch count raises the same ValueError on every rank.
         self.schedule = make_schedule(pl.schedule, self.num_stages, pl.microbatches,
                                       split_backward=pl.split_backward, pipeline_limit=pl.pipeline_limit)
-        who = (f"rank {self.rank} (stage {self.stage_index}, replica {self.replica})")
-        self.who = who
+        self.who = topology.who
         if abort_on_error:
-            install_abort_on_exception(who, topology.world)
+            install_abort_on_exception(self.who, topology.world)
         # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
         interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
         # Hybrid pipeline x tensor (AxoNN-4D item 5): this rank's stage runs on its local tensor mesh, with
@@ -69,7 +68,7 @@ class PipelineEngine:
             stage_model = dataclasses.replace(model, ops=self.local.ops)
         first, last = topology.blocks
         if stage is not None and (stage.first_block, stage.last_block) != (first, last):
-            raise ValueError(f"{who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
+            raise ValueError(f"{self.who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
                              f"the topology assigns [{first}, {last})")
         self.stage = stage or Stage(stage_model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
                                     checkpoint_interval=interval)
@@ -82,7 +81,7 @@ class PipelineEngine:
             self.transport = make_transport(pl.transport, topology.p2p, template, sharding)
         else:
             self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
-        self.watchdog = Watchdog(who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
+        self.watchdog = Watchdog(self.who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
         from jaxhybrid.model.stage import concat_weight_residuals
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,

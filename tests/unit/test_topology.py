@@ -134,7 +134,7 @@ def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
     try:
         for r, p in enumerate(procs):
             (tmp_path / f"rank{r}.pid").write_text(f"{p.pid} rank {r} (stage {r % 2}, replica {r // 2})")
-        watch = RankWatch(tmp_path, period_s=0.01)
+        watch = RankWatch(tmp_path, len(procs), period_s=0.01)
         watch.start()
         time.sleep(0.1)
         (tmp_path / "rank0.exit").touch()  # rank 0 finished normally first: not the culprit
