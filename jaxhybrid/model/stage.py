@@ -104,9 +104,18 @@ class Stage(StageKernels):
             out[TIED_KEY] = full_params["embed"]["wte"]
         return out
 
-    def init_params(self, rng: jax.Array) -> dict:
-        """The stage's slice of ``model.init(rng)`` (layout-independent: same values as the whole model)."""
-        return self.slice_params(self.model.init(rng))
+    def init_params(self, rng: jax.Array, out_shardings: Any = None) -> dict:
+        """The stage's slice of ``model.init(rng)``, jitted as every engine's init is (bit-identical to
+        slicing the whole model's jitted init, test_stage), materialising only the stage's own parts: a
+        pipeline rank never holds the whole model. ``out_shardings`` (for the slice, e.g. the rank's
+        tensor mesh) makes each device compute only its own shards."""
+        fn = lambda r: self.slice_params(self.model.init(r, None, self.init_parts))  # noqa: E731
+        return jax.jit(fn, out_shardings=out_shardings)(rng)
+
+    @property
+    def init_parts(self) -> tuple[str, ...]:
+        """The model parts ``Model.init`` must materialise for this stage (the tied copy comes with head)."""
+        return tuple(k for k in self.param_names if k != TIED_KEY)
 
     def wte(self, params: dict):
         if not self.cfg.tie_embeddings:

@@ -133,18 +133,36 @@ class Model:
     def names(self) -> list[str]:
         return ["embed"] + [block_name(i) for i in range(self.cfg.n_layers)] + ["head"]
 
-    def init(self, rng: Array, seq_len: int | None = None) -> Params:
-        """Float32 parameters, each block from its own folded key (layout-independent init)."""
+    def init(self, rng: Array, seq_len: int | None = None, parts=None) -> Params:
+        """Float32 parameters, each block from its own folded key (layout-independent init).
+
+        ``parts``: the names (``embed``, ``block_XXX``, ``head``) to materialise, default all. A pipeline
+        rank asks only for its stage's parts, so it never holds the whole model (a 7B model is 28 GB of
+        float32); the values are those of the whole-model init because every part has its own key. With
+        tied embeddings ``head`` also brings ``embed`` (the head's table). Always traced with the
+        reference ops: the values do not depend on the layout, whose placement is the caller's jit
+        ``out_shardings`` (a sharded op would also need a full batch for its mesh)."""
+        if self.ops != DEFAULT_OPS:
+            return dataclasses.replace(self, ops=DEFAULT_OPS).init(rng, seq_len, parts)
         c = self.cfg
+        want = set(self.names if parts is None else parts)
+        unknown = want - set(self.names)
+        if unknown:
+            raise ValueError(f"Model.init parts {sorted(unknown)} are not among embed, block_000..."
+                             f"{block_name(c.n_layers - 1)}, head")
         t = seq_len or min(c.max_seq_len, 8)
         tok = jnp.zeros((1, t), jnp.int32)
         x = jnp.zeros((1, t, c.d_model), self.dtype)
-        params: Params = {"embed": self.embed.init(jax.random.fold_in(rng, 0), tok)["params"]}
+        params: Params = {}
+        if "embed" in want or ("head" in want and c.tie_embeddings):
+            params["embed"] = self.embed.init(jax.random.fold_in(rng, 0), tok)["params"]
         for i in range(c.n_layers):
-            params[block_name(i)] = self.block.init(jax.random.fold_in(rng, i + 1), x)["params"]
-        wte = params["embed"]["wte"] if c.tie_embeddings else None
-        head = self.head.init(jax.random.fold_in(rng, c.n_layers + 1), x, tok, wte)
-        params["head"] = head.get("params", {})
+            if block_name(i) in want:
+                params[block_name(i)] = self.block.init(jax.random.fold_in(rng, i + 1), x)["params"]
+        if "head" in want:
+            wte = params["embed"]["wte"] if c.tie_embeddings else None
+            head = self.head.init(jax.random.fold_in(rng, c.n_layers + 1), x, tok, wte)
+            params["head"] = head.get("params", {})
         return params
 
     def abstract_params(self, seq_len: int = 8) -> Params:

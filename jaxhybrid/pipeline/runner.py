@@ -105,8 +105,10 @@ class PipelineEngine:
     def init_params(self, rng: jax.Array) -> dict:
         """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
         (placed on the rank's tensor mesh in hybrid layouts)."""
-        params = self.stage.slice_params(self.model.init(rng))
-        return self.local.place(params) if self.local else params
+        if not self.local:
+            return self.stage.init_params(rng)  # only this stage's parts, never the whole model
+        shapes = self.stage.slice_params(self.model.abstract_params())
+        return self.stage.init_params(rng, self.local.param_shardings(shapes))
 
     def _microbatches(self, batch: np.ndarray) -> np.ndarray:
         """This replica's microbatches ``[M, mb, seq+1]`` of the global batch (shape checked first)."""

@@ -34,7 +34,7 @@ def _time_stage(model, lo: int, hi: int, mb: int, seq: int, repeats: int) -> Lay
     from jaxhybrid.model.stage import Stage
 
     stage = Stage(model, lo, hi)
-    params = stage.slice_params(model.init(jax.random.key(0), seq))
+    params = stage.init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
     cfg = model.cfg
     x = (jnp.asarray(rng.integers(0, cfg.vocab_size, (mb, seq)), jnp.int32) if stage.is_first

@@ -7,8 +7,12 @@ after one AdamW step are compared leaf by leaf.
 
 AdamW's first step is ``lr * g / (|g| + eps)``: with the default eps 1e-8 it is ``lr * sign(g)``, which
 turns rounding noise on a gradient that is zero in exact arithmetic (the key bias of attention: softmax is
-invariant to it) into a full step of either sign. The test uses eps = 1e-3 so that the update is a
-well-conditioned function of the gradient and the comparison measures the layout, not that sign.
+invariant to it) into a full step of either sign. More generally a gradient error ``d`` moves the update
+by ``eps / (|g| + eps)^2 * d``, largest where ``|g|`` is near eps, while the comparison is relative to the
+largest update: with eps = 1e-3 a 7e-7 gradient error (relative to max |g|) became 1.1e-5 on the
+mlp_down bias (element |g| = 1.4e-3), and which element sits near eps shifts with 1e-8 changes of the
+initial parameters. The test uses eps = 0.1 (amplification at most ``max|g| / (eps max|u|)``, about 3
+here) so that the comparison measures the layout, not Adam's conditioning.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def _cfg(model: str, shape=(1, 1, 1, 1), letters: str = "ABCDE"):
     return load_config(None, [f"model.name={model}", "model.n_layers=1", "train.global_batch=8",
                               "data.seq_len=8", f"parallel.data={d}", f"parallel.tensor_depth={dep}",
                               f"parallel.tensor_row={r}", f"parallel.tensor_col={c}",
-                              f"tensor.optimizations={letters}", "optim.warmup_steps=0", "optim.eps=1e-3"])
+                              f"tensor.optimizations={letters}", "optim.warmup_steps=0", "optim.eps=0.1"])
 
 
 def _one_step(engine, cfg, params):

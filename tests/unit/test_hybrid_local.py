@@ -51,8 +51,10 @@ def test_sharded_stage_matches_single_device_stage(first, last):
     ref_model = Model(cfg.model)
     ref = Stage(ref_model, first, last)
     sharded = Stage(Model(cfg.model, local.ops), first, last)
-    params = ref.slice_params(ref_model.init(jax.random.key(0)))
-    placed = local.place(params)
+    params = ref.init_params(jax.random.key(0))
+    # The rank's init: computed in place on its mesh (each device its shards), the reference's bits.
+    placed = sharded.init_params(jax.random.key(0), local.param_shardings(params))
+    assert_tree_close(placed, params, "exact", "sharded stage init")
     rng = np.random.default_rng(0)
     x = (rng.integers(0, 64, (2, 8)).astype(np.int32) if first == 0
          else rng.standard_normal((2, 8, cfg.model.d_model)).astype(np.float32))

@@ -14,6 +14,7 @@ import pytest
 from jaxhybrid.model import Model, PRESETS
 from jaxhybrid.model.residuals import ParamSlot
 from jaxhybrid.model.stage import (TIED_KEY, Stage, concat_weight_residuals, reference_apply)
+from jaxhybrid.step import LocalEngine
 from jaxhybrid.testing import TOLERANCES, assert_tree_close, max_rel_err
 
 MB, T = 2, 8
@@ -253,6 +254,22 @@ def test_tied_embedding_params_and_names():
     assert last.slice_params(full)[TIED_KEY] is full["embed"]["wte"]
     assert Stage(model, 0, 3).param_names == ["embed", "block_000", "block_001", "block_002", "head"]
     assert Stage(model, 1, 2).param_names == ["block_001"]
+
+
+@pytest.mark.parametrize("kind,lo,hi", [("gpt2", 1, 2), ("llama", 0, 2), ("gpt2-tied", 1, 3), ("gpt2-tied", 0, 1)])
+def test_stage_init_materialises_only_its_parts_with_the_whole_models_values(kind, lo, hi):
+    """A pipeline rank initialises its stage alone (never the whole model), bit-identical to slicing the
+    whole model's init: every part has its own folded key."""
+    model, stage, rng = _model(kind), Stage(_model(kind), lo, hi), jax.random.key(3)
+    init = jax.jit(model.init, static_argnums=(1, 2))
+    whole, own = init(rng, None, None), init(rng, None, stage.init_parts)
+    tied_head = stage.is_last and model.cfg.tie_embeddings
+    assert sorted(own) == sorted(set(stage.init_parts) | ({"embed"} if tied_head else set()))
+    assert_tree_close(stage.slice_params(own), stage.slice_params(whole), "exact", "jitted init")
+    assert_tree_close(stage.init_params(rng), stage.slice_params(LocalEngine(model).init_params(rng)), "exact",
+                      "the single-device engine's init")
+    with pytest.raises(ValueError, match=r"\['block_007'\] are not among"):
+        model.init(rng, parts=("block_007",))
 
 
 def test_bad_inputs_raise_naming_values():

@@ -67,12 +67,19 @@ def test_per_device_bytes_of_weights_and_adam_state(shape):
             assert per_device == {x.nbytes // g_tensor}, jax.tree_util.keystr(path)
 
 
-def test_init_is_model_init_bit_for_bit():
+def test_init_is_the_single_device_init_bit_for_bit_computed_in_place():
+    """Each device computes only its shards (never the whole model), and the values are the
+    single-device engine's bit for bit."""
     cfg = _cfg((1, 2, 2, 2))
     eng = TensorEngine(cfg.model, cfg)
     got = eng.init_params(jax.random.key(3))
-    assert_tree_close(got, Model(cfg.model).init(jax.random.key(3)), "exact", "init")
+    assert_tree_close(got, LocalEngine(Model(cfg.model)).init_params(jax.random.key(3)), "exact", "init")
     assert got["block_000"]["attn_out"]["kernel"].sharding.spec == TRANSPOSED.w_spec  # optimization A
+    assert got["block_000"]["attn_out"]["kernel"].sharding == eng.shardings["block_000"]["attn_out"]["kernel"]
+    # Computed in place: per device, the init program's outputs and scratch stay well below the model.
+    mem = eng._init.lower(jax.random.key(3)).compile().memory_analysis()
+    whole = sum(x.nbytes for x in jax.tree.leaves(got))
+    assert mem.output_size_in_bytes + mem.temp_size_in_bytes < whole / 2, (mem, whole)
 
 
 def test_microbatch_order_matches_split_batch():
