@@ -88,10 +88,6 @@ class LocalTensor:
     def param_shardings(self, params: Any) -> Any:
         return param_shardings(params, self.mesh, self.ops.letters)
 
-    def place(self, params: Any) -> Any:
-        """Host or single-device parameters -> the stage's sharded layout (unique shards per device)."""
-        return jax.device_put(params, self.param_shardings(params))
-
     @property
     def activation_sharding(self) -> NamedSharding:
         """Stage-boundary activations / their gradients ``[mb, T, d]``: the residual stream's layout."""
