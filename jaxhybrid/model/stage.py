@@ -104,13 +104,14 @@ class Stage(StageKernels):
             out[TIED_KEY] = full_params["embed"]["wte"]
         return out
 
-    def init_params(self, rng: jax.Array, out_shardings: Any = None) -> dict:
+    def init_params(self, rng: jax.Array, shardings_of: Any = None) -> dict:
         """The stage's slice of ``model.init(rng)``, jitted as every engine's init is (bit-identical to
         slicing the whole model's jitted init, test_stage), materialising only the stage's own parts: a
-        pipeline rank never holds the whole model. ``out_shardings`` (for the slice, e.g. the rank's
-        tensor mesh) makes each device compute only its own shards."""
+        pipeline rank never holds the whole model. ``shardings_of`` (abstract slice -> shardings, e.g. the
+        rank's tensor mesh's ``param_shardings``) makes each device compute only its own shards."""
         fn = lambda r: self.slice_params(self.model.init(r, None, self.init_parts))  # noqa: E731
-        return jax.jit(fn, out_shardings=out_shardings)(rng)
+        out = None if shardings_of is None else shardings_of(jax.eval_shape(fn, rng))
+        return jax.jit(fn, out_shardings=out)(rng)
 
     @property
     def init_parts(self) -> tuple[str, ...]:

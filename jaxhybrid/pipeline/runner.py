@@ -105,10 +105,8 @@ class PipelineEngine:
     def init_params(self, rng: jax.Array) -> dict:
         """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
         (placed on the rank's tensor mesh in hybrid layouts)."""
-        if not self.local:
-            return self.stage.init_params(rng)  # only this stage's parts, never the whole model
-        shapes = self.stage.slice_params(self.model.abstract_params())
-        return self.stage.init_params(rng, self.local.param_shardings(shapes))
+        # Only this stage's parts, never the whole model; in hybrid layouts each device its own shards.
+        return self.stage.init_params(rng, self.local.param_shardings if self.local else None)
 
     def _microbatches(self, batch: np.ndarray) -> np.ndarray:
         """This replica's microbatches ``[M, mb, seq+1]`` of the global batch (shape checked first)."""

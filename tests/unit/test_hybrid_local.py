@@ -53,7 +53,7 @@ def test_sharded_stage_matches_single_device_stage(first, last):
     sharded = Stage(Model(cfg.model, local.ops), first, last)
     params = ref.init_params(jax.random.key(0))
     # The rank's init: computed in place on its mesh (each device its shards), the reference's bits.
-    placed = sharded.init_params(jax.random.key(0), local.param_shardings(params))
+    placed = sharded.init_params(jax.random.key(0), local.param_shardings)
     assert_tree_close(placed, params, "exact", "sharded stage init")
     rng = np.random.default_rng(0)
     x = (rng.integers(0, 64, (2, 8)).astype(np.int32) if first == 0
