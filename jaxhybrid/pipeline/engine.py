@@ -5,12 +5,8 @@ Two policies (schedules are data; the engine only decides order in the message-d
 - ``static``: run this rank's row of tasks in order. A task whose input is a message (an activation
   for ``F``, a gradient for ``B``/``BI``) waits for it; messages that arrive early wait in a mailbox, so
   any valid schedule runs whatever the arrival order.
-- ``message-driven`` (Myelin Alg. 2): stage 0 injects ``pipeline_limit`` forwards, then every arriving
-  message picks the work: an activation from the previous stage runs a forward (and, on the last stage,
-  the backward at once), a gradient from the next stage runs a backward, after which stage 0 injects the
-  next microbatch. With 2BP the backward is the input-gradient pass only; the weight-gradient passes are
-  queued and run while no message is waiting (filling what would be idle time), or at once when the
-  queue reaches ``weight_budget`` microbatches of held weight residuals (the memory bound).
+- ``message-driven`` (Myelin Alg. 2, :mod:`~jaxhybrid.pipeline.message_driven`): each arriving message
+  picks the work; with 2BP the weight passes fill the time no message is waiting.
 
 The loss is pre-divided by the number of microbatches in the global batch (Myelin Sec. IV-B): the last
 stage's output cotangent is ``loss_scale / (microbatches x replicas)``, so summing the stage gradients
@@ -26,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.pipeline.message_driven import MessageDriven
 from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.pipeline.trace import Recorder
 from jaxhybrid.pipeline.transport import Envelope, MsgKind, Transport, wait_message
@@ -40,7 +37,7 @@ class StepResult:
     wall_s: float
 
 
-class EventLoop:
+class EventLoop(MessageDriven):
     """Runs one training step's pipeline phase for the stages owned by ``rank``.
 
     Args:
@@ -218,51 +215,3 @@ class EventLoop:
         """Add ``dp`` to the stage's gradient sum (inside the timed kernel window: it is stage work)."""
         self.grads[s] = dp if s not in self.grads else _add(self.grads[s], dp)
         return dx, self.grads[s]
-
-    # -- Myelin Alg. 2 -------------------------------------------------------------------------------
-    def _message_driven(self, schedule: Schedule) -> None:
-        if len(self.stages) != 1:
-            raise ValueError(f"the message-driven policy runs one stage per rank; rank {self.rank} "
-                             f"owns stages {sorted(self.stages)}")
-        (s,) = self.stages
-        m = schedule.num_microbatches
-        limit = schedule.pipeline_limit or self.num_stages
-        split = schedule.split_backward
-        last = s == self.num_stages - 1
-        pending_w: list[int] = []
-        injected = backwards = 0
-
-        def backward(mb: int) -> None:
-            nonlocal backwards
-            self._backward(s, mb, split)
-            backwards += 1
-            if split:
-                pending_w.append(mb)
-                if len(pending_w) >= self.weight_budget:  # memory bound reached: pay the weight pass now
-                    self._weight(s, (pending_w.pop(0),))
-
-        def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
-            nonlocal injected
-            while s == 0 and injected < m and injected - backwards < limit:
-                self._forward(s, injected)
-                injected += 1
-                if last:
-                    backward(injected - 1)
-
-        inject()
-        while backwards < m:
-            if not self.mailbox and not self._receive_into_mailbox(block=False):
-                if pending_w:  # nothing arrived: fill the wait with a weight pass (message-driven 2BP)
-                    self._weight(s, (pending_w.pop(0),))
-                    continue
-                self._receive_into_mailbox(block=True)
-            env = next(iter(self.mailbox))
-            if env.kind is MsgKind.ACT:
-                self._forward(s, env.microbatch)
-                if last:
-                    backward(env.microbatch)
-            else:
-                backward(env.microbatch)
-                inject()
-        for mb in pending_w:
-            self._weight(s, (mb,))

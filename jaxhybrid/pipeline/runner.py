@@ -23,6 +23,7 @@ from jaxhybrid.config import Config
 from jaxhybrid.model import Model
 from jaxhybrid.optim.allreduce import allreduce_tree, iter_reduced_chunks
 from jaxhybrid.optim.flat import release
+from jaxhybrid.pipeline import tied
 from jaxhybrid.pipeline.engine import EventLoop
 from jaxhybrid.pipeline.schedule import make_schedule
 from jaxhybrid.pipeline.transport import InProcessHub
@@ -153,7 +154,9 @@ class PipelineEngine:
         cot = float(loss_scale) / (self.microbatches * self.replicas)
         res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
         t1 = time.perf_counter()
-        return self._mean_over_batch(res.loss_sum), self._sum_tied(res.grads[self.stage_index]), t1
+        grads = tied.sum_tied(res.grads[self.stage_index], self.stage_index, self.num_stages,
+                              self.cfg.model.tie_embeddings, self.topo.row)
+        return self._mean_over_batch(res.loss_sum), grads, t1
 
     @property
     def streams_reduced_chunks(self) -> bool:
@@ -206,40 +209,10 @@ class PipelineEngine:
         return self.rank == 0
 
     def norm_view(self, grads: dict) -> dict:
-        """The gradients this rank contributes to the global norm: the last stage's tied-embedding copy
-        holds the same summed gradient as the first stage's ``embed.wte``, so it is counted once."""
-        from jaxhybrid.model.stage import TIED_KEY
+        """The gradients this rank contributes to the global norm (tied copies counted once)."""
+        return tied.norm_view(grads, self.stage_index)
 
-        if TIED_KEY in grads and self.stage_index != 0:
-            return {k: v for k, v in grads.items() if k != TIED_KEY}
-        return grads
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def _sum_tied(self, grads: dict) -> dict:
-        """Tied embeddings: the first stage's ``embed.wte`` and the last stage's copy read by the head
-        (``TIED_KEY``) get the sum of both gradients (Megatron's embedding all-reduce), so both copies
-        receive the same update and stay equal."""
-        from jaxhybrid.model.stage import TIED_KEY
-
-        if not self.cfg.model.tie_embeddings or self.num_stages == 1:
-            return grads
-        if self.stage_index not in (0, self.num_stages - 1):
-            return grads
-        first = self.stage_index == 0
-        peer = self.num_stages - 1 if first else 0
-        g = grads["embed"]["wte"] if first else grads[TIED_KEY]
-        mine = np.ascontiguousarray(np.asarray(g, np.float32))
-        other = np.empty_like(mine)
-        self.topo.row.Sendrecv(mine, dest=peer, sendtag=7, recvbuf=other, source=peer, recvtag=7)
-        # Same summation order on both ranks (first + last) so the two copies are bit-identical.
-        total = jax.device_put((mine + other if first else other + mine).astype(g.dtype), g.sharding)
-        out = dict(grads)
-        if first:
-            out["embed"] = dict(grads["embed"], wte=total)
-        else:
-            out[TIED_KEY] = total
-        return out
-
+    # -- trace and shutdown ----------------------------------------------------------------------------
     def gather_events(self) -> list | None:
         """The last step's events of every rank, on rank 0 (others get None), clocks aligned."""
         self.topo.world.Barrier()

@@ -1,0 +1,65 @@
+"""Myelin Alg. 2, the message-driven policy of the pipeline event loop (see :mod:`.engine`).
+
+Stage 0 injects ``pipeline_limit`` forwards; then every arriving message picks the work: an activation
+from the previous stage runs a forward (on the last stage the backward at once), a gradient from the next
+stage runs a backward, after which stage 0 injects the next microbatch (Alg. 2 lines 4-6, 24-26). With
+2BP the backward is the input-gradient pass only; weight passes wait in a queue and run while no message
+is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound).
+"""
+from __future__ import annotations
+
+from jaxhybrid.pipeline.tasks import Schedule
+from jaxhybrid.pipeline.transport import MsgKind
+
+
+class MessageDriven:
+    """The policy as a mixin of :class:`~jaxhybrid.pipeline.engine.EventLoop`, whose task methods
+    (``_forward``, ``_backward``, ``_weight``) and mailbox it drives; the order of work is the only thing
+    it decides."""
+
+    def _message_driven(self, schedule: Schedule) -> None:
+        if len(self.stages) != 1:
+            raise ValueError(f"the message-driven policy runs one stage per rank; rank {self.rank} "
+                             f"owns stages {sorted(self.stages)}")
+        (s,) = self.stages
+        m = schedule.num_microbatches
+        limit = schedule.pipeline_limit or self.num_stages
+        split = schedule.split_backward
+        last = s == self.num_stages - 1
+        pending_w: list[int] = []
+        injected = backwards = 0
+
+        def backward(mb: int) -> None:
+            nonlocal backwards
+            self._backward(s, mb, split)
+            backwards += 1
+            if split:
+                pending_w.append(mb)
+                if len(pending_w) >= self.weight_budget:  # memory bound reached: pay the weight pass now
+                    self._weight(s, (pending_w.pop(0),))
+
+        def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
+            nonlocal injected
+            while s == 0 and injected < m and injected - backwards < limit:
+                self._forward(s, injected)
+                injected += 1
+                if last:
+                    backward(injected - 1)
+
+        inject()
+        while backwards < m:
+            if not self.mailbox and not self._receive_into_mailbox(block=False):
+                if pending_w:  # nothing arrived: fill the wait with a weight pass (message-driven 2BP)
+                    self._weight(s, (pending_w.pop(0),))
+                    continue
+                self._receive_into_mailbox(block=True)
+            env = next(iter(self.mailbox))
+            if env.kind is MsgKind.ACT:
+                self._forward(s, env.microbatch)
+                if last:
+                    backward(env.microbatch)
+            else:
+                backward(env.microbatch)
+                inject()
+        for mb in pending_w:
+            self._weight(s, (mb,))
