@@ -173,10 +173,8 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true", help="write and check a merged trace of one case")
     a = ap.parse_args()
     p, d = a.pipeline, a.data
-    # The trainer's persistent compilation cache (JAXHYBRID_CACHE): the grids of one test session share
-    # stage, optimizer and reference programs. Every program, however quick: 4 ranks on 2 cores.
+    # The session's persistent compilation cache (tests/conftest.py): the grids share programs.
     enable_compilation_cache("auto")
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if a.tensor:
         dp, rw, cl = (int(v) for v in a.tensor.split(","))
         TENSOR.update({"parallel.tensor_depth": dp, "parallel.tensor_row": rw, "parallel.tensor_col": cl})
