@@ -89,6 +89,9 @@ class PipelineConfig:
     split_backward: bool = False  # 2BP: separate input- and weight-gradient passes
     pipeline_limit: int = 0  # message-driven policy: microbatches in flight; 0 = number of stages
     transport: str = "mpi4jax"  # mpi4jax | mpi4py
+    # 2BP: one BW over several microbatches as sum (their weight passes in one program) | concat (2BP Fig. 2:
+    # residuals copied into one batch, one larger matmul per site) | auto (sum on CPU, measured; else concat)
+    weight_join: str = "auto"
     watchdog_s: float = 300.0  # abort if a rank makes no progress for this long
 
 
@@ -237,6 +240,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                       f"pipeline.microbatches={pl.microbatches}: {e}")
     if pl.transport not in ("mpi4jax", "mpi4py"):
         errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
+    if pl.weight_join not in ("auto", "sum", "concat"):
+        errors.append(f"pipeline.weight_join={pl.weight_join!r}; choose auto, sum or concat")
     if p.pipeline > m.n_layers:
         errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
     if p.partition:

@@ -1,7 +1,8 @@
 """``jaxhybrid bench stage``: the 2BP stage kernels timed side by side in one run.
 
 Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``backward_input`` and
-``backward_weight`` (single, and on K microbatches concatenated as 2BP Fig. 2), plus a plain reference
+``backward_weight`` (single; on K microbatches concatenated as 2BP Fig. 2; on the list of K, summed in
+one program, which is what the pipeline does on CPU, ``pipeline.weight_join``), plus a plain reference
 (``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
 interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike;
 each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
@@ -135,13 +136,16 @@ def run(args: argparse.Namespace) -> int:
     g_sum = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[stage.backward_weight(params, w) for w in wrs])
     concat_err = max_rel_err(stage.backward_weight(params, wr_cat), g_sum)
 
+    sum_err = max_rel_err(stage.backward_weight(params, wrs), g_sum)
+
     names = ["forward", "backward_fused", "backward_input", "backward_weight", "backward_weight_concat",
-             "concat", "ref_forward", "ref_backward"]
+             "backward_weight_sum", "concat", "ref_forward", "ref_backward"]
     calls = {"forward": (stage.forward, params, x, tgt), "backward_fused": (stage.backward, res, dy),
              "backward_input": (stage.backward_input, res, dy), "backward_weight": (stage.backward_weight, params, wr),
              "backward_weight_concat": (stage.backward_weight, params, wr_cat), "concat": (concat_weight_residuals, wrs),
+             "backward_weight_sum": (stage.backward_weight, params, wrs),
              "ref_forward": (ref_fwd, params, x), "ref_backward": (ref_bwd, vjp, dy)}
-    per_mb = {"backward_weight_concat": args.concat, "concat": args.concat}
+    per_mb = {"backward_weight_concat": args.concat, "concat": args.concat, "backward_weight_sum": args.concat}
     times: dict[str, list[float]] = {k: [] for k in names}
     order = np.random.default_rng(1)
     for _ in range(args.repeats):
@@ -165,8 +169,12 @@ def run(args: argparse.Namespace) -> int:
         "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],
         "backward_weight_concat_s": med["backward_weight_concat"], "concat_s": med["concat"],
         "split_over_fused": split / med["backward_fused"], "split_over_fused_rounds_iqr": [q25, q75],
-        # 2BP's intended use (Fig. 2): input pass per microbatch, one weight pass over K of them.
-        "split_concat_over_fused": (med["backward_input"] + med["backward_weight_concat"]) / med["backward_fused"],
+        "backward_weight_sum_s": med["backward_weight_sum"],
+        # 2BP's intended use: input pass per microbatch, one weight pass over K of them (per microbatch),
+        # the K joined by copying into one batch (Fig. 2; the copy counted) or summed in one program.
+        "split_concat_over_fused": (med["backward_input"] + med["concat"] + med["backward_weight_concat"])
+        / med["backward_fused"],
+        "split_sum_over_fused": (med["backward_input"] + med["backward_weight_sum"]) / med["backward_fused"],
         # Device-bound view: calls queued back to back, one sync (an asynchronous runtime's dispatch hides
         # the host's per-call cost behind the kernels already queued; the synchronous ratio above pays it).
         "queued_backward_fused_s": queued["fused"], "queued_split_s": queued["split"],
@@ -175,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "fused_over_plain_vjp": med["backward_fused"] / med["ref_backward"],
         "concat_weight_over_single": med["backward_weight_concat"] / med["backward_weight"],
         "plain_vjp_forward_s": med["ref_forward"], "plain_vjp_backward_s": med["ref_backward"],
-        "grad_max_rel_err": err, "concat_sum_max_rel_err": concat_err,
+        "grad_max_rel_err": err, "concat_sum_max_rel_err": concat_err, "list_sum_max_rel_err": sum_err,
         "residual_bytes": Stage.residual_bytes(res), "weight_residual_bytes": Stage.weight_residual_bytes(wr),
         "plain_vjp_residual_bytes": int(sum(v.nbytes for v in jax.tree.leaves(vjp))),
         "forward_tflops": fl / med["forward"] / 1e12, "backward_split_tflops": 2 * fl / split / 1e12,

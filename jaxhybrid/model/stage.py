@@ -7,7 +7,8 @@ the taps split of :mod:`jaxhybrid.model.backprop` (2BP Sec. 3):
 * ``forward(params, x, targets=None) -> (y, residuals)``
 * ``backward_input(residuals, dy) -> (dx, weight_residuals)``       (2BP backward-p1)
 * ``backward_weight(params, weight_residuals) -> dparams``          (2BP backward-p2; also on several
-  microbatches concatenated with :func:`concat_weight_residuals`, returning the SUM of their gradients)
+  microbatches, concatenated with :func:`concat_weight_residuals` or as a list, returning the SUM of
+  their gradients)
 * ``backward(residuals, dy) -> (dx, dparams)``                       (fused, for schedules without 2BP)
 
 Tied embeddings: a last stage that is not also the first gets the token table as its own parameter
@@ -37,6 +38,20 @@ def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
     if len(idx) > 1:
         raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
     return rs.concat_batch(wrs)  # site_index is pytree metadata: equal across wrs, checked above
+
+
+def weight_join(mode: str, backend: str | None = None):
+    """How one weight pass receives several microbatches' weight residuals (``pipeline.weight_join``):
+    ``sum`` gives ``Stage.backward_weight`` the list (their weight passes summed in one program),
+    ``concat`` joins them with :func:`concat_weight_residuals` (2BP Fig. 2), ``auto`` is ``sum`` on the
+    CPU backend, where copying the residuals cost more than the weight pass (measured, see
+    ``Stage._bw_sum_kernel``), and ``concat`` on accelerators, where the copy runs at memory bandwidth
+    and the larger matmuls fill the device better."""
+    if mode == "auto":
+        mode = "sum" if (backend or jax.default_backend()) == "cpu" else "concat"
+    if mode not in ("sum", "concat"):
+        raise ValueError(f"weight_join={mode!r}; choose auto, sum or concat")
+    return list if mode == "sum" else concat_weight_residuals
 
 
 class Stage(StageKernels):
@@ -220,5 +235,5 @@ def model_loss_via_stages(stages: list[Stage], params_list: list[dict], tokens, 
     return h
 
 
-__all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals",
+__all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals", "weight_join",
            "make_stages", "model_loss_via_stages", "reference_apply"]

@@ -15,6 +15,7 @@ replayed sites (see :mod:`jaxhybrid.model.backprop`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,13 @@ class StageKernels(StageChecks):
     """Kernel construction and the public kernel wrappers; :class:`Stage` supplies the block range."""
 
     def __init__(self):
-        self.trace_counts = {"forward": 0, "backward_input": 0, "backward_weight": 0, "backward": 0}
+        self.trace_counts = {"forward": 0, "backward_input": 0, "backward_weight": 0, "backward_weight_sum": 0,
+                             "backward": 0}
         saved = self.remat != "full"
         self._fwd = jax.jit(self._forward_saved if saved else self._forward_segments)
         self._bi = jax.jit(self._bi_saved if saved else self._bi_segments)
         self._bw = jax.jit(self._bw_kernel)
+        self._bw_sum = jax.jit(self._bw_sum_kernel)
         self._fused = jax.jit(self._fused_kernel)
         # Forward only (validation): the plain tape keeps nothing for a backward.
         self._eval = jax.jit(lambda p, x, t: self._run(bp.Tape("plain"), p, x, t, self.first_block,
@@ -124,7 +127,19 @@ class StageKernels(StageChecks):
     # ---- backward-p2 and fused --------------------------------------------------------------------------
     def _bw_kernel(self, params, wr: WeightResiduals):
         self.trace_counts["backward_weight"] += 1
+        return self._weight_grads(params, wr)
 
+    def _bw_sum_kernel(self, params, wrs: tuple[WeightResiduals, ...]):
+        """backward-p2 of K microbatches in one program: the sum of their K weight passes, each reading
+        its own residuals where they lie. Why not only the concatenation of 2BP Fig. 2 (one larger
+        matmul per site): it first copies every record and cotangent of the K microbatches, which on a
+        2-core CPU cost more than the weight pass itself (gpt-small-cpu, 4 blocks, 4 x 128 tokens, K=4:
+        2.9 ms per microbatch for this program against 5.6 for copy + concatenated pass, 3.6 for K calls)."""
+        self.trace_counts["backward_weight_sum"] += 1
+        grads = [self._weight_grads(params, wr) for wr in wrs]
+        return jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads)
+
+    def _weight_grads(self, params, wr: WeightResiduals):
         def replay(p):
             tape = bp.Tape("replay", records=wr.records, site_index=wr.site_index, cots=wr.cots,
                            partials=wr.partials)
@@ -176,13 +191,21 @@ class StageKernels(StageChecks):
         dx, cots, parts = self._bi(residuals.params, residuals.vjp, dy)
         return dx, WeightResiduals(residuals.records, cots, parts, residuals.site_index)
 
-    def backward_weight(self, params, weight_residuals: WeightResiduals):
-        """2BP backward-p2: the parameter gradients (the stage's param dict structure). On residuals
-        concatenated with ``concat_weight_residuals`` this is the sum over those microbatches."""
+    def backward_weight(self, params, weight_residuals):
+        """2BP backward-p2: the parameter gradients (the stage's param dict structure). Several
+        microbatches give the sum of their gradients, either as one batch concatenated with
+        ``concat_weight_residuals`` (one larger matmul per site, 2BP Fig. 2) or as a list or tuple of
+        their ``WeightResiduals`` (one program, no copy: :meth:`_bw_sum_kernel`)."""
         self._check_params(params)
-        if not isinstance(weight_residuals, WeightResiduals):
-            raise ValueError(f"backward_weight needs WeightResiduals, got {type(weight_residuals).__name__}")
-        return self._bw(params, weight_residuals)
+        wrs = list(weight_residuals) if isinstance(weight_residuals, (list, tuple)) else [weight_residuals]
+        bad = sorted({type(w).__name__ for w in wrs if not isinstance(w, WeightResiduals)})
+        if bad or not wrs:
+            raise ValueError(f"backward_weight needs WeightResiduals or a non-empty list of them, got "
+                             f"{type(weight_residuals).__name__}{' of ' + ', '.join(bad) if bad else ''}")
+        if len({w.site_index for w in wrs}) > 1:
+            raise ValueError(f"backward_weight got weight residuals of {len({w.site_index for w in wrs})} "
+                             f"different stages or layouts; pass only this stage's")
+        return self._bw(params, wrs[0]) if len(wrs) == 1 else self._bw_sum(params, tuple(wrs))
 
     def backward(self, residuals: Residuals, dy):
         """Fused backward (input and weight gradients in one jit): ``(dx, dparams)``."""

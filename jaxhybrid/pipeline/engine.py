@@ -45,18 +45,20 @@ class EventLoop(MessageDriven):
       stage_to_rank: row rank of every logical stage.
       rank: this process's rank in the pipeline row.
       transport: a :class:`~jaxhybrid.pipeline.transport.Transport`.
-      concat: joins weight residuals of several microbatches for a concatenated ``BW`` (2BP Fig. 2).
+      join: hands the weight residuals of several microbatches to one ``BW`` call: ``list`` (the default;
+        the stage sums their weight passes in one program) or ``concat_weight_residuals`` (one batch,
+        one larger matmul per site, 2BP Fig. 2).
       progress: called after every task and message (the watchdog's heartbeat).
       waiting: called with what the loop is about to wait for (named in the watchdog's report).
       weight_budget: message-driven 2BP: most microbatches whose weight pass may wait.
     """
 
     def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
-                 concat: Callable[[list[Any]], Any] | None = None, progress: Callable[[str], None] | None = None,
+                 join: Callable[[list[Any]], Any] = list, progress: Callable[[str], None] | None = None,
                  weight_budget: int = 0, waiting: Callable[[str], None] | None = None):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.num_stages = len(self.stage_to_rank)
-        self.transport, self.concat = transport, concat
+        self.transport, self.join = transport, join
         self.progress = progress or (lambda what: None)
         self.waiting = waiting or (lambda what: None)
         self.weight_budget = weight_budget or self.num_stages
@@ -202,11 +204,9 @@ class EventLoop(MessageDriven):
     def _weight(self, s: int, mbs: tuple[int, ...]) -> None:
         stage = self.stages[s]
         parts = [self.wres.pop((s, m)) for m in mbs]
-        if len(parts) > 1 and self.concat is None:
-            raise ValueError(f"rank {self.rank}: a concatenated BW{mbs} needs a concat function")
 
-        def weight_pass():  # 2BP Fig. 2: one weight pass over the concatenated microbatches
-            wres = self.concat(parts) if len(parts) > 1 else parts[0]
+        def weight_pass():  # one BW over several microbatches (2BP Fig. 2), joined as ``join`` says
+            wres = self.join(parts) if len(parts) > 1 else parts[0]
             return self._accumulated(s, None, stage.backward_weight(self.params[s], wres))
 
         self._timed("BW", tuple(mbs), s, weight_pass)

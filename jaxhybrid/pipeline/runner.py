@@ -83,10 +83,10 @@ class PipelineEngine:
         else:
             self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
         self.watchdog = Watchdog(self.who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
-        from jaxhybrid.model.stage import concat_weight_residuals
+        from jaxhybrid.model.stage import weight_join
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
-                              self.transport, concat=concat_weight_residuals, progress=self.watchdog.beat,
+                              self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
                               waiting=self.watchdog.note)
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.microbatch_size = mb

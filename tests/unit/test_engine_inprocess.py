@@ -9,6 +9,7 @@ import pytest
 
 from jaxhybrid.model import Model
 from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.model.stage import weight_join
 from jaxhybrid.pipeline.engine import EventLoop
 from jaxhybrid.pipeline.schedule import make_schedule
 from jaxhybrid.pipeline.transport import Envelope, InProcessHub, MsgKind
@@ -32,12 +33,6 @@ def _stages(model, p):
     return _STAGES[(model, p)]
 
 
-def _concat():
-    from jaxhybrid.model.stage import concat_weight_residuals
-
-    return concat_weight_residuals
-
-
 def _on_rank_threads(p, body):
     """Run ``body(r)`` for ranks ``0..p-1`` on threads (the in-process transport's ranks); return their
     results and re-raise the first rank's exception."""
@@ -59,14 +54,14 @@ def _on_rank_threads(p, body):
     return results
 
 
-def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None):
+def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None, join="sum"):
     stages = _stages(model, p)
     sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit)
     hub = InProcessHub(p)
     mbs = jnp.asarray(split_batch(batch, 0, 1, M))
 
     def rank(r):
-        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), concat=_concat(),
+        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), join=weight_join(join),
                          weight_budget=budget)
         if loops is not None:
             loops[r] = loop
@@ -89,12 +84,17 @@ CASES = [(p, name, split) for p in (2, 4) for name in ("naive", "gpipe", "1f1b",
 CASES += [(2, "1f1b-2", True), (4, "1f1b-1", False)]
 
 
-@pytest.mark.parametrize("p,name,split", CASES)
-def test_event_loop_matches_single_device(reference, p, name, split):
+# Trailing BWs of several microbatches: summed in one program (``sum``, the CPU default) everywhere above;
+# concatenated into one batch (2BP Fig. 2, the accelerator default) here.
+CASES_CONCAT = [(2, "gpipe", True, "concat"), (2, "1f1b-2", True, "concat")]
+
+
+@pytest.mark.parametrize("p,name,split,join", [c + ("sum",) for c in CASES] + CASES_CONCAT)
+def test_event_loop_matches_single_device(reference, p, name, split, join):
     from jaxhybrid.model.stage import assemble_grads
 
     model, params, batch, loss, grads = reference
-    stages, results = _run_pipeline(model, params, batch, p, name, split)
+    stages, results = _run_pipeline(model, params, batch, p, name, split, join=join)
     got_loss = results[-1].loss_sum / M
     assert_tree_close(got_loss, loss, "fp32_parity", f"{name} p={p} split={split} loss")
     got = assemble_grads(stages, [results[r].grads[r] for r in range(p)])

@@ -124,6 +124,15 @@ def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind):
     cat = concat_weight_residuals(wrs)
     assert cat.batch == 3 * MB
     assert_tree_close(stage.backward_weight(params, cat), total, "fp32_kernel", f"{kind} concat ")
+    # The list form: the three weight passes summed in one program, no copy of the residuals.
+    before = stage.trace_counts["backward_weight_sum"]
+    assert_tree_close(stage.backward_weight(params, wrs), total, "fp32_kernel", f"{kind} list ")
+    assert_tree_close(stage.backward_weight(params, tuple(wrs)), total, "fp32_kernel", f"{kind} tuple ")
+    assert stage.trace_counts["backward_weight_sum"] == before + 1  # list and tuple: one program
+    for bad, match in [([], "non-empty list"), ([wrs[0], {"records": 1}], "of dict"),
+                       ([wrs[0], dataclasses.replace(wrs[1], site_index=wrs[1].site_index[::-1])], "2 different")]:
+        with pytest.raises(ValueError, match=match):
+            stage.backward_weight(params, bad)
 
 
 def test_remat_modes_and_checkpoint_interval_agree():

@@ -1,0 +1,42 @@
+"""``jaxhybrid bench stage`` (issue 3): one JSON object with the timings side by side and the errors.
+
+Timings are not asserted (shared, noisy machines); the JSON contract and the correctness figures are.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxhybrid.testing import TOLERANCES
+
+ARGS = ["bench", "stage", "--model", "gpt-tiny", "--blocks", "2", "--microbatch-size", "2", "--seq-len", "16",
+        "--concat", "3", "--repeats", "2", "--json"]
+
+
+def test_bench_stage_prints_the_kernels_side_by_side(capsys):
+    from jaxhybrid.cli import main
+
+    assert main(ARGS) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for k in ("forward_s", "backward_fused_s", "backward_input_s", "backward_weight_s", "backward_weight_concat_s",
+              "backward_weight_sum_s", "concat_s"):
+        assert out[k] > 0, k
+    assert out["split_over_fused"] == pytest.approx(
+        (out["backward_input_s"] + out["backward_weight_s"]) / out["backward_fused_s"])
+    # The K-microbatch ratios count what the pipeline pays per microbatch: the copy too for concat.
+    assert out["split_concat_over_fused"] == pytest.approx(
+        (out["backward_input_s"] + out["concat_s"] + out["backward_weight_concat_s"]) / out["backward_fused_s"])
+    assert out["split_sum_over_fused"] == pytest.approx(
+        (out["backward_input_s"] + out["backward_weight_sum_s"]) / out["backward_fused_s"])
+    assert out["grad_max_rel_err"] <= TOLERANCES["fp32_kernel"]
+    assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
+    assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
+    assert out["blocks"] == [1, 3] and out["concat_k"] == 3
+
+
+def test_bench_stage_bad_block_range_names_the_values(capsys):
+    from jaxhybrid.cli import main
+
+    assert main(ARGS[:5] + ["3:9"] + ARGS[6:]) != 0
+    assert "stage block range [3, 9) is empty or outside the model's 4 blocks" in capsys.readouterr().err
