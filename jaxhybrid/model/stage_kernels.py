@@ -27,6 +27,12 @@ from jaxhybrid.model.stage_checks import StageChecks
 from jaxhybrid.model.transformer import block_name
 
 
+# Most microbatches per summed weight-pass program; more run as several programs, each adding the
+# running sum. Why: its compile time grows with K (4-block gpt-small-cpu stage: 0.3 s at K=1, 1.3 s at 8,
+# 2.1 s at 16), and a schedule's flush can hold all M microbatches.
+SUM_CHUNK = 8
+
+
 class StageKernels(StageChecks):
     """Kernel construction and the public kernel wrappers; :class:`Stage` supplies the block range."""
 
@@ -129,14 +135,15 @@ class StageKernels(StageChecks):
         self.trace_counts["backward_weight"] += 1
         return self._weight_grads(params, wr)
 
-    def _bw_sum_kernel(self, params, wrs: tuple[WeightResiduals, ...]):
-        """backward-p2 of K microbatches in one program: the sum of their K weight passes, each reading
-        its own residuals where they lie. Why not only the concatenation of 2BP Fig. 2 (one larger
-        matmul per site): it first copies every record and cotangent of the K microbatches, which on a
-        2-core CPU cost more than the weight pass itself (gpt-small-cpu, 4 blocks, 4 x 128 tokens, K=4:
-        2.9 ms per microbatch for this program against 5.6 for copy + concatenated pass, 3.6 for K calls)."""
+    def _bw_sum_kernel(self, params, wrs: tuple[WeightResiduals, ...], acc=None):
+        """backward-p2 of K microbatches in one program: the sum of their K weight passes (plus ``acc``,
+        the sum of earlier chunks), each reading its own residuals where they lie. Why not only the
+        concatenation of 2BP Fig. 2 (one larger matmul per site): it first copies every record and
+        cotangent of the K microbatches, which on a 2-core CPU cost more than the weight pass itself
+        (gpt-small-cpu, 4 blocks, 4 x 128 tokens, K=4: 2.9 ms per microbatch for this program against 5.6
+        for copy + concatenated pass, 3.6 for K calls)."""
         self.trace_counts["backward_weight_sum"] += 1
-        grads = [self._weight_grads(params, wr) for wr in wrs]
+        grads = [self._weight_grads(params, wr) for wr in wrs] + ([] if acc is None else [acc])
         return jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads)
 
     def _weight_grads(self, params, wr: WeightResiduals):
@@ -205,7 +212,12 @@ class StageKernels(StageChecks):
         if len({w.site_index for w in wrs}) > 1:
             raise ValueError(f"backward_weight got weight residuals of {len({w.site_index for w in wrs})} "
                              f"different stages or layouts; pass only this stage's")
-        return self._bw(params, wrs[0]) if len(wrs) == 1 else self._bw_sum(params, tuple(wrs))
+        if len(wrs) == 1:
+            return self._bw(params, wrs[0])
+        acc = None
+        for i in range(0, len(wrs), SUM_CHUNK):  # bounded programs: compile time grows with K
+            acc = self._bw_sum(params, tuple(wrs[i:i + SUM_CHUNK]), acc)
+        return acc
 
     def backward(self, residuals: Residuals, dy):
         """Fused backward (input and weight gradients in one jit): ``(dx, dparams)``."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.model import Model, PRESETS
+from jaxhybrid.model import stage_kernels
 from jaxhybrid.model.residuals import ParamSlot
 from jaxhybrid.model.stage import (TIED_KEY, Stage, concat_weight_residuals, reference_apply)
 from jaxhybrid.step import LocalEngine
@@ -111,7 +112,7 @@ def test_split_and_fused_reproduce_vjp_of_slice(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2-tied"])
-def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind):
+def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind, monkeypatch):
     stage = _stage(kind, *_random_ranges(kind)[0])
     params = stage.slice_params(_full_params(kind, 0))
     wrs = []
@@ -129,6 +130,11 @@ def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind):
     assert_tree_close(stage.backward_weight(params, wrs), total, "fp32_kernel", f"{kind} list ")
     assert_tree_close(stage.backward_weight(params, tuple(wrs)), total, "fp32_kernel", f"{kind} tuple ")
     assert stage.trace_counts["backward_weight_sum"] == before + 1  # list and tuple: one program
+    # More than SUM_CHUNK microbatches: several programs, each adding the running sum.
+    with monkeypatch.context() as mp:
+        mp.setattr(stage_kernels, "SUM_CHUNK", 2)
+        assert_tree_close(stage.backward_weight(params, wrs), total, "fp32_kernel", f"{kind} chunked ")
+    assert stage.trace_counts["backward_weight_sum"] == before + 3  # chunks (2) and (1, running sum)
     for bad, match in [([], "non-empty list"), ([wrs[0], {"records": 1}], "of dict"),
                        ([wrs[0], dataclasses.replace(wrs[1], site_index=wrs[1].site_index[::-1])], "2 different")]:
         with pytest.raises(ValueError, match=match):
