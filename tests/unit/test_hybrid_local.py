@@ -66,6 +66,10 @@ def test_sharded_stage_matches_single_device_stage(first, last):
         dx, wr = stage.backward_input(res, dy)
         outs.append(jax.tree.map(np.asarray, (y, dx, stage.backward_weight(p, wr))))
     assert_tree_close(outs[1], outs[0], "fp32_parity", f"stage [{first}, {last}) on (1, 2, 2, 2)")
+    # The summed weight pass of several microbatches (pipeline.weight_join=sum) on the sharded stage.
+    twice = jax.tree.map(lambda g: 2 * g, outs[1][2])
+    assert_tree_close(jax.tree.map(np.asarray, sharded.backward_weight(placed, [wr, wr])), twice, "exact",
+                      f"stage [{first}, {last}) summed weight pass of 2 microbatches")
     if TIED_KEY in placed:
         leaf = placed[TIED_KEY]
         assert leaf.addressable_shards[0].data.size * 8 == leaf.size  # unique shards, like the table
