@@ -11,6 +11,9 @@ the taps split of :mod:`jaxhybrid.model.backprop` (2BP Sec. 3):
   their gradients)
 * ``backward(residuals, dy) -> (dx, dparams)``                       (fused, for schedules without 2BP)
 
+``backward`` and ``backward_weight`` take an optional running gradient sum ``acc`` (donated) and return
+``acc + dparams``: a pipeline sums over microbatches inside the kernels instead of in an add program each.
+
 Tied embeddings: a last stage that is not also the first gets the token table as its own parameter
 ``TIED_KEY = "embed_wte_copy"`` (Megatron's copy); :func:`assemble_grads` adds its gradient to
 ``embed.wte``. Kernel construction and the whole-model ``custom_vjp`` live in ``stage_kernels.py``.
@@ -235,5 +238,5 @@ def model_loss_via_stages(stages: list[Stage], params_list: list[dict], tokens, 
     return h
 
 
-__all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals", "weight_join",
-           "make_stages", "model_loss_via_stages", "reference_apply"]
+__all__ = ["Stage", "Residuals", "WeightResiduals", "TIED_KEY", "assemble_grads", "concat_weight_residuals",
+           "weight_join", "make_stages", "model_loss_via_stages", "reference_apply"]

@@ -64,6 +64,17 @@ class StageChecks:
             targets = None
         return x, targets
 
+    @staticmethod
+    def _check_acc(acc, params):
+        """A running gradient sum has the params' structure, shapes and dtypes (a kernel adds to it)."""
+        if acc is None:
+            return
+        a, p = jax.tree.flatten(acc), jax.tree.flatten(params)
+        if a[1] != p[1] or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a[0], p[0])):
+            raise ValueError(f"acc must be a gradient sum shaped like the stage's params; got {a[1]} with "
+                             f"{[(tuple(x.shape), str(x.dtype)) for x in a[0][:3]]}... for params "
+                             f"{[(tuple(y.shape), str(y.dtype)) for y in p[0][:3]]}...")
+
     def _check_cotangent(self, res, dy):
         if not isinstance(res, Residuals):
             raise ValueError(f"expected the Residuals returned by forward, got {type(res).__name__}")

@@ -27,9 +27,6 @@ from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.pipeline.trace import Recorder
 from jaxhybrid.pipeline.transport import Envelope, MsgKind, Transport, wait_message
 
-_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-
-
 @dataclass
 class StepResult:
     loss_sum: jax.Array | None  # sum of microbatch mean losses (last stage only)
@@ -197,21 +194,24 @@ class EventLoop(MessageDriven):
             dx, wres = self._timed("BI", (mb,), s, lambda: stage.backward_input(res, dy))
             self.wres[(s, mb)] = wres
         else:
-            dx, _ = self._timed("B", (mb,), s, lambda: self._accumulated(s, *stage.backward(res, dy)))
+            acc = self._grad_sum(s)
+            dx, self.grads[s] = self._timed("B", (mb,), s, lambda: stage.backward(res, dy, acc))
         if s > 0:
             self._send(dx, MsgKind.GRAD, mb, s - 1)
 
     def _weight(self, s: int, mbs: tuple[int, ...]) -> None:
         stage = self.stages[s]
         parts = [self.wres.pop((s, m)) for m in mbs]
+        acc = self._grad_sum(s)
 
         def weight_pass():  # one BW over several microbatches (2BP Fig. 2), joined as ``join`` says
             wres = self.join(parts) if len(parts) > 1 else parts[0]
-            return self._accumulated(s, None, stage.backward_weight(self.params[s], wres))
+            return stage.backward_weight(self.params[s], wres, acc)
 
-        self._timed("BW", tuple(mbs), s, weight_pass)
+        self.grads[s] = self._timed("BW", tuple(mbs), s, weight_pass)
 
-    def _accumulated(self, s: int, dx: Any, dp: Any) -> Any:
-        """Add ``dp`` to the stage's gradient sum (inside the timed kernel window: it is stage work)."""
-        self.grads[s] = dp if s not in self.grads else _add(self.grads[s], dp)
-        return dx, self.grads[s]
+    def _grad_sum(self, s: int) -> Any:
+        """Stage ``s``'s gradient sum so far (zeros before its first backward), for the next kernel to add
+        its gradients to and to donate: one program per microbatch instead of a kernel and an add."""
+        acc = self.grads.pop(s, None)
+        return jax.tree.map(jnp.zeros_like, self.params[s]) if acc is None else acc

@@ -135,6 +135,16 @@ def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind, monkeypatch):
         mp.setattr(stage_kernels, "SUM_CHUNK", 2)
         assert_tree_close(stage.backward_weight(params, wrs), total, "fp32_kernel", f"{kind} chunked ")
     assert stage.trace_counts["backward_weight_sum"] == before + 3  # chunks (2) and (1, running sum)
+    # A running sum: added inside the kernel, its buffers donated (the pipeline's accumulation).
+    for call in (lambda acc: stage.backward_weight(params, wrs, acc),
+                 lambda acc: stage.backward_weight(params, wrs[0], acc),
+                 lambda acc: stage.backward(res, _cotangent(stage, y, 30 + 2), acc)[1]):
+        acc = jax.tree.map(jnp.ones_like, total)
+        got, plain = call(acc), call(None)
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(acc))
+        assert_tree_close(got, jax.tree.map(lambda g: g + 1, plain), "fp32_kernel", f"{kind} acc + grads ")
+    with pytest.raises(ValueError, match="acc must be a gradient sum shaped like"):
+        stage.backward_weight(params, wrs[0], {"nope": jnp.zeros(3)})
     for bad, match in [([], "non-empty list"), ([wrs[0], {"records": 1}], "of dict"),
                        ([wrs[0], dataclasses.replace(wrs[1], site_index=wrs[1].site_index[::-1])], "2 different")]:
         with pytest.raises(ValueError, match=match):
