@@ -17,10 +17,10 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
 
 ``split_backward=True`` applies 2BP: B becomes BI, and BWs run when a rank would otherwise idle (not
 for ``gpipe``, where 2BP delays them all, Sec. 3.2; override with ``fill_idle``), with those left after a
-rank's last BI joined into one BW per stage (2BP Fig. 2; how, ``pipeline.weight_join``). The placement is computed with ``costs`` (a
-:class:`~jaxhybrid.pipeline.costs.Costs`, default F = BI = BW = 1). ``memory_saving=True`` (2BP Fig. 5)
-also runs the pending BWs half-way (after BI number ceil(M/2) of each stage); ``bw_flush_every=K``
-does so after every K-th BI.
+rank's last BI joined into one BW per stage (2BP Fig. 2; how: ``pipeline.weight_join``). The placement is
+computed with ``costs`` (a :class:`~jaxhybrid.pipeline.costs.Costs`, default F = BI = BW = 1).
+``memory_saving=True`` (2BP Fig. 5) also runs the pending BWs half-way (after BI number ceil(M/2) of each
+stage); ``bw_flush_every=K`` does so after every K-th BI.
 """
 from __future__ import annotations
 
