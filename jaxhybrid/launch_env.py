@@ -48,3 +48,52 @@ def world_size(env: Mapping[str, str] | None = None) -> int:
 def local_rank(env: Mapping[str, str] | None = None) -> int | None:
     """This process's rank among the launcher's processes on its node; None when no launcher names one."""
     return _first_int(_env(env), LOCAL_RANK_VARS)
+
+
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# The CPUs ``jaxhybrid launch`` lets its ranks share, comma-separated; each rank pins itself to its part.
+RANK_CPUS_ENV = "JAXHYBRID_RANK_CPUS"
+
+
+def local_size(env: Mapping[str, str] | None = None) -> int:
+    """Processes the launcher started on this node (the world size when it names no node count)."""
+    env = _env(env)
+    n = _first_int(env, LOCAL_SIZE_VARS)
+    return world_size(env) if n is None else n
+
+
+def rank_cpus(cpus: list[int], rank: int, n: int) -> list[int]:
+    """Local rank ``rank``'s share of ``cpus`` among ``n`` ranks: contiguous blocks as even as possible
+    when there are at least as many CPUs as ranks, else one CPU each, dealt round-robin."""
+    if not cpus or not 0 <= rank < n:
+        raise ValueError(f"rank {rank} of {n} ranks on CPUs {cpus}: need 0 <= rank < n and some CPUs")
+    if n > len(cpus):
+        return [cpus[rank % len(cpus)]]
+    per, extra = divmod(len(cpus), n)
+    lo = rank * per + min(rank, extra)
+    return cpus[lo:lo + per + (rank < extra)]
+
+
+def bind_rank_cpus(env: Mapping[str, str] | None = None) -> list[int] | None:
+    """Pin every thread of this process to its share of ``$JAXHYBRID_RANK_CPUS`` (set by ``jaxhybrid
+    launch``); returns the CPUs, or None when not launched so. Call it before JAX starts its CPU client:
+    XLA sizes its thread pool from this affinity. Why: unpinned ranks sharing a machine migrate between
+    cores, and their pools and MPI's yielding waits run into each other. The default job (4 ranks, 2
+    cores) measured 0.14-0.18 s per step (median; mean 0.16-0.22) unpinned and 0.085-0.089 (mean
+    0.085-0.092) pinned."""
+    env = _env(env)
+    spec, rank = env.get(RANK_CPUS_ENV, ""), local_rank(env)
+    if not spec or rank is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    mine = rank_cpus([int(c) for c in spec.split(",")], rank, local_size(env))
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tasks:  # threads started so far keep their mask unless set one by one
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as e:  # a CPU outside this process's cgroup: run unpinned rather than fail the job
+            print(f"jaxhybrid: rank {rank} not pinned to CPUs {mine} ({e}); unset {RANK_CPUS_ENV} to silence",
+                  flush=True)
+            return None
+    return mine

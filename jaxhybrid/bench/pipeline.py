@@ -1,7 +1,7 @@
 """``jaxhybrid bench pipeline --stages P --schedule NAME [--json]``: pipeline throughput with and without 2BP.
 
 Started as one process, it relaunches itself under the venv's ``mpiexec`` with ``P`` ranks (thread pools
-sized to ``cores // P``). Every rank builds its stage once; the fused schedule and its 2BP twin (and the
+sized to ``cores // P``, each rank pinned to its share of the cores). Every rank builds its stage once; the fused schedule and its 2BP twin (and the
 same 2BP schedule over the other transport) then run the same model and batch, interleaved in rounds so
 machine noise hits all alike. A step is timed from a barrier to the slowest rank's end of the pipeline
 phase (no optimizer). Printed JSON:
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -62,10 +61,10 @@ def theoretical_gain(schedule: str, p: int, m: int) -> float:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from jaxhybrid.commands.launch import find_mpiexec, rank_environment
+    from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
 
-    cores = args.cores or len(os.sched_getaffinity(0))
-    env = rank_environment(args.stages, cores, args.timeout)
+    cpus = job_cpus(args.cores)  # each rank pinned to its share, as `jaxhybrid launch` runs them
+    env = rank_environment(args.stages, len(cpus), args.timeout, cpus=cpus)
     cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
            "pipeline", *argv, WORKER_FLAG]
     return subprocess.call(cmd, env=env)

@@ -4,7 +4,9 @@ Runs the venv's ``mpiexec`` (next to this Python) with ``python -m mpi4py -m jax
 uncaught exception on any rank aborts the whole job (mpich alone would leave the others hanging), with
 ``MPIEXEC_TIMEOUT`` as the last resort, and one thread pool per rank sized to the cores available:
 ``OMP_NUM_THREADS`` and XLA's CPU thread flags get ``cores // N`` threads each (oversubscribed ranks
-whose pools spin starve each other, facts.md).
+whose pools spin starve each other, facts.md). Each rank pins itself to its share of the cores before
+JAX starts (``launch_env.bind_rank_cpus``, from ``jaxhybrid``'s entry point; a ``--script`` calls it
+itself), so XLA sizes its own pool to that share; ``--no-bind`` leaves the ranks free.
 
 A rank killed by a signal leaves no Python message, and hydra's report may name a bystander. The
 launcher watches the ranks' PIDs while it relays the job's output and, when the job fails, names the
@@ -21,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, bystanders, name_hydra_pids
+from jaxhybrid.launch_env import RANK_CPUS_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,10 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=int, default=0, help="MPIEXEC_TIMEOUT in seconds (0: none)")
     p.add_argument("--mpiexec", default="", help="mpiexec to use (default: the one next to this Python)")
     p.add_argument("--cores", type=int, default=0, help="cores to share among the ranks (default: all)")
+    p.add_argument("--no-bind", action="store_true", help="do not pin each rank to its share of the cores")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run")
     p.add_argument("--script", default="", help="run this Python file on every rank instead of `jaxhybrid "
                    "train` (drivers, benchmarks); the remaining arguments are its own")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `jaxhybrid train` (after --)")
+
+
+def job_cpus(cores: int = 0) -> list[int]:
+    """The CPUs a job may use: this process's affinity (all CPUs where it has none), the first ``cores``
+    of them when given."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cores < 0 or cores > len(cpus):
+        raise ValueError(f"--cores {cores}: this process may use {len(cpus)} CPUs ({cpus})")
+    return cpus[:cores] if cores else cpus
 
 
 def find_mpiexec(explicit: str = "") -> str:
@@ -49,10 +62,12 @@ def find_mpiexec(explicit: str = "") -> str:
 
 
 def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | None = None,
-                     devices: int = 1) -> dict[str, str]:
-    """Environment for every rank: thread pools of ``max(1, cores // n)`` threads, CPU-only XLA flags, and
+                     devices: int = 1, cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment for every rank: thread pools of ``max(1, cores // n)`` threads, CPU-only XLA flags,
     ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only shapes the CPU
-    platform: on a GPU node the ranks still use their GPUs). Flags already set by the user win."""
+    platform: on a GPU node the ranks still use their GPUs), and ``cpus``, the CPUs the ranks share, each
+    rank pinning itself to its part (``launch_env.bind_rank_cpus``). Settings already made by the user
+    win."""
     if n < 1:
         raise ValueError(f"-n {n}: need at least one rank")
     if timeout < 0:
@@ -70,6 +85,8 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()
     if timeout:
         env["MPIEXEC_TIMEOUT"] = str(timeout)
+    if cpus:
+        env.setdefault(RANK_CPUS_ENV, ",".join(map(str, cpus)))
     return env
 
 
@@ -124,13 +141,13 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
 
 
 def run(args: argparse.Namespace) -> int:
-    cores = args.cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    cpus = job_cpus(args.cores)
     job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
     per_rank = check_job(*job, args.n) if job else 1
-    env = rank_environment(args.n, int(cores or 1), args.timeout, devices=per_rank)
+    env = rank_environment(args.n, len(cpus), args.timeout, devices=per_rank, cpus=None if args.no_bind else cpus)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
-        keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT")
+        keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT", RANK_CPUS_ENV)
         print(" ".join(f"{k}={env[k]!r}" for k in keys if k in env) + " " + " ".join(cmd))
         return 0
     with tempfile.TemporaryDirectory(prefix="jaxhybrid-pids-") as pid_dir:

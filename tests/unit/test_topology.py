@@ -121,6 +121,45 @@ def test_launcher_environment_is_read_in_one_place():
     assert le.local_rank({"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "5"}) == 2  # the MPI launcher's wins
 
 
+@pytest.mark.parametrize("cpus,n,expected", [
+    ([0, 1], 4, [[0], [1], [0], [1]]),  # more ranks than CPUs: one each, round-robin
+    ([0, 1, 2, 3, 4, 5, 6], 3, [[0, 1, 2], [3, 4], [5, 6]]),  # blocks as even as possible
+    ([4, 5, 8, 9], 2, [[4, 5], [8, 9]]),  # the CPUs the launcher may use, not 0..n-1
+])
+def test_each_launched_rank_gets_its_share_of_the_cpus(cpus, n, expected):
+    from jaxhybrid.launch_env import rank_cpus
+
+    assert [rank_cpus(cpus, r, n) for r in range(n)] == expected
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        rank_cpus(cpus, 2, 2)
+
+
+def test_launched_rank_pins_itself_before_jax_starts():
+    """`jaxhybrid launch` hands the ranks the CPUs to share; a rank (hydra's MPI_LOCALRANKID) pins all its
+    threads to its part; without the variable nothing is pinned."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jaxhybrid.commands.launch import job_cpus
+    from jaxhybrid.launch_env import RANK_CPUS_ENV, rank_cpus
+
+    allowed = job_cpus()
+    probe = ("import json, os; from jaxhybrid.launch_env import bind_rank_cpus; "
+             "print(json.dumps([bind_rank_cpus(), sorted(os.sched_getaffinity(0))]))")
+    base = {k: v for k, v in os.environ.items() if k != RANK_CPUS_ENV}
+    rank1 = dict(base, **{RANK_CPUS_ENV: ",".join(map(str, allowed)), "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    for env, want in ((rank1, rank_cpus(allowed, 1, 2)), (base, None)):
+        run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        mine, seen = json.loads(run.stdout)
+        assert mine == want and seen == (want or allowed)
+    assert rank_environment(2, len(allowed), 0, base={}, cpus=allowed)[RANK_CPUS_ENV] == ",".join(map(str, allowed))
+    assert RANK_CPUS_ENV not in rank_environment(2, len(allowed), 0, base={})  # --no-bind
+    with pytest.raises(ValueError, match="--cores 99999"):
+        job_cpus(99999)
+
+
 def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
     """The launcher's failure report: hydra may name a bystander, so the watcher keeps the order in which
     the ranks' PIDs ended; a rank that left its normal-exit marker is never blamed."""
