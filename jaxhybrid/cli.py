@@ -38,6 +38,9 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxhybrid.launch_env import bind_rank_cpus
+
+    bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, args = build_parser(argv)
     if args is None:
