@@ -40,8 +40,12 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
 def main(argv: list[str] | None = None) -> int:
     from jaxhybrid.launch_env import bind_rank_cpus
 
-    bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity
+    except ValueError as e:
+        print(f"jaxhybrid: error: {e}", file=sys.stderr)
+        return 2
     parser, args = build_parser(argv)
     if args is None:
         parser.print_help()

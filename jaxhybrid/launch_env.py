@@ -85,7 +85,10 @@ def bind_rank_cpus(env: Mapping[str, str] | None = None) -> list[int] | None:
     spec, rank = env.get(RANK_CPUS_ENV, ""), local_rank(env)
     if not spec or rank is None or not hasattr(os, "sched_setaffinity"):
         return None
-    mine = rank_cpus([int(c) for c in spec.split(",")], rank, local_size(env))
+    try:
+        mine = rank_cpus([int(c) for c in spec.split(",")], rank, local_size(env))
+    except ValueError as e:  # a malformed list, or a rank count that does not match it
+        raise ValueError(f"{RANK_CPUS_ENV}={spec!r} for local rank {rank}: {e}") from None
     tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
     for tid in tasks:  # threads started so far keep their mask unless set one by one
         try:

@@ -158,6 +158,11 @@ def test_launched_rank_pins_itself_before_jax_starts():
     assert RANK_CPUS_ENV not in rank_environment(2, len(allowed), 0, base={})  # --no-bind
     with pytest.raises(ValueError, match="--cores 99999"):
         job_cpus(99999)
+    from jaxhybrid.launch_env import bind_rank_cpus
+
+    for spec, size in (("0,x", "2"), ("0,1", "1")):  # not a CPU list; a rank beyond the local count
+        with pytest.raises(ValueError, match=f"JAXHYBRID_RANK_CPUS='{spec}' for local rank 1"):
+            bind_rank_cpus({RANK_CPUS_ENV: spec, "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": size})
 
 
 def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
