@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -176,11 +175,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(n: int, bsize: int, dtype: str) -> dict:
-    from jaxhybrid.commands.launch import find_mpiexec, rank_environment
+    from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
 
     root = Path(__file__).resolve().parents[2]
     # The launcher's per-rank settings: threads sized to cores / ranks, a timeout, CPU-only.
-    env = dict(rank_environment(2, len(os.sched_getaffinity(0)), 300), JAX_PLATFORMS="cpu")
+    # (Not pinned: its ranks run jaxhybrid.bench.offload_sweep, not the CLI that pins them.)
+    env = dict(rank_environment(2, job_cpus(), 300, bind=False), JAX_PLATFORMS="cpu")
     cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "jaxhybrid.bench.offload_sweep",
            "--params", str(n), "--bucket-size", str(bsize), "--dtype", dtype]
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=330)

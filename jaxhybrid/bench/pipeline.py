@@ -64,7 +64,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
 
     cpus = job_cpus(args.cores)  # each rank pinned to its share, as `jaxhybrid launch` runs them
-    env = rank_environment(args.stages, len(cpus), args.timeout, cpus=cpus)
+    env = rank_environment(args.stages, cpus, args.timeout)
     cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
            "pipeline", *argv, WORKER_FLAG]
     return subprocess.call(cmd, env=env)

@@ -61,19 +61,19 @@ def find_mpiexec(explicit: str = "") -> str:
     return found
 
 
-def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | None = None,
-                     devices: int = 1, cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment for every rank: thread pools of ``max(1, cores // n)`` threads, CPU-only XLA flags,
-    ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only shapes the CPU
-    platform: on a GPU node the ranks still use their GPUs), and ``cpus``, the CPUs the ranks share, each
-    rank pinning itself to its part (``launch_env.bind_rank_cpus``). Settings already made by the user
-    win."""
+def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str] | None = None,
+                     devices: int = 1, bind: bool = True) -> dict[str, str]:
+    """Environment for ``n`` ranks sharing ``cpus``: thread pools of ``max(1, len(cpus) // n)`` threads,
+    CPU-only XLA flags, ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only
+    shapes the CPU platform: on a GPU node the ranks still use their GPUs), and with ``bind`` the CPU
+    list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). Settings already made by
+    the user win."""
     if n < 1:
         raise ValueError(f"-n {n}: need at least one rank")
     if timeout < 0:
         raise ValueError(f"--timeout {timeout} must be >= 0")
     env = dict(os.environ if base is None else base)
-    threads = max(1, cores // n)
+    threads = max(1, len(cpus) // n)
     env["OMP_NUM_THREADS"] = str(threads)
     env["OPENBLAS_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
@@ -85,7 +85,7 @@ def rank_environment(n: int, cores: int, timeout: int, base: dict[str, str] | No
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()
     if timeout:
         env["MPIEXEC_TIMEOUT"] = str(timeout)
-    if cpus:
+    if bind:
         env.setdefault(RANK_CPUS_ENV, ",".join(map(str, cpus)))
     return env
 
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     cpus = job_cpus(args.cores)
     job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
     per_rank = check_job(*job, args.n) if job else 1
-    env = rank_environment(args.n, len(cpus), args.timeout, devices=per_rank, cpus=None if args.no_bind else cpus)
+    env = rank_environment(args.n, cpus, args.timeout, devices=per_rank, bind=not args.no_bind)
     cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT", RANK_CPUS_ENV)

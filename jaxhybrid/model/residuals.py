@@ -79,6 +79,14 @@ def pack_partials(parts: list) -> dict:
     return {k: jnp.concatenate(v, axis=-1) for k, v in groups.items()}
 
 
+def check_one_layout(wrs: list) -> None:
+    """Weight residuals joined for one weight pass (concatenated or summed) must come from one stage
+    layout: the same ``site_index``."""
+    n = len({w.site_index for w in wrs})
+    if n > 1:
+        raise ValueError(f"weight residuals come from {n} different stages or layouts; join only one stage's")
+
+
 def concat_batch(trees: list[Any]) -> Any:
     """Concatenate pytrees of identical structure leaf by leaf along axis 0 (the microbatch batch dim)."""
     if not trees:

@@ -37,9 +37,7 @@ REMATS = ("none", "dots", "full")
 def concat_weight_residuals(wrs: list[WeightResiduals]) -> WeightResiduals:
     """Weight residuals of K microbatches as one batch (2BP Fig. 2): backward_weight on the result
     returns the sum of the K microbatches' weight gradients."""
-    idx = {w.site_index for w in wrs}
-    if len(idx) > 1:
-        raise ValueError(f"weight residuals come from {len(idx)} different stages/layouts; concat only one stage's")
+    rs.check_one_layout(wrs)
     return rs.concat_batch(wrs)  # site_index is pytree metadata: equal across wrs, checked above
 
 

@@ -18,6 +18,7 @@ class StageChecks:
     def _init_checks(self) -> None:
         self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
         self._param_dtypes = {np.dtype("float32"), np.dtype(self.model.dtype)}  # masters, compute copy
+        self._acc_layouts: set = set()  # (treedef, leaf shapes and dtypes) of gradient sums accepted
 
     def _check_params(self, params):
         """Params are the stage's slice, all float32 masters or all in the compute dtype (the offloaded
@@ -64,16 +65,21 @@ class StageChecks:
             targets = None
         return x, targets
 
-    @staticmethod
-    def _check_acc(acc, params):
-        """A running gradient sum has the params' structure, shapes and dtypes (a kernel adds to it)."""
+    def _check_acc(self, acc, params):
+        """A running gradient sum has the params' structure, shapes and dtypes (a kernel adds to it).
+        Per microbatch in a pipeline: one flatten of ``acc`` against the layouts already accepted."""
         if acc is None:
             return
-        a, p = jax.tree.flatten(acc), jax.tree.flatten(params)
-        if a[1] != p[1] or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a[0], p[0])):
-            raise ValueError(f"acc must be a gradient sum shaped like the stage's params; got {a[1]} with "
-                             f"{[(tuple(x.shape), str(x.dtype)) for x in a[0][:3]]}... for params "
-                             f"{[(tuple(y.shape), str(y.dtype)) for y in p[0][:3]]}...")
+        leaves, treedef = jax.tree.flatten(acc)
+        sig = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        if sig in self._acc_layouts:
+            return
+        p_leaves, p_def = jax.tree.flatten(params)
+        if sig != (p_def, tuple((y.shape, y.dtype) for y in p_leaves)):
+            raise ValueError(f"acc must be a gradient sum shaped like the stage's params; got {treedef} with "
+                             f"{[(tuple(x.shape), str(x.dtype)) for x in leaves[:3]]}... for params "
+                             f"{[(tuple(y.shape), str(y.dtype)) for y in p_leaves[:3]]}...")
+        self._acc_layouts.add(sig)
 
     def _check_cotangent(self, res, dy):
         if not isinstance(res, Residuals):

@@ -220,9 +220,7 @@ class StageKernels(StageChecks):
         if bad or not wrs:
             raise ValueError(f"backward_weight needs WeightResiduals or a non-empty list of them, got "
                              f"{type(weight_residuals).__name__}{' of ' + ', '.join(bad) if bad else ''}")
-        if len({w.site_index for w in wrs}) > 1:
-            raise ValueError(f"backward_weight got weight residuals of {len({w.site_index for w in wrs})} "
-                             f"different stages or layouts; pass only this stage's")
+        rs.check_one_layout(wrs)
         if len(wrs) == 1:
             return self._bw(params, wrs[0], acc)
         for i in range(0, len(wrs), SUM_CHUNK):  # bounded programs: compile time grows with K

@@ -60,6 +60,7 @@ class EventLoop(MessageDriven):
         self.waiting = waiting or (lambda what: None)
         self.weight_budget = weight_budget or self.num_stages
         self.recorder = Recorder(rank)
+        self._zeros: dict[int, Callable[[Any], Any]] = {}  # stage -> jitted zeros shaped like its params
 
     # -- one step ------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, params: dict[int, Any], tokens: jax.Array, cotangent: float) -> StepResult:
@@ -214,4 +215,11 @@ class EventLoop(MessageDriven):
         """Stage ``s``'s gradient sum so far (zeros before its first backward), for the next kernel to add
         its gradients to and to donate: one program per microbatch instead of a kernel and an add."""
         acc = self.grads.pop(s, None)
-        return jax.tree.map(jnp.zeros_like, self.params[s]) if acc is None else acc
+        if acc is not None:
+            return acc
+        if s not in self._zeros:
+            # One program with the params' shardings (a tensor rank's leaves are sharded), not an eager
+            # zeros_like per leaf: 1.5 ms for a 48-leaf stage, more than the adds it replaces save.
+            shardings = jax.tree.map(lambda a: a.sharding, self.params[s])
+            self._zeros[s] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=shardings)
+        return self._zeros[s](self.params[s])

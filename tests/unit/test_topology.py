@@ -48,14 +48,14 @@ def test_launch_command_and_thread_environment():
     cmd = build_command(4, ["--", "--config", "c.yaml"], "/x/mpiexec")
     assert cmd[:3] == ["/x/mpiexec", "-n", "4"]
     assert cmd[4:] == ["-m", "mpi4py", "-m", "jaxhybrid", "train", "--config", "c.yaml"]
-    env = rank_environment(4, 2, 30, base={})
+    env = rank_environment(4, [0, 1], 30, base={})
     assert env["OMP_NUM_THREADS"] == "1" and env["MPIEXEC_TIMEOUT"] == "30"
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
-    env = rank_environment(2, 16, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    env = rank_environment(2, list(range(16)), 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert env["OMP_NUM_THREADS"] == "8" and "MPIEXEC_TIMEOUT" not in env
     assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
     with pytest.raises(ValueError, match="-n 0"):
-        rank_environment(0, 2, 0)
+        rank_environment(0, [0, 1], 0)
     # A hybrid layout's ranks get their tensor mesh's CPU devices; a user's own count wins.
     from jaxhybrid.commands.launch import check_job, devices_per_rank, train_config
     from jaxhybrid.config import ConfigError
@@ -75,9 +75,9 @@ def test_launch_command_and_thread_environment():
         check_job(*mesh8, 3)
     with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
         check_job(*grid, 3)
-    env = rank_environment(4, 2, 0, base={}, devices=4)
+    env = rank_environment(4, [0, 1], 0, base={}, devices=4)
     assert "--xla_force_host_platform_device_count=4" in env["XLA_FLAGS"]
-    env = rank_environment(4, 2, 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
+    env = rank_environment(4, [0, 1], 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, devices=4)
     assert env["XLA_FLAGS"].count("device_count") == 1 and "device_count=3" in env["XLA_FLAGS"]
 
 
@@ -154,8 +154,8 @@ def test_launched_rank_pins_itself_before_jax_starts():
         run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         mine, seen = json.loads(run.stdout)
         assert mine == want and seen == (want or allowed)
-    assert rank_environment(2, len(allowed), 0, base={}, cpus=allowed)[RANK_CPUS_ENV] == ",".join(map(str, allowed))
-    assert RANK_CPUS_ENV not in rank_environment(2, len(allowed), 0, base={})  # --no-bind
+    assert rank_environment(2, allowed, 0, base={})[RANK_CPUS_ENV] == ",".join(map(str, allowed))
+    assert RANK_CPUS_ENV not in rank_environment(2, allowed, 0, base={}, bind=False)  # --no-bind
     with pytest.raises(ValueError, match="--cores 99999"):
         job_cpus(99999)
     from jaxhybrid.launch_env import bind_rank_cpus
