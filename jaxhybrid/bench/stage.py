@@ -10,16 +10,20 @@ per-round ratio (the noise band). Prints JSON with ``split_over_fused = (input +
 (goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
 ``split_over_fused_queued`` is the same ratio with 8 calls queued per sync: the device-bound cost, without
 the host's per-call dispatch (on a GPU about 0.5-1 ms per jitted call of a few hundred kernels).
+``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
+a call of the same kernel. The split pays for reading back what the input pass stored for the weight
+pass (2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,37 +57,6 @@ def _stage_flops(cfg, blocks: int, mb: int, seq: int, last: bool) -> float:
     w = d * (d + 2 * kvd) + d * d + (2 if cfg.kind == "gpt2" else 3) * d * f
     tok = mb * seq
     return blocks * (2.0 * tok * w + 4.0 * mb * seq * seq * d) + (2.0 * tok * d * cfg.vocab_size if last else 0.0)
-
-
-def _time(fn, *args) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0
-
-
-def _queued_times(calls: dict, repeats: int, order, depth: int = 8) -> dict[str, float]:
-    """Per-call seconds of the fused backward and of the split pair (backward_input then backward_weight)
-    when ``depth`` calls are queued before one ``block_until_ready``: the host's dispatch overlaps the
-    device work still queued, so this is the device-bound cost. Only the newest output stays referenced,
-    so queued calls do not pile up memory."""
-    def fused():
-        fn, *a = calls["backward_fused"]
-        for _ in range(depth):
-            out = fn(*a)
-        return out
-
-    def split():
-        (bi, *ai), (bw, *aw) = calls["backward_input"], calls["backward_weight"]
-        for _ in range(depth):
-            out = bi(*ai), bw(*aw)
-        return out
-
-    runs = {"fused": fused, "split": split}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(max(3, repeats // 3)):
-        for k in order.permutation(list(runs)):
-            times[k].append(_time(runs[k]) / depth)
-    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
         # variant every round.
         for k in order.permutation(names):
             fn, *a = calls[k]
-            times[k].append(_time(fn, *a) / per_mb.get(k, 1))
+            times[k].append(time_call(fn, *a) / per_mb.get(k, 1))
     med = {k: float(np.median(v)) for k, v in times.items()}
-    queued = _queued_times(calls, args.repeats, order)
+    queued = queued_times(calls, args.repeats, order)
+    by_cache = cache_times(calls, ["backward_fused", "backward_input", "backward_weight"], args.repeats, order)
+    cache_ratio = {s: (t["backward_input"] + t["backward_weight"]) / t["backward_fused"] for s, t in by_cache.items()}
     split = med["backward_input"] + med["backward_weight"]
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
     rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
@@ -179,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         # the host's per-call cost behind the kernels already queued; the synchronous ratio above pays it).
         "queued_backward_fused_s": queued["fused"], "queued_split_s": queued["split"],
         "split_over_fused_queued": queued["split"] / queued["fused"],
+        # The same ratio from a known cache state: cold (caches flushed before each call) and warm.
+        "split_over_fused_cold": cache_ratio["cold"], "split_over_fused_warm": cache_ratio["warm"],
+        "cache_state_s": by_cache,
         "split_over_plain_vjp": split / med["ref_backward"],
         "fused_over_plain_vjp": med["backward_fused"] / med["ref_backward"],
         "concat_weight_over_single": med["backward_weight_concat"] / med["backward_weight"],

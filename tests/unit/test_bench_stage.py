@@ -29,6 +29,11 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
         (out["backward_input_s"] + out["concat_s"] + out["backward_weight_concat_s"]) / out["backward_fused_s"])
     assert out["split_sum_over_fused"] == pytest.approx(
         (out["backward_input_s"] + out["backward_weight_sum_s"]) / out["backward_fused_s"])
+    for state in ("cold", "warm"):  # the same ratio from a known cache state
+        t = out["cache_state_s"][state]
+        assert min(t.values()) > 0, state
+        assert out[f"split_over_fused_{state}"] == pytest.approx(
+            (t["backward_input"] + t["backward_weight"]) / t["backward_fused"])
     assert out["grad_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
