@@ -9,6 +9,9 @@ phase (no optimizer). Printed JSON:
 - ``throughput_fused`` / ``throughput_split``: tokens/s; ``gain`` = split / fused;
 - ``theoretical_gain``: the simulated makespan ratio with F = BI = BW (2BP Table 1 for naive, GPipe,
   1F1B-1, 1F1B-2; the same simulator for the others);
+- ``expected_gain``: the same simulation with the kernel times this run measured per stage (``kernel_ms``:
+  F, fused B, BI, BW per microbatch, medians), messages free: what 2BP can gain with these kernels, which
+  are not Table 1's equal ones; ``gain_over_expected`` is how much of it the run realised;
 - ``event_loop_overhead``: on the 2BP run, the largest over ranks of wall time spent neither in stage
   kernels nor on messages (blocked receives, sends, receives), over the rank's wall time;
 - ``message_fraction``: time on messages over wall time (same run); ``kernel_time_ratio``: the stage
@@ -50,14 +53,45 @@ def default_microbatches(schedule: str, p: int) -> int:
     return 1 if schedule == "naive" else p
 
 
-def theoretical_gain(schedule: str, p: int, m: int) -> float:
-    """Makespan(fused) / makespan(2BP) with unit F, BI, BW (2BP Table 1's assumption)."""
+def theoretical_gain(schedule: str, p: int, m: int, costs=None) -> float:
+    """Makespan(fused) / makespan(2BP) under ``costs`` (default: unit F, BI, BW, 2BP Table 1's assumption;
+    the fused B then costs BI + BW)."""
     from jaxhybrid.pipeline.schedule import make_schedule
     from jaxhybrid.pipeline.simulate import simulate
 
-    fused = simulate(make_schedule(schedule, p, m, split_backward=False)).makespan
-    split = simulate(make_schedule(schedule, p, m, split_backward=True)).makespan
+    fused = simulate(make_schedule(schedule, p, m, split_backward=False), costs).makespan
+    split = simulate(make_schedule(schedule, p, m, split_backward=True), costs).makespan
     return fused / split
+
+
+def kernel_seconds(events) -> dict[tuple[int, str], list[float]]:
+    """Per (stage, kind F/B/BI/BW), the seconds per microbatch of one step's kernels; a joined BW over K
+    microbatches counts K times its duration / K (the simulator's cost of a joined BW, 2BP Fig. 2)."""
+    out: dict[tuple[int, str], list[float]] = {}
+    for e in events:
+        if e.kind in ("F", "B", "BI", "BW") and e.microbatches:
+            n = len(e.microbatches)
+            out.setdefault((e.stage, e.kind), []).extend([e.duration / n] * n)
+    return out
+
+
+def measured_costs(per_rank: list[dict], stages: int):
+    """:class:`~jaxhybrid.pipeline.costs.Costs` from the kernels this run timed (medians per stage, F over
+    the fused and the 2BP runs), messages free: the schedule's gain on this machine's kernels."""
+    import numpy as np
+
+    from jaxhybrid.pipeline.costs import Costs
+
+    merged: dict[tuple[int, str], list[float]] = {}
+    for d in per_rank:
+        for key, v in d.items():
+            merged.setdefault(key, []).extend(v)
+    missing = [(s, k) for s in range(stages) for k in ("F", "B", "BI", "BW") if not merged.get((s, k))]
+    if missing:
+        raise ValueError(f"no timed kernels for (stage, kind) {missing}")
+    med = {key: float(np.median(v)) for key, v in merged.items()}
+    per = {k: tuple(med[s, k] for s in range(stages)) for k in ("F", "B", "BI", "BW")}
+    return Costs(per["F"], per["BI"], per["BW"], backward=per["B"])
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -105,7 +139,7 @@ def _step(engine, params, batch, world) -> tuple[float, dict]:
     loop_wall = engine.loop.wall_s  # this rank's event loop, first task to the end of the flush
     compute = rec.total("F", "B", "BI", "BW")
     messages = rec.total("wait", "send", "recv")
-    return wall, {"compute": compute, "messages": messages, "wall": loop_wall}
+    return wall, {"compute": compute, "messages": messages, "wall": loop_wall, "kernels": kernel_seconds(rec.events)}
 
 
 def _worker(args: argparse.Namespace, m: int) -> int:
@@ -144,14 +178,24 @@ def _worker(args: argparse.Namespace, m: int) -> int:
     # backward (lost fusion), which caps the gain below Table 1's equal-cost assumption.
     kernel = min(x["compute"] for x in split_shares) / max(min(x["compute"] for x in shares["fused"]), 1e-12)
     kernel = topo.world.allreduce(kernel, op=_max())
+    # This rank's kernels in the fused and the 2BP runs (same transport), for the simulator on rank 0.
+    mine: dict = {}
+    for x in shares["fused"] + shares["split"]:
+        for key, v in x["kernels"].items():
+            mine.setdefault(key, []).extend(v)
+    everyone = topo.world.gather(mine, root=0)
     overhead = topo.world.allreduce(overhead, op=_max())
     msg_frac = topo.world.allreduce(msg_frac, op=_max())
     if topo.rank == 0:
+        costs = measured_costs(everyone, args.stages)
+        gain, expected = best["fused"] / best["split"], theoretical_gain(args.schedule, args.stages, m, costs)
         out = {"stages": args.stages, "schedule": args.schedule, "microbatches": m, "model": args.model,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
                "throughput_fused": tokens / best["fused"], "throughput_split": tokens / best["split"],
-               "gain": best["fused"] / best["split"],
-               "theoretical_gain": theoretical_gain(args.schedule, args.stages, m),
+               "gain": gain, "theoretical_gain": theoretical_gain(args.schedule, args.stages, m),
+               "expected_gain": expected, "gain_over_expected": gain / expected,
+               "kernel_ms": {k: [round(1e3 * v, 3) for v in getattr(costs, f)] for k, f in
+                             (("F", "forward"), ("B", "backward"), ("BI", "backward_input"), ("BW", "backward_weight"))},
                "event_loop_overhead": overhead, "message_fraction": msg_frac, "kernel_time_ratio": kernel,
                f"throughput_split_{other}": tokens / best[f"split_{other}"],
                "transport_ratio": best[f"split_{other}"] / best["split"],

@@ -127,3 +127,7 @@ def test_bench_pipeline_prints_side_by_side_json():
     assert out["gain"] == pytest.approx(out["throughput_split"] / out["throughput_fused"])
     assert out["theoretical_gain"] == pytest.approx(9 / 7)  # 2BP Table 1, 1F1B-1, N = 2
     assert 0 <= out["event_loop_overhead"] < 1
+    # The schedules simulated with this run's own kernel times (F, fused B, BI, BW per stage).
+    assert set(out["kernel_ms"]) == {"F", "B", "BI", "BW"} and all(
+        len(v) == 2 and min(v) > 0 for v in out["kernel_ms"].values())
+    assert out["gain_over_expected"] == pytest.approx(out["gain"] / out["expected_gain"])

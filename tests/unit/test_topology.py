@@ -91,6 +91,30 @@ def test_bench_theoretical_gain_is_2bp_table1():
         assert theoretical_gain("1f1b-1", n, m) == pytest.approx(3 * (2 * n - 1) / (n - 1 + 3 * n))
 
 
+def test_bench_expected_gain_uses_the_measured_kernels():
+    """The bench's expected gain simulates the schedules with the kernel times the run recorded: medians per
+    (stage, kind), a joined BW spread over its microbatches; equal kernels give Table 1 again."""
+    from jaxhybrid.bench.pipeline import kernel_seconds, measured_costs, theoretical_gain
+    from jaxhybrid.pipeline.trace import Event
+
+    def ev(stage, kind, dur, mbs):
+        return Event(stage, f"{kind}{mbs}", kind, 1.0, 1.0 + dur, mbs, stage)
+
+    rank0 = kernel_seconds([ev(0, "F", 3.0, (0,)), ev(0, "F", 5.0, (1,)), ev(0, "B", 6.0, (0,)),
+                            ev(0, "BI", 4.0, (0,)), ev(0, "BW", 4.0, (0, 1)), ev(0, "send", 9.0, (0,))])
+    assert rank0 == {(0, "F"): [3.0, 5.0], (0, "B"): [6.0], (0, "BI"): [4.0], (0, "BW"): [2.0, 2.0]}
+    rank1 = {(1, k): [v] for k, v in (("F", 4.0), ("B", 6.0), ("BI", 4.0), ("BW", 2.0))}
+    costs = measured_costs([rank0, rank1], 2)
+    assert costs.forward == (4.0, 4.0) and costs.backward == (6.0, 6.0) and costs.backward_weight == (2.0, 2.0)
+    uniform = measured_costs([{(s, k): [1.0] for s in range(2) for k in ("F", "BI", "BW")} |
+                              {(s, "B"): [2.0] for s in range(2)}], 2)
+    assert theoretical_gain("1f1b-1", 2, 2, uniform) == pytest.approx(theoretical_gain("1f1b-1", 2, 2))
+    # A fused B cheaper than BI + BW (fusion the split loses) lowers what 2BP can gain.
+    assert theoretical_gain("1f1b-1", 2, 2, costs) < theoretical_gain("1f1b-1", 2, 2)
+    with pytest.raises(ValueError, match=r"no timed kernels for \(stage, kind\) \[\(1, 'F'\)"):
+        measured_costs([rank0], 2)
+
+
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
     """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
     it; too few GPUs for the rank's block is an error naming the counts."""
