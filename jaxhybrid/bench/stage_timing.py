@@ -3,6 +3,7 @@ and calls from a known cache state (flushed, or right after the same kernel ran)
 from __future__ import annotations
 
 import glob
+import pathlib
 import time
 
 import jax
@@ -47,8 +48,8 @@ def evictor():
     least 128 MiB, which also covers an H100's 50 MB L2), on the default device: run before a timed call,
     it leaves none of that call's inputs cached."""
     llc = 0
-    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        text = open(f).read().strip().upper()
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):  # e.g. "32768K"
+        text = pathlib.Path(f).read_text().strip().upper()
         llc = max(llc, int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1))
     state = [jnp.zeros(max(2 * llc, 2**27) // 4, jnp.float32)]
     step = jax.jit(lambda b: b + 1, donate_argnums=0)
