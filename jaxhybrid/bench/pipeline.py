@@ -75,15 +75,16 @@ def kernel_seconds(events) -> dict[tuple[int, str], list[float]]:
     return out
 
 
-def measured_costs(per_rank: list[dict], stages: int):
-    """:class:`~jaxhybrid.pipeline.costs.Costs` from the kernels this run timed (medians per stage, F over
-    the fused and the 2BP runs), messages free: the schedule's gain on this machine's kernels."""
+def measured_costs(per_step: list[dict], stages: int):
+    """:class:`~jaxhybrid.pipeline.costs.Costs` from the kernels this run timed (:func:`kernel_seconds` of
+    every rank's steps; medians per stage, F over the fused and the 2BP runs), messages free: the
+    schedule's gain on this machine's kernels."""
     import numpy as np
 
     from jaxhybrid.pipeline.costs import Costs
 
     merged: dict[tuple[int, str], list[float]] = {}
-    for d in per_rank:
+    for d in per_step:
         for key, v in d.items():
             merged.setdefault(key, []).extend(v)
     missing = [(s, k) for s in range(stages) for k in ("F", "B", "BI", "BW") if not merged.get((s, k))]
@@ -178,16 +179,12 @@ def _worker(args: argparse.Namespace, m: int) -> int:
     # backward (lost fusion), which caps the gain below Table 1's equal-cost assumption.
     kernel = min(x["compute"] for x in split_shares) / max(min(x["compute"] for x in shares["fused"]), 1e-12)
     kernel = topo.world.allreduce(kernel, op=_max())
-    # This rank's kernels in the fused and the 2BP runs (same transport), for the simulator on rank 0.
-    mine: dict = {}
-    for x in shares["fused"] + shares["split"]:
-        for key, v in x["kernels"].items():
-            mine.setdefault(key, []).extend(v)
-    everyone = topo.world.gather(mine, root=0)
+    # Every rank's kernels in the fused and the 2BP runs (same transport), for the simulator on rank 0.
+    steps = topo.world.gather([x["kernels"] for x in shares["fused"] + shares["split"]], root=0)
     overhead = topo.world.allreduce(overhead, op=_max())
     msg_frac = topo.world.allreduce(msg_frac, op=_max())
     if topo.rank == 0:
-        costs = measured_costs(everyone, args.stages)
+        costs = measured_costs([d for rank in steps for d in rank], args.stages)
         gain, expected = best["fused"] / best["split"], theoretical_gain(args.schedule, args.stages, m, costs)
         out = {"stages": args.stages, "schedule": args.schedule, "microbatches": m, "model": args.model,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,

@@ -5,8 +5,8 @@ uncaught exception on any rank aborts the whole job (mpich alone would leave the
 ``MPIEXEC_TIMEOUT`` as the last resort, and one thread pool per rank sized to the cores available:
 ``OMP_NUM_THREADS`` and XLA's CPU thread flags get ``cores // N`` threads each (oversubscribed ranks
 whose pools spin starve each other, facts.md). Each rank pins itself to its share of the cores before
-JAX starts (``launch_env.bind_rank_cpus``, from ``jaxhybrid.cli.main``; a ``--script`` calls it
-itself), so XLA sizes its own pool to that share; ``--no-bind`` leaves the ranks free.
+JAX starts (``launch_env.bind_rank_cpus``, from ``jaxhybrid.cli.main``; a ``--script`` runs unpinned
+unless it calls that itself), so XLA sizes its own pool to that share; ``--no-bind`` leaves the ranks free.
 
 A rank killed by a signal leaves no Python message, and hydra's report may name a bystander. The
 launcher watches the ranks' PIDs while it relays the job's output and, when the job fails, names the
