@@ -49,19 +49,22 @@ if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   printf '%s\n' "${lines[@]}" >> "$OUT/bench_2bp.jsonl"
 fi
-# One row per stage: the goal's ratio with its per-round quartiles, and achieved TFLOP/s.
+# One row per stage: the goal's ratio with its per-round quartiles, the split's flops and bytes over the
+# fused pass's by XLA's count ("xla fl", "xla by"), and achieved TFLOP/s.
 printf '%s\n' "${lines[@]}" > "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl"
 "$py" - "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(ln) for ln in open(sys.argv[1])]
 print(f"{'model':>14} {'blocks':>6} {'mb x T':>9} {'dtype':>8} {'fused ms':>9} {'split/fused':>11} "
-      f"{'round iqr':>13} {'cold':>6} {'warm':>6} {'queued':>7} {'concat':>7} {'bwd TFLOP/s':>11}")
+      f"{'round iqr':>13} {'cold':>6} {'warm':>6} {'queued':>7} {'concat':>7} {'xla fl':>6} {'xla by':>6} "
+      f"{'bwd TFLOP/s':>11}")
 for d in rows:
     (lo, hi), (q1, q3) = d["blocks"], d["split_over_fused_rounds_iqr"]
     shape, blocks, iqr = f"{d['microbatch_size']}x{d['seq_len']}", f"{lo}:{hi}", f"{q1:.3f}-{q3:.3f}"
     print(f"{d['model']:>14} {blocks:>6} {shape:>9} {d['dtype']:>8} {d['backward_fused_s'] * 1e3:9.2f} "
           f"{d['split_over_fused']:11.3f} {iqr:>13} {d['split_over_fused_cold']:6.3f} {d['split_over_fused_warm']:6.3f} "
           f"{d['split_over_fused_queued']:7.3f} "
-          f"{d['split_concat_over_fused']:7.3f} {d['backward_fused_tflops']:11.2f}")
+          f"{d['split_concat_over_fused']:7.3f} {d['split_flops_over_fused']:6.3f} {d['split_bytes_over_fused']:6.3f} "
+          f"{d['backward_fused_tflops']:11.2f}")
 PY
 rm -f "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl"

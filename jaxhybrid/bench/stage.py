@@ -13,6 +13,9 @@ the host's per-call dispatch (on a GPU about 0.5-1 ms per jitted call of a few h
 ``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
 a call of the same kernel. The split pays for reading back what the input pass stored for the weight
 pass (2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
+``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
+kernels' flops and bytes (:mod:`jaxhybrid.model.stage_costs`), the same on every run and machine: what
+the split adds in work, apart from what the timings add in locality and per-call cost.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.config import load_config
     from jaxhybrid.model import Model, resolve_model
     from jaxhybrid.model.stage import Stage, concat_weight_residuals, reference_apply
+    from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
     from jaxhybrid.testing import max_rel_err
 
     cfg = load_config(args.config) if args.config else None
@@ -137,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
     q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
+    costs = kernel_costs(stage, params, x, tgt)
     out = {
         "model": mcfg.name, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
         "remat": args.remat, "concat_k": args.concat, "repeats": args.repeats,
@@ -157,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         # The same ratio from a known cache state: cold (caches flushed before each call) and warm.
         "split_over_fused_cold": cache_ratio["cold"], "split_over_fused_warm": cache_ratio["warm"],
         "cache_state_s": by_cache,
+        # The same kernels by XLA's count (deterministic): equal work, so timing gaps are runtime effects.
+        "xla_costs": costs, **split_ratios(costs),
         "split_over_plain_vjp": split / med["ref_backward"],
         "fused_over_plain_vjp": med["backward_fused"] / med["ref_backward"],
         "concat_weight_over_single": med["backward_weight_concat"] / med["backward_weight"],

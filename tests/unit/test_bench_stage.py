@@ -34,6 +34,10 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
         assert min(t.values()) > 0, state
         assert out[f"split_over_fused_{state}"] == pytest.approx(
             (t["backward_input"] + t["backward_weight"]) / t["backward_fused"])
+    costs = out["xla_costs"]  # XLA's count of the compiled kernels: deterministic, asserted exactly
+    for key, field in (("flops", "split_flops_over_fused"), ("bytes_accessed", "split_bytes_over_fused")):
+        assert out[field] == pytest.approx(
+            (costs["backward_input"][key] + costs["backward_weight"][key]) / costs["backward"][key])
     assert out["grad_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]

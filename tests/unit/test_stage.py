@@ -15,6 +15,7 @@ from jaxhybrid.model import Model, PRESETS
 from jaxhybrid.model import stage_kernels
 from jaxhybrid.model.residuals import ParamSlot
 from jaxhybrid.model.stage import (TIED_KEY, Stage, concat_weight_residuals, reference_apply)
+from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.testing import TOLERANCES, assert_tree_close, max_rel_err
 
@@ -225,6 +226,27 @@ def test_weight_residuals_keep_matmul_inputs_and_cotangents_and_norm_partials(ki
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g0)):
         name = jax.tree_util.keystr(path)
         assert ("ln_" in name or "bias" in name) == (not np.array_equal(a, b)), name
+
+
+@pytest.mark.parametrize("kind,lo,hi,remat", [("gpt2", 1, 2, "none"), ("llama", 1, 3, "dots"),
+                                              ("gpt2-tied", 2, 3, "full")])
+def test_weight_pass_does_only_the_weight_matmuls_by_xlas_count(kind, lo, hi, remat):
+    """XLA's flop count of the compiled kernels (middle and last stages): the weight pass is exactly
+    2BP's ``dW = x^T dy`` per matmul (2 * tokens * kernel elements) plus the batch sums of the per-sample
+    vector gradients, so it recomputes nothing of the forward; input + weight pass match the fused
+    backward to within the cheap elementwise work XLA:CPU duplicates into several consumer fusions."""
+    stage = _stage(kind, lo, hi, remat)
+    params = stage.slice_params(_full_params(kind, 0))
+    x, tgt = _inputs(stage, 7)
+    costs = kernel_costs(stage, params, x, tgt)
+    leaves = jax.tree.leaves(params)
+    matmul = sum(v.size for v in leaves if v.ndim == 2)  # block kernels, the head's (or the tied copy)
+    vectors = sum(v.size for v in leaves if v.ndim == 1)
+    assert costs["backward_weight"]["flops"] == 2 * MB * T * matmul + (MB - 1) * vectors
+    ratios = split_ratios(costs)
+    assert abs(ratios["split_flops_over_fused"] - 1) < 0.03, (ratios, costs)
+    assert costs["backward_input"]["flops"] > costs["backward_weight"]["flops"] > 0
+    assert min(c["bytes_accessed"] for c in costs.values()) > 0
 
 
 def test_kernels_compile_once_per_shape():

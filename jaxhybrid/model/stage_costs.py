@@ -1,0 +1,48 @@
+"""What XLA counts for a :class:`~jaxhybrid.model.stage.Stage`'s compiled kernels: flops and bytes.
+
+2BP (Sec. 3) splits the backward without adding arithmetic: the input pass does the input-gradient
+work and the weight pass only the ``dW = x^T dy`` matmuls (plus the batch sums of per-sample norm and
+bias gradients). :func:`kernel_costs` reads that off the compiled programs themselves, so it holds on
+any backend and is free of timing noise: ``backward_input + backward_weight`` flops equal the fused
+``backward``'s, and a weight pass that recomputed any of the forward would show up as extra flops.
+The bytes are XLA's count at fusion boundaries (operands read plus results written, per fusion): equal
+bytes with unequal times point at cache locality or scheduling, not at extra traffic.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+KERNELS = ("forward", "backward_input", "backward_weight", "backward")
+
+
+def _cost(jitted, *args) -> dict[str, float]:
+    ca = jitted.lower(*args).compile().cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca  # a list per program in older jax
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def kernel_costs(stage, params, x, targets=None) -> dict[str, dict[str, float]]:
+    """``{kernel: {"flops", "bytes_accessed"}}`` of the four compiled kernels on one microbatch shaped
+    like ``x`` (one forward and one input pass run to get real residuals; the programs are the ones the
+    stage's public methods call, with no gradient sum ``acc``). Inputs are checked as ``forward`` checks."""
+    y, res = stage.forward(params, x, targets)
+    dy = jnp.ones_like(y)
+    _, wr = stage.backward_input(res, dy)
+    x, targets = stage._check_inputs(params, x, targets)
+    bi_args = ((res.params, res.seg_inputs, res.targets, dy) if stage.remat == "full"
+               else (res.params, res.vjp, dy))
+    progs = {"forward": (stage._fwd, params, x, targets), "backward_input": (stage._bi, *bi_args),
+             "backward_weight": (stage._bw, params, wr, None), "backward": (stage._fused, res, dy, None)}
+    return {k: _cost(fn, *a) for k, (fn, *a) in progs.items()}
+
+
+def split_ratios(costs: dict[str, dict[str, float]]) -> dict[str, float]:
+    """(input + weight) / fused for flops and for bytes: what the split costs by XLA's own count."""
+    def ratio(key):
+        fused = costs["backward"][key]
+        return (costs["backward_input"][key] + costs["backward_weight"][key]) / fused if fused else float("nan")
+
+    return {"split_flops_over_fused": ratio("flops"), "split_bytes_over_fused": ratio("bytes_accessed")}
+
+
+__all__ = ["KERNELS", "kernel_costs", "split_ratios"]
