@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
     q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
-    costs = kernel_costs(stage, params, x, tgt)
+    costs = kernel_costs(stage, params, x, tgt, res, dy, wr)
     out = {
         "model": mcfg.name, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
         "remat": args.remat, "concat_k": args.concat, "repeats": args.repeats,

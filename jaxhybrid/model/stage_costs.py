@@ -12,8 +12,6 @@ bytes with unequal times point at cache locality or scheduling, not at extra tra
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 
 def _cost(jitted, *args) -> dict[str, float]:
     ca = jitted.lower(*args).compile().cost_analysis()
@@ -21,13 +19,11 @@ def _cost(jitted, *args) -> dict[str, float]:
     return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
 
 
-def kernel_costs(stage, params, x, targets=None) -> dict[str, dict[str, float]]:
-    """``{kernel: {"flops", "bytes_accessed"}}`` of the four compiled kernels on one microbatch shaped
-    like ``x`` (one forward and one input pass run to get real residuals; the programs are the ones the
-    stage's public methods call, with no gradient sum ``acc``). Inputs are checked as ``forward`` checks."""
-    y, res = stage.forward(params, x, targets)
-    dy = jnp.ones_like(y)
-    _, wr = stage.backward_input(res, dy)
+def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, float]]:
+    """``{kernel: {"flops", "bytes_accessed"}}`` of the four compiled kernels for one microbatch: the
+    programs the stage's public methods call (with no gradient sum ``acc``), lowered on the caller's own
+    ``forward`` residuals ``res``, cotangent ``dy`` and ``backward_input`` weight residuals ``wr``, so
+    nothing is run again. ``x`` and ``targets`` are normalised as ``forward`` does."""
     x, targets = stage._check_inputs(params, x, targets)
     bi_args = ((res.params, res.seg_inputs, res.targets, dy) if stage.remat == "full"
                else (res.params, res.vjp, dy))
