@@ -38,8 +38,10 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxhybrid.host_alloc import configure_host_malloc
     from jaxhybrid.launch_env import bind_rank_cpus
 
+    configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity

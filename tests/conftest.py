@@ -1,4 +1,5 @@
-"""Test-wide setup that must happen before JAX starts: 8 fake CPU devices, CPU only, few threads, and
+"""Test-wide setup that must happen before JAX starts: glibc's malloc tuned as the ``jaxhybrid`` command
+tunes it (``jaxhybrid.host_alloc``), 8 fake CPU devices, CPU only, few threads, and
 the trainer's persistent XLA cache for the session (``enable_compilation_cache``: $JAXHYBRID_CACHE/xla,
 file-locked, so ranks and this process share it). Tests build identical stages in new jit objects and
 MPI grids compile the same stage, optimizer and reference programs: each compiles once. Every program is
@@ -10,6 +11,9 @@ Tests that need another device count run in a subprocess. Shared helpers live in
 """
 import os
 
+from jaxhybrid.host_alloc import configure_host_malloc
+
+configure_host_malloc()  # before JAX starts: no fresh mmap per execution (jaxhybrid/host_alloc.py)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
