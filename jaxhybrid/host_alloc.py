@@ -6,7 +6,7 @@ request above its mmap threshold (adaptive, at most 32 MiB), and any request a t
 heaps) cannot hold, with a fresh ``mmap`` that ``free`` unmaps again; below it, free heap above the trim
 threshold goes back to the kernel. Either way the kernel zero-fills every page anew on first touch.
 Measured on a 2-core CPU: 25,400 minor page faults per step of the ``tiny.yaml`` job (its 100 MB of
-temporaries, every step), 0.063 s per step; with the settings below none, 0.041 s. A 2BP input pass, whose
+temporaries, every step), 0.063-0.069 s per step; with the settings below none, 0.041-0.050 s. A 2BP input pass, whose
 results are the weight pass's residuals, paid up to 3,900 faults per call (llama-tiny, 16 x 128 tokens:
 11 ms instead of 5.3) or none, by where glibc's adaptive thresholds happened to stand.
 
