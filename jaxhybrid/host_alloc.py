@@ -6,19 +6,24 @@ request above its mmap threshold (adaptive, at most 32 MiB), and any request a t
 heaps) cannot hold, with a fresh ``mmap`` that ``free`` unmaps again; below it, free heap above the trim
 threshold goes back to the kernel. Either way the kernel zero-fills every page anew on first touch.
 Measured on a 2-core CPU: 25,400 minor page faults per step of the ``tiny.yaml`` job (its 100 MB of
-temporaries, every step), 0.063-0.069 s per step; with the settings below none, 0.041-0.050 s. A 2BP input pass, whose
-results are the weight pass's residuals, paid up to 3,900 faults per call (llama-tiny, 16 x 128 tokens:
-11 ms instead of 5.3) or none, by where glibc's adaptive thresholds happened to stand.
+temporaries, every step), 0.063-0.069 s per step; with the settings below none, 0.041-0.050 s. A 2BP
+input pass, whose results are the weight pass's residuals, paid up to 3,900 faults per call (llama-tiny,
+16 x 128 tokens: 11 ms instead of 5.3) or none, by where glibc's adaptive thresholds happened to stand.
 
-What :func:`configure_host_malloc` sets with ``mallopt``: ``M_ARENA_MAX = 1`` (every thread allocates from
-the main arena, which grows with ``brk`` and holds any size), ``M_MMAP_MAX = 0`` (never ``mmap``) and
-``M_TRIM_THRESHOLD`` at its maximum (never hand free heap back). The same three settings low-latency
-services use. The price: the process keeps its resident high-water mark, as a caching device allocator
-does, and all threads share one arena (XLA's workers allocate per program, not per element).
+What :func:`configure_host_malloc` sets with ``mallopt``: ``M_MMAP_MAX = 0`` (never ``mmap``) and
+``M_TRIM_THRESHOLD`` at its maximum (never hand free heap back), and, in a process that drives one CPU
+device, ``M_ARENA_MAX = 1`` (every thread allocates from the main arena, which grows with ``brk`` and holds
+any size; a thread arena still mmaps what its 64 MiB heaps cannot hold: without it the step above kept its
+25,400 faults). With several CPU devices in one process (``--xla_force_host_platform_device_count``, the
+tests' fake devices) one arena serialises their threads: ``tiny.yaml`` on a 2 x 2 x 2 tensor mesh ran
+0.063-0.065 s per step against 0.054-0.056 with per-thread arenas, whose per-device buffers fit their
+heaps (no faults either way). The price: the process keeps its resident high-water mark, as a caching
+device allocator does.
 
 It must run before JAX starts its CPU client: threads that already allocated keep their own arenas, which
 ``mmap`` large requests regardless (measured: no effect when set after the first computation). The
-``jaxhybrid`` command calls it first thing; a library user calls it at the top of their script.
+``jaxhybrid`` command calls it first thing; a library user calls it at the top of their script, after
+setting ``XLA_FLAGS``.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 import sys
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,13 @@ def _skip_reason(environ) -> str | None:
     return None
 
 
+def cpu_devices(environ) -> int:
+    """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``
+    or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``."""
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    return max(int(environ.get("JAX_NUM_CPU_DEVICES") or 1), int(m.group(1)) if m else 1)
+
+
 def configure_host_malloc(environ=None) -> dict:
     """Apply the settings once per process; returns ``{"applied": bool, "reason" or settings}``. Skipped
     (and said why) off glibc, with ``JAXHYBRID_HOST_MALLOC=system``, when the environment already sets one
@@ -59,11 +72,14 @@ def configure_host_malloc(environ=None) -> dict:
     global _applied
     if _applied is not None:
         return _applied
-    reason = _skip_reason(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    reason = _skip_reason(environ)
     if reason is None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        settings = {"M_ARENA_MAX": (M_ARENA_MAX, 1), "M_MMAP_MAX": (M_MMAP_MAX, 0),
+        settings = {"M_MMAP_MAX": (M_MMAP_MAX, 0),
                     "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, -1)}  # -1: the largest size_t, never trim
+        if cpu_devices(environ) == 1:
+            settings = {"M_ARENA_MAX": (M_ARENA_MAX, 1), **settings}
         failed = [k for k, (param, value) in settings.items() if libc.mallopt(param, value) != 1]
         if failed:
             reason = f"mallopt refused {', '.join(failed)}"
@@ -75,4 +91,4 @@ def configure_host_malloc(environ=None) -> dict:
     return _applied
 
 
-__all__ = ["configure_host_malloc", "OPT_OUT"]
+__all__ = ["configure_host_malloc", "cpu_devices", "OPT_OUT"]

@@ -13,11 +13,11 @@ import os
 
 from jaxhybrid.host_alloc import configure_host_malloc
 
-configure_host_malloc()  # before JAX starts: no fresh mmap per execution (jaxhybrid/host_alloc.py)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+configure_host_malloc()  # after XLA_FLAGS (it reads the device count), before JAX starts
 
 from jaxhybrid.commands.train import enable_compilation_cache  # noqa: E402 (after the environment)
 

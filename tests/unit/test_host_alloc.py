@@ -10,7 +10,7 @@ import textwrap
 import jax
 import pytest
 
-from jaxhybrid.host_alloc import OPT_OUT, _skip_reason
+from jaxhybrid.host_alloc import OPT_OUT, _skip_reason, cpu_devices
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="the tuning is glibc's")
@@ -34,8 +34,9 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(**env) -> dict:
+    """The probe in a fresh process with one CPU device (as ``jaxhybrid train`` runs by default)."""
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", OPT_OUT)}
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", OPT_OUT, "XLA_FLAGS")}
     out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -45,13 +46,15 @@ def _probe(**env) -> dict:
 @glibc
 def test_tuned_malloc_keeps_a_large_temporary_mapped_between_calls():
     tuned, system = _probe(), _probe(**{OPT_OUT: "system"})
-    assert tuned["status"]["applied"], tuned["status"]
+    assert tuned["status"] == {"applied": True, "M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": -1}
     assert system["status"] == {"applied": False, "reason": f"{OPT_OUT}=system"}
     pages = tuned["temp_pages"]
     assert pages >= 16384, tuned  # the probe really has a 64 MiB temporary
     # glibc's defaults mmap it afresh per call (every page faults); tuned, it stays in the heap.
     assert system["faults_per_call"] > 0.9 * pages, system
     assert tuned["faults_per_call"] < 0.02 * pages, tuned
+    several = _probe(XLA_FLAGS="--xla_force_host_platform_device_count=4")["status"]
+    assert several == {"applied": True, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": -1}, several  # per-thread arenas
 
 
 def test_skipped_with_the_reason_named():
@@ -64,3 +67,10 @@ def test_skipped_with_the_reason_named():
 def test_too_late_once_jax_runs():
     jax.devices()  # the backend's threads already hold their own arenas
     assert "already started" in _skip_reason({})
+
+
+def test_one_arena_only_for_a_single_cpu_device():
+    """Several fake CPU devices in one process keep per-thread arenas (one arena serialised them)."""
+    assert cpu_devices({}) == 1
+    assert cpu_devices({"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"}) == 8
+    assert cpu_devices({"JAX_NUM_CPU_DEVICES": "4"}) == 4
