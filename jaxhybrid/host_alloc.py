@@ -62,7 +62,8 @@ def cpu_devices(environ) -> int:
     """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``
     or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``."""
     m = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
-    return max(int(environ.get("JAX_NUM_CPU_DEVICES") or 1), int(m.group(1)) if m else 1)
+    n = environ.get("JAX_NUM_CPU_DEVICES", "").strip()  # JAX names a malformed value itself, later
+    return max(int(n) if n.isdigit() else 1, int(m.group(1)) if m else 1)
 
 
 def configure_host_malloc(environ=None) -> dict:

@@ -74,3 +74,4 @@ def test_one_arena_only_for_a_single_cpu_device():
     assert cpu_devices({}) == 1
     assert cpu_devices({"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"}) == 8
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "4"}) == 4
+    assert cpu_devices({"JAX_NUM_CPU_DEVICES": "four"}) == 1  # not this module's error to raise
