@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 import re
 import sys
 
@@ -44,14 +43,27 @@ _USER_KNOBS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
 _applied: dict | None = None
 
 
+def glibc() -> bool:
+    """Whether this process runs on glibc (whose ``mallopt`` options these are)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr, or no such name off glibc
+        return False
+
+
+def host_malloc_status() -> dict:
+    """What :func:`configure_host_malloc` did in this process, without configuring anything (reports)."""
+    return _applied if _applied is not None else {"applied": False, "reason": "configure_host_malloc not called"}
+
+
 def _skip_reason(environ) -> str | None:
     if environ.get(OPT_OUT, "").lower() == "system":
         return f"{OPT_OUT}=system"
     set_by_user = [k for k in _USER_KNOBS if k in environ]
     if set_by_user:
         return f"the environment sets {', '.join(set_by_user)}"
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return f"not glibc ({sys.platform}, {platform.libc_ver()[0] or 'unknown libc'})"
+    if not glibc():
+        return f"not glibc ({sys.platform})"
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is not None and getattr(bridge, "backends_are_initialized", lambda: False)():
         return "JAX's backend already started (its threads keep their own arenas)"
@@ -92,4 +104,4 @@ def configure_host_malloc(environ=None) -> dict:
     return _applied
 
 
-__all__ = ["configure_host_malloc", "cpu_devices", "OPT_OUT"]
+__all__ = ["configure_host_malloc", "host_malloc_status", "cpu_devices", "glibc", "OPT_OUT"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
-from jaxhybrid.host_alloc import configure_host_malloc
+from jaxhybrid.host_alloc import host_malloc_status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "forward_tflops": fl / med["forward"] / 1e12, "backward_split_tflops": 2 * fl / split / 1e12,
         "backward_fused_tflops": 2 * fl / med["backward_fused"] / 1e12,
         "goal_split_over_fused": 1.05, "device": jax.devices()[0].device_kind,
-        "host_malloc": configure_host_malloc(),  # the process's malloc settings (jaxhybrid/host_alloc.py)
+        "host_malloc": host_malloc_status(),  # the process's malloc settings (jaxhybrid/host_alloc.py)
     }
     if not args.json:
         for k, v in out.items():

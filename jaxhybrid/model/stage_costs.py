@@ -25,9 +25,7 @@ def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, 
     ``forward`` residuals ``res``, cotangent ``dy`` and ``backward_input`` weight residuals ``wr``, so
     nothing is run again. ``x`` and ``targets`` are normalised as ``forward`` does."""
     x, targets = stage._check_inputs(params, x, targets)
-    bi_args = ((res.params, res.seg_inputs, res.targets, dy) if stage.remat == "full"
-               else (res.params, res.vjp, dy))
-    progs = {"forward": (stage._fwd, params, x, targets), "backward_input": (stage._bi, *bi_args),
+    progs = {"forward": (stage._fwd, params, x, targets), "backward_input": (stage._bi, *stage._bi_args(res, dy)),
              "backward_weight": (stage._bw, params, wr, None), "backward": (stage._fused, res, dy, None)}
     return {k: _cost(fn, *a) for k, (fn, *a) in progs.items()}
 

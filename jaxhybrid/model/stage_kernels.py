@@ -199,12 +199,19 @@ class StageKernels(StageChecks):
         x, targets = self._check_inputs(params, x, targets)
         return self._eval(params, x, targets)
 
+    def _bi_args(self, residuals: Residuals, dy) -> tuple:
+        """The input-pass kernel's arguments for either residual layout (segment inputs or saved vjp)."""
+        if self.remat == "full":
+            return residuals.params, residuals.seg_inputs, residuals.targets, dy
+        return residuals.params, residuals.vjp, dy
+
     def backward_input(self, residuals: Residuals, dy):
         """2BP backward-p1: ``(dx, weight_residuals)``; ``dx`` is None on the first stage (tokens)."""
         dy = self._check_cotangent(residuals, dy)
+        out = self._bi(*self._bi_args(residuals, dy))
         if self.remat == "full":
-            return self._bi(residuals.params, residuals.seg_inputs, residuals.targets, dy)
-        dx, cots, parts = self._bi(residuals.params, residuals.vjp, dy)
+            return out
+        dx, cots, parts = out
         return dx, WeightResiduals(residuals.records, cots, parts, residuals.site_index)
 
     def backward_weight(self, params, weight_residuals, acc=None):

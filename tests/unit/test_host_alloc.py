@@ -2,7 +2,6 @@
 fault per page on every call. Each probe is a fresh process: the settings must precede JAX's backend."""
 import json
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -11,9 +10,9 @@ import jax
 import pytest
 
 from jaxhybrid.host_alloc import OPT_OUT, _skip_reason, cpu_devices
+from jaxhybrid.host_alloc import glibc as is_glibc
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                           reason="the tuning is glibc's")
+glibc = pytest.mark.skipif(not is_glibc(), reason="the tuning is glibc's")
 
 PROBE = textwrap.dedent("""
     import json, resource
