@@ -91,6 +91,10 @@ def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | li
     return bounds
 
 
+# Write ends of the launcher's ``.alive`` FIFOs held by this process (:meth:`Topology._record_pid`).
+_ALIVE: dict[str, int] = {}
+
+
 class Topology:
     """This rank's place in the grid and its communicators (collective construction on all ranks).
 
@@ -121,7 +125,8 @@ class Topology:
     def _record_pid(self) -> None:
         """Under ``jaxhybrid launch``, leave ``rank -> pid``, and a ``.exit`` marker when the interpreter
         exits normally, so that the launcher can name the first rank that ended abnormally (killed by a
-        signal, or aborted: ``MPI_Abort`` skips Python's exit handlers) (``commands/rankwatch.py``)."""
+        signal, or aborted: ``MPI_Abort`` skips Python's exit handlers), and hold the write end of the
+        launcher's ``.alive`` FIFO until this process's files close (``commands/rankwatch.py``)."""
         import atexit
         import os
 
@@ -131,6 +136,11 @@ class Topology:
             with open(base + ".pid", "w") as f:
                 f.write(f"{os.getpid()} {self.who}")
             atexit.register(lambda: os.path.isdir(pid_dir) and open(base + ".exit", "w").close())
+            if base not in _ALIVE and os.path.exists(base + ".alive"):
+                try:  # never closed by us: the kernel closes it when the process ends, however it ends
+                    _ALIVE[base] = os.open(base + ".alive", os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:  # ENXIO: the launcher's reader is gone; its PID watch still applies
+                    pass
 
     @classmethod
     def from_config(cls, cfg: Config, comm: Any = None) -> "Topology":

@@ -9,8 +9,8 @@ JAX starts (``launch_env.bind_rank_cpus``, from ``jaxhybrid.cli.main``; a ``--sc
 unless it calls that itself), so XLA sizes its own pool to that share; ``--no-bind`` leaves the ranks free.
 
 A rank killed by a signal leaves no Python message, and hydra's report may name a bystander. The
-launcher watches the ranks' PIDs while it relays the job's output and, when the job fails, names the
-first rank that ended abnormally (:mod:`jaxhybrid.commands.rankwatch`).
+launcher watches the ranks while it relays the job's output and, when the job fails, names the rank that
+reported its failure or else the first rank that ended abnormally (:mod:`jaxhybrid.commands.rankwatch`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, bystanders, name_hydra_pids
+from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
 
 
@@ -166,12 +166,6 @@ def run(args: argparse.Namespace) -> int:
         rc = proc.wait()
         watch.stop()
         if rc != 0:
-            first = watch.first_abnormal(bystanders(tail))
-            if len(first) > 1:  # ended before the watcher woke: their order is unknown
-                named = [f"{', '.join(first)} ended abnormally, together the first ranks to end"]
-            else:
-                named = [f"{who} ended abnormally, the first rank to end" for who in first] or \
-                    [f"{who} ended abnormally" for who in name_hydra_pids(tail, Path(pid_dir))]
-            for what in named:
-                print(f"jaxhybrid launch: {what}; the job was stopped (exit code {rc})", file=sys.stderr, flush=True)
+            print(f"jaxhybrid launch: {failure_summary(watch, tail)}; the job was stopped (exit code {rc})",
+                  file=sys.stderr, flush=True)
         return rc

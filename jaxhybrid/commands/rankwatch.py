@@ -1,15 +1,15 @@
-"""Which rank of a ``jaxhybrid launch`` job ended first, for the launcher's failure report.
+"""Which rank of a failed ``jaxhybrid launch`` job to name, for the launcher's report.
 
 Each rank records ``rank -> pid`` in the directory given by ``JAXHYBRID_PID_DIR`` when its topology is
-made, and a ``rank<r>.exit`` marker when its interpreter exits normally (see :mod:`jaxhybrid.topology`).
-A rank killed by a signal (the OOM killer, ``kill -9``) leaves no Python message, and hydra's report
-is no help: it names the PID of whichever process it saw end, often a bystander that MPI aborted once
-its peer vanished (measured: a 2 x 2 job whose rank 3 was killed was reported by the PID of rank 0, in
-another run of rank 1). :class:`RankWatch` watches the ranks' PIDs while the job runs and keeps the
-order in which they ended, so the launcher can name the first rank that ended without its exit marker
-and without mpich's report that it aborted on a peer's failure (:func:`bystanders`); all of them when
-several end before the watcher wakes. Hydra's ``PID n`` lines are the fallback
-(:func:`name_hydra_pids`), e.g. for a rank that died before it recorded its PID.
+made, holds the write end of its ``rank<r>.alive`` FIFO there until it ends, and leaves a ``rank<r>.exit``
+marker when its interpreter exits normally (see :mod:`jaxhybrid.topology`). A rank killed by a signal
+(the OOM killer, ``kill -9``) leaves no Python message, and hydra's report is no help: it names the PID of
+whichever process it saw end, often a bystander that MPI aborted once its peer vanished (measured: a
+2 x 2 job whose rank 3 was killed was reported by the PID of rank 0, in another run of rank 1).
+:class:`RankWatch` watches the ranks while the job runs and keeps the order in which they ended, so the
+launcher can name the first rank that ended without its exit marker and without mpich's report that it
+aborted on a peer's failure (:func:`bystanders`); all of them when several end before the watcher wakes.
+A rank that reported its own failure is named before any of that (:func:`failure_summary`).
 """
 from __future__ import annotations
 
@@ -61,43 +61,79 @@ def _alive(pid: int) -> bool:
         return not Path("/proc").is_dir() or Path(f"/proc/{pid}").exists()
 
 
+def alive_fifo(pid_dir: Path | str, rank: int) -> Path:
+    """The FIFO whose write end rank ``rank`` holds open for its lifetime (:meth:`RankWatch.__init__`)."""
+    return Path(pid_dir) / f"rank{rank}.alive"
+
+
 class RankWatch(threading.Thread):
-    """Watches the PIDs of the ``n`` ranks (their PID files are read until all ``n`` appeared) and records
-    the order in which they end: ``ended`` is a list of ``(wake-up number, pid, who)``. Where the kernel
-    has pidfds (Linux 5.3) the thread sleeps in ``poll`` on them and wakes at the first exit; hydra needs
-    longer to stop the other ranks, so the first rank usually ends alone in its wake-up (a 2-core machine
-    starved a 20 ms polling loop enough that bystanders often shared its tick). Elsewhere it polls."""
+    """Records the order in which the ``n`` ranks end: ``ended`` is a list of ``(wake-up number, pid, who)``.
+
+    A rank has ended at the first of two events, whichever the thread's ``poll`` sees first:
+    - its FIFO hung up (:func:`alive_fifo`, made here before the job starts; the rank opens the write end
+      when its topology is made). The kernel closes a process's files as soon as its last thread drops
+      them, the moment hydra's proxy sees the rank's pipes close and starts killing the others. The exit
+      that a pidfd reports can come tens of milliseconds later: the thread that drops the address space
+      may finish after the one that closed the files (measured: in 3 of 31 runs of a 2 x 2 job whose rank
+      3 was killed, a bystander's pidfd fired first);
+    - its PID ended: a pidfd (Linux 5.3) or, without one, a ``period_s`` polling loop. This catches a
+      rank that ended before it opened its FIFO.
+    PID files are read until all ``n`` ranks appeared. Hydra needs milliseconds to stop the others, so
+    the first rank usually ends alone in its wake-up."""
 
     def __init__(self, pid_dir: Path, n: int, period_s: float = 0.02):
         super().__init__(daemon=True, name="jaxhybrid-rankwatch")
         self.pid_dir, self.n, self.period_s = Path(pid_dir), n, period_s
         self.ended: list[tuple[int, int, str]] = []
         self._halt = threading.Event()
+        self._fifos: dict[int, int] = {}  # fd of the read end -> rank
+        for r in range(n):
+            path = alive_fifo(self.pid_dir, r)
+            if not path.exists():
+                os.mkfifo(path)
+            # Non-blocking: opening does not wait for a writer, and poll reports a hang-up only after one
+            # has connected and gone.
+            self._fifos[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = r
 
     def run(self) -> None:
-        names: dict[int, str] = {}  # every rank seen so far
-        live: dict[int, int | None] = {}  # pid -> its pidfd (None: polled)
+        names: dict[int, str] = {}  # pid -> who, every rank seen so far
+        pidfds: dict[int, int | None] = {}  # pid -> its pidfd (None: polled)
         poller, tick = select.poll(), 0
+        for fd in self._fifos:
+            poller.register(fd, select.POLLIN)
+
+        def learn() -> None:
+            for pid, who in read_pid_files(self.pid_dir).items():
+                if pid not in names:
+                    names[pid], pidfds[pid] = who, _pidfd(pid)
+                    if pidfds[pid] is not None:
+                        poller.register(pidfds[pid], select.POLLIN)
+
         try:
             while not self._halt.is_set():
                 if len(names) < self.n:
-                    for pid, who in read_pid_files(self.pid_dir).items():
-                        if pid not in names:
-                            names[pid] = who
-                            live[pid] = _pidfd(pid)
-                            if live[pid] is not None:
-                                poller.register(live[pid], select.POLLIN)
+                    learn()
                 ready = {fd for fd, _ in poller.poll(self.period_s * 1000)}
                 tick += 1
-                gone = sorted(p for p, fd in live.items() if (fd in ready if fd is not None else not _alive(p)))
+                hung = {self._fifos[fd] for fd in ready if fd in self._fifos}
+                if len(names) < self.n and hung:
+                    learn()  # a rank writes its PID file before it opens its FIFO
+                gone = sorted(p for p, fd in pidfds.items()
+                              if (fd in ready if fd is not None else not _alive(p)) or _rank_of(names[p]) in hung)
                 for pid in gone:
-                    fd = live.pop(pid)
-                    if fd is not None:
-                        poller.unregister(fd)
-                        os.close(fd)
+                    rank = _rank_of(names[pid])
+                    for fd in (pidfds.pop(pid), *[f for f, r in self._fifos.items() if r == rank]):
+                        if fd is not None:
+                            poller.unregister(fd)
+                            os.close(fd)
+                            self._fifos.pop(fd, None)
                     self.ended.append((tick, pid, names[pid]))
+                for fd in ready & set(self._fifos):  # hung up with no PID file: its PID is watched instead
+                    poller.unregister(fd)
+                    del self._fifos[fd]
+                    os.close(fd)
         finally:
-            for fd in live.values():
+            for fd in [*pidfds.values(), *self._fifos]:
                 if fd is not None:
                     os.close(fd)
 
@@ -116,13 +152,41 @@ class RankWatch(threading.Thread):
         return [f"{who} (pid {pid})" for tick, pid, who in culprits if tick == culprits[0][0]]
 
 
+# A rank's own report of its failure (jaxhybrid.pipeline.watchdog): "jaxhybrid: rank R (stage i, replica j)
+# failed: ..." or "jaxhybrid watchdog: rank R (...) made no progress ...".
+_OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: (rank (\d+) \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)")
+
+
+def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
+    """``(rank, who)`` of the ranks that reported their own failure, in the order of their reports."""
+    found = [m for line in output_lines for m in [_OWN_REPORT.search(line)] if m]
+    return [(int(m.group(2)), m.group(1)) for m in found]
+
+
 def bystanders(output_lines: list[str]) -> set[int]:
     """Ranks that MPI aborted after noticing another's failure: mpich's ``Abort(c) on node R`` (R the
     world rank) without the rank's own ``jaxhybrid: rank R ... failed`` or watchdog report."""
-    text = "\n".join(output_lines)
-    aborted = re.findall(r"Abort\(-?\d+\) on node (\d+)", text)
-    own = re.findall(r"jaxhybrid(?: watchdog)?: rank (\d+) .*(?:failed|made no progress)", text)
-    return {int(r) for r in aborted} - {int(r) for r in own}
+    aborted = re.findall(r"Abort\(-?\d+\) on node (\d+)", "\n".join(output_lines))
+    return {int(r) for r in aborted} - {r for r, _ in reporters(output_lines)}
+
+
+def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
+    """The launcher's one line on a failed job, from the best evidence there is:
+    1. the first rank that reported its own failure (an exception, the watchdog). It aborted the job, and
+       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end (measured: a hung
+       rank 1 of 2 whose watchdog fired ended after rank 0);
+    2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
+    3. hydra's ``PID n`` lines (:func:`name_hydra_pids`), e.g. for a rank that died before recording it."""
+    own = reporters(output_lines)
+    if own:
+        return f"{own[0][1]} reported the failure first (its message is above)"
+    first = watch.first_abnormal(bystanders(output_lines))
+    if len(first) > 1:  # ended before the watcher woke: their order is unknown
+        return f"{', '.join(first)} ended abnormally, together the first ranks to end"
+    if first:
+        return f"{first[0]} ended abnormally, the first rank to end"
+    named = name_hydra_pids(output_lines, watch.pid_dir)
+    return f"{', '.join(named)} ended abnormally (hydra's report)" if named else "no rank was seen to end first"
 
 
 def _rank_of(who: str) -> int:

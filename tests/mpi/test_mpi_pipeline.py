@@ -109,6 +109,9 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     took = ended - float(stamp.read_text())
     assert took < 10, f"{mode}: the job took {took:.1f} s to end after the fault"
     assert re.search(expect, out), out[-3000:]
+    own = re.search(r"jaxhybrid(?: watchdog)?: (rank \d+ \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)", out)
+    if mode in ("exception", "hang"):  # the rank that aborted the job is named, though others ended first
+        assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
 
 
 def test_bench_pipeline_prints_side_by_side_json():

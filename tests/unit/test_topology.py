@@ -234,3 +234,57 @@ def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_rank_watch_takes_a_closed_alive_fifo_as_the_end(tmp_path):
+    """A rank's files close before its exit is reported to a pidfd (the last thread may still be freeing
+    the address space), and hydra reacts to the closing: a rank whose ``.alive`` FIFO hung up has ended,
+    though its PID is still there. A rank that never opened its FIFO is still watched by its PID."""
+    import subprocess
+    import sys
+    import time
+
+    from jaxhybrid.commands.rankwatch import RankWatch, alive_fifo
+
+    watch = RankWatch(tmp_path, 2, period_s=0.01)
+    holds = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK); "
+             "open(sys.argv[2], 'w').close(); sys.stdin.readline(); os.close(fd); time.sleep(60)")
+    fifo_rank = subprocess.Popen([sys.executable, "-c", holds, str(alive_fifo(tmp_path, 0)), str(tmp_path / "r0")],
+                                 stdin=subprocess.PIPE, text=True)
+    pid_rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for r, p in enumerate((fifo_rank, pid_rank)):
+            (tmp_path / f"rank{r}.pid").write_text(f"{p.pid} rank {r} (stage {r}, replica 0)")
+        watch.start()
+        while not (tmp_path / "r0").exists():
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert watch.ended == []  # a connected FIFO is quiet
+        fifo_rank.stdin.write("\n"), fifo_rank.stdin.flush()  # closes its FIFO, its PID lives on
+        time.sleep(0.3)
+        pid_rank.kill(), pid_rank.wait()
+        time.sleep(0.3)
+        watch.stop()
+        assert fifo_rank.poll() is None
+        assert [(pid, who) for _, pid, who in watch.ended] == [
+            (fifo_rank.pid, "rank 0 (stage 0, replica 0)"), (pid_rank.pid, "rank 1 (stage 1, replica 0)")]
+        assert watch.ended[0][0] < watch.ended[1][0]
+    finally:
+        for p in (fifo_rank, pid_rank):
+            p.kill()
+
+
+def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
+    """The rank that aborted the job is named even when MPI_Abort ended another rank before it."""
+    from jaxhybrid.commands.rankwatch import RankWatch, failure_summary
+
+    watch = RankWatch(tmp_path, 2)
+    watch.ended = [(3, 101, "rank 0 (stage 0, replica 0)"), (4, 102, "rank 1 (stage 1, replica 0)")]
+    report = ["jaxhybrid watchdog: rank 1 (stage 1, replica 0) made no progress for 2.0 s (deadline 2 s); now: ...",
+              "Abort(3) on node 1 (rank 1 in comm 496): application called MPI_Abort(comm=0x84000001, 3) - process 1"]
+    assert failure_summary(watch, report) == "rank 1 (stage 1, replica 0) reported the failure first (its message is above)"
+    assert failure_summary(watch, report[1:]) == "rank 0 (stage 0, replica 0) (pid 101) ended abnormally, the first rank to end"
+    watch.ended = []
+    hydra = ["=   PID 102 RUNNING AT node7"]
+    (tmp_path / "rank1.pid").write_text("102 rank 1 (stage 1, replica 0)")
+    assert failure_summary(watch, hydra) == "rank 1 (stage 1, replica 0) (pid 102) ended abnormally (hydra's report)"
