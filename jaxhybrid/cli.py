@@ -1,6 +1,8 @@
 """``jaxhybrid`` command line: one sub-command per module, imported only when used.
 
-Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Errors a user can fix
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``, and may expose
+``prepare(args)``, run before JAX starts (and before :func:`~jaxhybrid.host_alloc.configure_host_malloc`,
+which reads the CPU device count from the environment it settles). Errors a user can fix
 (:class:`ValueError`, including :class:`~jaxhybrid.config.ConfigError`, and missing files) print one line
 and exit with code 2 and no traceback.
 """
@@ -34,6 +36,7 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
     args._run = module.run
+    args._prepare = getattr(module, "prepare", lambda _: None)
     return parser, args
 
 
@@ -41,18 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxhybrid.host_alloc import configure_host_malloc
     from jaxhybrid.launch_env import bind_rank_cpus
 
-    configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity
     except ValueError as e:
         print(f"jaxhybrid: error: {e}", file=sys.stderr)
         return 2
-    parser, args = build_parser(argv)
+    parser, args = build_parser(argv)  # command modules import no JAX at module level
     if args is None:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
+        args._prepare(args)  # e.g. the fake CPU devices a benchmark needs, which the malloc tuning reads
+        configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxhybrid {argv[0]}: error: {e}", file=sys.stderr)

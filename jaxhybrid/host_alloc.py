@@ -22,8 +22,9 @@ device allocator does.
 
 It must run before JAX starts its CPU client: threads that already allocated keep their own arenas, which
 ``mmap`` large requests regardless (measured: no effect when set after the first computation). The
-``jaxhybrid`` command calls it first thing; a library user calls it at the top of their script, after
-setting ``XLA_FLAGS``.
+``jaxhybrid`` command calls it once the command has settled its environment (a benchmark's fake CPU
+devices: ``prepare`` in :mod:`jaxhybrid.cli`) and before it runs; a library user calls it at the top of
+their script, after setting ``XLA_FLAGS``.
 """
 from __future__ import annotations
 

@@ -51,6 +51,13 @@ def _peak(probe: list, others: set) -> None:
     probe[0] = max(probe[0], live_device_bytes(exclude=others))
 
 
+def prepare(args: argparse.Namespace) -> None:
+    if args.tensor:
+        from jaxhybrid.bench.offload_tensor import prepare_tensor
+
+        prepare_tensor(args)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.tensor:
         from jaxhybrid.bench.offload_tensor import run_tensor

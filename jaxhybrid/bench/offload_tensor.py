@@ -28,9 +28,15 @@ def _mesh(spec: str) -> tuple[int, int, int, int]:
     return d, dep, r, c
 
 
-def run_tensor(args) -> int:
+def prepare_tensor(args) -> None:
+    """One fake CPU device per mesh position, unless ``XLA_FLAGS`` says otherwise."""
     d, dep, r, c = _mesh(args.tensor)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={d * dep * r * c}")
+
+
+def run_tensor(args) -> int:
+    prepare_tensor(args)
+    d, dep, r, c = _mesh(args.tensor)
     import jax
 
     from jaxhybrid.config import load_config

@@ -101,9 +101,14 @@ def _engine(args, shape, letters, remat="none"):
     return cfg, eng, text, step
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> None:
+    """``--devices`` fake CPU devices, unless JAX already started or ``XLA_FLAGS`` says otherwise."""
     if "jax" not in sys.modules:
         os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare(args)
     import jax
 
     from jaxhybrid.tensor.hlo import async_overlap

@@ -19,8 +19,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> None:
+    """Parse the benchmark's own arguments and let it settle its environment (``prepare(ns)``, e.g. its
+    fake CPU devices) before JAX starts."""
     module = importlib.import_module(f"jaxhybrid.bench.{args.name.replace('-', '_')}")
     p = argparse.ArgumentParser(prog=f"jaxhybrid bench {args.name}", description=BENCHES[args.name])
     module.add_arguments(p)
-    return int(module.run(p.parse_args(args.rest)) or 0)
+    args.bench_module, args.bench_args = module, p.parse_args(args.rest)
+    getattr(module, "prepare", lambda _: None)(args.bench_args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not hasattr(args, "bench_args"):  # called without jaxhybrid.cli.main
+        prepare(args)
+    return int(args.bench_module.run(args.bench_args) or 0)

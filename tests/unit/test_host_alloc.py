@@ -75,3 +75,31 @@ def test_one_arena_only_for_a_single_cpu_device():
     assert cpu_devices({"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"}) == 8
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "4"}) == 4
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "four"}) == 1  # not this module's error to raise
+
+
+CLI_PROBE = textwrap.dedent("""
+    import json, os, sys
+    import jaxhybrid.commands.bench as bench
+    from jaxhybrid.cli import main
+    from jaxhybrid.host_alloc import host_malloc_status
+    bench.run = lambda args: print(json.dumps({"status": host_malloc_status(),
+                                               "flags": os.environ.get("XLA_FLAGS", "")})) or 0
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@glibc
+@pytest.mark.parametrize("argv,devices", [(["bench", "tensor", "--devices", "4"], 4),
+                                          (["bench", "offload", "--tensor", "2,1,1,2"], 4),
+                                          (["bench", "stage"], 1)])
+def test_cli_settles_a_benchmarks_devices_before_tuning(argv, devices):
+    """A benchmark that runs on fake CPU devices sets them before the tuning reads their count: one arena
+    only where one device runs."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", OPT_OUT, "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-c", CLI_PROBE, *argv], env=base, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cpu_devices({"XLA_FLAGS": got["flags"]}) == devices
+    assert got["status"]["applied"] and ("M_ARENA_MAX" in got["status"]) == (devices == 1), got
