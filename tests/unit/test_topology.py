@@ -256,7 +256,9 @@ def test_rank_watch_takes_a_closed_alive_fifo_as_the_end(tmp_path):
         for r, p in enumerate((fifo_rank, pid_rank)):
             (tmp_path / f"rank{r}.pid").write_text(f"{p.pid} rank {r} (stage {r}, replica 0)")
         watch.start()
-        while not (tmp_path / "r0").exists():
+        deadline = time.time() + 60
+        while not (tmp_path / "r0").exists():  # it holds its FIFO's write end
+            assert time.time() < deadline and fifo_rank.poll() is None, "the FIFO holder did not start"
             time.sleep(0.01)
         time.sleep(0.1)
         assert watch.ended == []  # a connected FIFO is quiet
