@@ -71,11 +71,11 @@ class RankWatch(threading.Thread):
 
     A rank has ended at the first of two events, whichever the thread's ``poll`` sees first:
     - its FIFO hung up (:func:`alive_fifo`, made here before the job starts; the rank opens the write end
-      when its topology is made). The kernel closes a process's files as soon as its last thread drops
-      them, the moment hydra's proxy sees the rank's pipes close and starts killing the others. The exit
-      that a pidfd reports can come tens of milliseconds later: the thread that drops the address space
-      may finish after the one that closed the files (measured: in 3 of 31 runs of a 2 x 2 job whose rank
-      3 was killed, a bystander's pidfd fired first);
+      when its topology is made). The kernel closes a dying process's files, its pipes to hydra's proxy
+      among them, before it reports the exit that a pidfd waits for; a thread still freeing the address
+      space can delay that report past the end of a bystander that hydra killed meanwhile (measured, a
+      2 x 2 job whose rank 3 was killed: by pidfds alone rank 1 was named in 3 of 31 runs; with the FIFOs,
+      rank 3 in 40 of 40);
     - its PID ended: a pidfd (Linux 5.3) or, without one, a ``period_s`` polling loop. This catches a
       rank that ended before it opened its FIFO.
     PID files are read until all ``n`` ranks appeared. Hydra needs milliseconds to stop the others, so
@@ -176,7 +176,8 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
        MPI_Abort ends the other ranks while it waits, so it is seldom the first to end (measured: a hung
        rank 1 of 2 whose watchdog fired ended after rank 0);
     2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
-    3. hydra's ``PID n`` lines (:func:`name_hydra_pids`), e.g. for a rank that died before recording it."""
+    3. hydra's ``PID n`` lines, named from the PID files (:func:`name_hydra_pids`), when the watcher saw
+       no rank end abnormally."""
     own = reporters(output_lines)
     if own:
         return f"{own[0][1]} reported the failure first (its message is above)"
