@@ -89,11 +89,14 @@ class RankWatch(threading.Thread):
         self._fifos: dict[int, int] = {}  # fd of the read end -> rank
         for r in range(n):
             path = alive_fifo(self.pid_dir, r)
-            if not path.exists():
-                os.mkfifo(path)
-            # Non-blocking: opening does not wait for a writer, and poll reports a hang-up only after one
-            # has connected and gone.
-            self._fifos[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = r
+            try:
+                if not path.exists():
+                    os.mkfifo(path)
+                # Non-blocking: opening does not wait for a writer, and poll reports a hang-up only after
+                # one has connected and gone.
+                self._fifos[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = r
+            except OSError:  # a filesystem without FIFOs ($TMPDIR on some FUSE mounts): the PIDs still tell
+                pass
 
     def run(self) -> None:
         names: dict[int, str] = {}  # pid -> who, every rank seen so far
