@@ -71,10 +71,20 @@ def _skip_reason(environ) -> str | None:
     return None
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def default_cpu_devices(n: int) -> None:
+    """``n`` fake CPU devices for this process, unless ``XLA_FLAGS`` is already set (the user's choice
+    wins). Only before JAX's backend starts, which reads it; before :func:`configure_host_malloc`, which
+    reads the count too."""
+    os.environ.setdefault("XLA_FLAGS", f"{DEVICE_COUNT_FLAG}={n}")
+
+
 def cpu_devices(environ) -> int:
     """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``
     or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``."""
-    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    m = re.search(DEVICE_COUNT_FLAG + r"=(\d+)", environ.get("XLA_FLAGS", ""))
     n = environ.get("JAX_NUM_CPU_DEVICES", "").strip()  # JAX names a malformed value itself, later
     return max(int(n) if n.isdigit() else 1, int(m.group(1)) if m else 1)
 
@@ -105,4 +115,4 @@ def configure_host_malloc(environ=None) -> dict:
     return _applied
 
 
-__all__ = ["configure_host_malloc", "host_malloc_status", "cpu_devices", "glibc", "OPT_OUT"]
+__all__ = ["configure_host_malloc", "host_malloc_status", "cpu_devices", "default_cpu_devices", "glibc", "OPT_OUT"]

@@ -11,11 +11,12 @@ what a GPU would hold, the times only show the cost of the extra copies.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
 import numpy as np
+
+from jaxhybrid.host_alloc import default_cpu_devices
 
 
 def _mesh(spec: str) -> tuple[int, int, int, int]:
@@ -31,11 +32,10 @@ def _mesh(spec: str) -> tuple[int, int, int, int]:
 def prepare_tensor(args) -> None:
     """One fake CPU device per mesh position, unless ``XLA_FLAGS`` says otherwise."""
     d, dep, r, c = _mesh(args.tensor)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={d * dep * r * c}")
+    default_cpu_devices(d * dep * r * c)
 
 
 def run_tensor(args) -> int:
-    prepare_tensor(args)
     d, dep, r, c = _mesh(args.tensor)
     import jax
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+
+from jaxhybrid.host_alloc import default_cpu_devices
 
 LADDER = ("", "A", "AB", "ABC", "ABCD", "ABCDE")
 
@@ -104,11 +105,10 @@ def _engine(args, shape, letters, remat="none"):
 def prepare(args: argparse.Namespace) -> None:
     """``--devices`` fake CPU devices, unless JAX already started or ``XLA_FLAGS`` says otherwise."""
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+        default_cpu_devices(args.devices)
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare(args)
     import jax
 
     from jaxhybrid.tensor.hlo import async_overlap

@@ -30,6 +30,4 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not hasattr(args, "bench_args"):  # called without jaxhybrid.cli.main
-        prepare(args)
     return int(args.bench_module.run(args.bench_args) or 0)

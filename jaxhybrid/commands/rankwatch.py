@@ -105,6 +105,12 @@ class RankWatch(threading.Thread):
         for fd in self._fifos:
             poller.register(fd, select.POLLIN)
 
+        def drop(fd: int | None) -> None:
+            if fd is not None:
+                poller.unregister(fd)
+                os.close(fd)
+                self._fifos.pop(fd, None)
+
         def learn() -> None:
             for pid, who in read_pid_files(self.pid_dir).items():
                 if pid not in names:
@@ -125,16 +131,11 @@ class RankWatch(threading.Thread):
                               if (fd in ready if fd is not None else not _alive(p)) or _rank_of(names[p]) in hung)
                 for pid in gone:
                     rank = _rank_of(names[pid])
-                    for fd in (pidfds.pop(pid), *[f for f, r in self._fifos.items() if r == rank]):
-                        if fd is not None:
-                            poller.unregister(fd)
-                            os.close(fd)
-                            self._fifos.pop(fd, None)
+                    drop(pidfds.pop(pid))
+                    drop(next((fd for fd, r in self._fifos.items() if r == rank), None))
                     self.ended.append((tick, pid, names[pid]))
                 for fd in ready & set(self._fifos):  # hung up with no PID file: its PID is watched instead
-                    poller.unregister(fd)
-                    del self._fifos[fd]
-                    os.close(fd)
+                    drop(fd)
         finally:
             for fd in [*pidfds.values(), *self._fifos]:
                 if fd is not None:
