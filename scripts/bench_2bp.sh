@@ -3,7 +3,8 @@
 # names, one JSON object per line (also appended to $OUT/bench_2bp.jsonl when OUT is set).
 #
 #   scripts/bench_2bp.sh            CPU set: gpt-small-cpu stages (middle at mb 2/4/8, first, last),
-#                                   the tiny.yaml job, a LLaMA stage
+#                                   the tiny.yaml job, LLaMA stages (llama-small-cpu middle and
+#                                   last, a 2-block llama-tiny)
 #   scripts/bench_2bp.sh --gpu      GPU set: 4-block middle stages of GPT-2 small and GPT-2 1.3B in
 #                                   bf16, 8 x 1024 tokens (cuDNN attention), fused vs split, TFLOP/s
 #
@@ -35,6 +36,8 @@ else
     "--blocks 0:4"
     "--blocks 4:8"
     "--config configs/runs/tiny.yaml"
+    "--model llama-small-cpu"
+    "--model llama-small-cpu --blocks 4:8"
     "--model llama-tiny --blocks 2"
   )
 fi

@@ -80,6 +80,10 @@ PRESETS: dict[str, ModelConfig] = {
                               n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128),
     "gpt-small-cpu": ModelConfig(name="gpt-small-cpu", vocab_size=512, d_model=128, n_layers=8, n_heads=4,
                                  d_ff=512, max_seq_len=256),
+    # The LLaMA counterpart of gpt-small-cpu (same width, depth, heads and vocabulary; SwiGLU width
+    # 2/3 * 4d rounded up to a multiple of 128): CPU benchmarks of both model kinds at one size.
+    "llama-small-cpu": ModelConfig(name="llama-small-cpu", kind="llama", vocab_size=512, d_model=128, n_layers=8,
+                                   n_heads=4, n_kv_heads=2, d_ff=384, max_seq_len=256),
     "gpt2-small": _gpt("gpt2-small", 12, 768, 12, vocab=50257, seq=1024),
     "gpt2-1.3b": _gpt("gpt2-1.3b", 24, 2048, 16, vocab=50257, seq=1024),
     # Myelin Table I (vocab 51200, sequence 512).
