@@ -24,11 +24,13 @@ PROBE = textwrap.dedent("""
     temp = f.lower(a, b, c).compile().memory_analysis().temp_size_in_bytes
     for _ in range(20):  # glibc's heap settles within a few calls
         f(a, b, c).block_until_ready()
-    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        f(a, b, c).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 20
-    print(json.dumps({"status": status, "temp_pages": temp // 4096, "faults_per_call": faults}))
+    windows = []  # page faults per call over 5 windows of 4 calls
+    for _ in range(5):
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(4):
+            f(a, b, c).block_until_ready()
+        windows.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 4)
+    print(json.dumps({"status": status, "temp_pages": temp // 4096, "faults_per_call": windows}))
 """)
 
 
@@ -49,10 +51,11 @@ def test_tuned_malloc_keeps_a_large_temporary_mapped_between_calls():
     assert system["status"] == {"applied": False, "reason": f"{OPT_OUT}=system"}
     pages = tuned["temp_pages"]
     assert pages >= 16384, tuned  # the probe really has a 64 MiB temporary
-    # glibc's defaults mmap it afresh per call (every page faults); tuned, it stays in the heap (0 once
-    # the heap has settled; CI once measured 10% of the pages over the window, as the heap still grew).
-    assert system["faults_per_call"] > 0.9 * pages, system
-    assert tuned["faults_per_call"] < 0.25 * pages, tuned
+    # glibc's defaults mmap it afresh per call: every page faults in every window. Tuned, it stays in the
+    # heap: a settled window has no faults. Why the best window and not one long one: on a loaded machine
+    # the heap may still grow now and then (CI once measured 10%, then 25% of the pages over 20 calls).
+    assert min(system["faults_per_call"]) > 0.9 * pages, system
+    assert min(tuned["faults_per_call"]) < 0.05 * pages, tuned
     several = _probe(XLA_FLAGS="--xla_force_host_platform_device_count=4")["status"]
     assert several == {"applied": True, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": -1}, several  # per-thread arenas
 
