@@ -23,8 +23,27 @@ COMMANDS = {
 }
 
 
+DESCRIPTION = ("jaxhybrid: hybrid-parallel training in JAX (Myelin's message-driven pipelines, 2BP split "
+               "backward, AxoNN 4D tensor parallelism, MadPipe partitioning). `jaxhybrid COMMAND --help` "
+               "for a command's options.")
+
+
+def version() -> str:
+    """This package's version and the JAX it runs on, read from the installed metadata (no JAX import)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from jaxhybrid import __version__
+
+    try:
+        return f"jaxhybrid {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')})"
+    except PackageNotFoundError:
+        return f"jaxhybrid {__version__} (jax not installed)"
+
+
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace | None]:
-    parser = argparse.ArgumentParser(prog="jaxhybrid", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jaxhybrid", description=DESCRIPTION)
+    parser.add_argument("-V", "--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -52,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser, args = build_parser(argv)  # command modules import no JAX at module level
     if args is None:
+        if argv:
+            parser.parse_args(argv)  # --help, --version (exit 0); an unknown command or option (exit 2)
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
     try:
         args._prepare(args)  # e.g. the fake CPU devices a benchmark needs, which the malloc tuning reads
         configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)

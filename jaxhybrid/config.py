@@ -252,9 +252,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         errors.append(f"optim.bucket_size={o.bucket_size} must be > 0")
     if o.allreduce_coarsening < 1:
         errors.append(f"optim.allreduce_coarsening={o.allreduce_coarsening} must be >= 1")
-    if not (0 < o.lr < 1) or o.warmup_steps < 0 or o.grad_clip < 0:
-        errors.append(f"optim: lr={o.lr} must be in (0, 1), warmup_steps={o.warmup_steps} and "
-                      f"grad_clip={o.grad_clip} must be >= 0")
+    if not 0 < o.lr < 1:
+        errors.append(f"optim.lr={o.lr} must be in (0, 1)")
+    errors += [f"optim.{k}={getattr(o, k)} must be >= 0" for k in ("warmup_steps", "grad_clip") if getattr(o, k) < 0]
     if cfg.checkpoint.every < 0:
         errors.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
     ts = cfg.tensor_size
@@ -265,7 +265,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                     errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
     if world_size is not None and world_size != cfg.world_size:
         errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
-                      f"!= world size {world_size}")
+                      f"!= world size {world_size}; start {cfg.world_size} ranks (jaxhybrid launch -n "
+                      f"{cfg.world_size}) or change the grid")
     if errors:
         raise ConfigError("; ".join(errors))
 

@@ -143,5 +143,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
     inc = data.pop("include", None)
     if inc:
-        data = merge(load_yaml(p.parent / inc), data)
+        target = p.parent / inc  # relative to the including file, wherever the job runs from
+        if not target.is_file():
+            raise ConfigError(f"{p}: include: {inc} not found (looked for {target}; an include is read "
+                              f"relative to the file that names it)")
+        data = merge(load_yaml(target), data)
     return data

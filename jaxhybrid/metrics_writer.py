@@ -102,7 +102,7 @@ class MetricsWriter:
             self._bar.n = rec["step"]
             self._bar.set_postfix_str(_summary(rec, short=True), refresh=True)
         elif self._plain and (rec["step"] % self.log_every == 0 or rec["step"] == self.total_steps
-                              or rec["step"] == self.start_step + 1):
+                              or rec["step"] == self.start_step + 1 or "val_loss" in rec):  # every evaluation
             print(f"step {rec['step']}/{self.total_steps} {_summary(rec)}", file=self.stream, flush=True)
 
     def close(self, plot: bool = True) -> None:

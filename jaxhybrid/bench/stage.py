@@ -44,8 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _block_range(spec: str, n: int) -> tuple[int, int]:
-    if ":" in spec:
-        lo, hi = (int(v) for v in spec.split(":"))
+    parts = spec.split(":")
+    if len(parts) > 2 or not all(v.strip().isdigit() for v in parts):
+        raise ValueError(f"--blocks {spec!r}: give N (a stage of N blocks) or LO:HI (a block range), "
+                         f"whole numbers")
+    if len(parts) == 2:
+        lo, hi = (int(v) for v in parts)
         return lo, hi
     k = int(spec)
     if k < 1 or k > n:

@@ -50,7 +50,8 @@ class MeshShape:
             raise ValueError(
                 f"mesh data({self.data}) x depth({self.depth}) x row({self.row}) x col({self.col}) = "
                 f"{self.size} != {n_devices} devices; the product of the four axis sizes must equal the "
-                f"device count")
+                f"device count (on CPU, {self.size} fake devices: XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={self.size}, set before JAX starts)")
 
     @classmethod
     def from_config(cls, cfg) -> "MeshShape":

@@ -51,3 +51,5 @@ def test_bench_stage_bad_block_range_names_the_values(capsys):
 
     assert main(ARGS[:5] + ["3:9"] + ARGS[6:]) != 0
     assert "stage block range [3, 9) is empty or outside the model's 4 blocks" in capsys.readouterr().err
+    assert main(ARGS[:5] + ["a:b"] + ARGS[6:]) == 2
+    assert "--blocks 'a:b': give N (a stage of N blocks) or LO:HI" in capsys.readouterr().err

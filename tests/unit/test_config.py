@@ -38,6 +38,8 @@ BAD = [
     (["model.name=gpt-huge"], ["gpt-huge", "gpt2-small"]),
     (["train.nope=1"], ["train.nope"]),
     (["train.steps=abc"], ["train.steps", "abc"]),
+    (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
+    (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
 ]
 
 
@@ -53,7 +55,8 @@ def test_world_size_mismatch():
     from jaxhybrid.config import validate
 
     cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2"])
-    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 8"):
+    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 8; "
+                       r"start 4 ranks \(jaxhybrid launch -n 4\)"):
         validate(cfg, world_size=8)
 
 
@@ -64,6 +67,26 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         load_config(f)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_one_broken_rule_one_message():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["optim.lr=-1"])
+    assert str(e.value) == "optim.lr=-1.0 must be in (0, 1)"  # not the other optimizer rules it meets
+
+
+def test_include_is_read_relative_to_the_including_file(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "common.yaml").write_text("train: {steps: 7}\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("include: base/common.yaml\ntrain: {global_batch: 32}\n")
+    cfg = load_config(job)
+    assert (cfg.train.steps, cfg.train.global_batch) == (7, 32)
+    job.write_text("include: common.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(job)
+    assert str(job) in str(e.value) and "include: common.yaml not found" in str(e.value)
+    assert str(tmp_path / "common.yaml") in str(e.value)
 
 
 def test_optimal_checkpoint_interval():

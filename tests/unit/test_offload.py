@@ -264,4 +264,9 @@ def test_memory_report_from_config_is_written(tmp_path):
     assert rep["device_total"] == 4 * 10_000 + 28 * 100 and rep["alternative"]["device_total"] == 20 * 10_000
     path = write_report(tmp_path, rep)
     assert json.loads(path.read_text())["host_total"] == 12 * 10_000
-    assert "offload=True" in summary_line(rep)
+    assert "offload=True" in summary_line(rep) and "note" not in rep  # buckets of 100 << phi: it pays
+    small = report_from_config(Config(optim=OptimConfig(offload=True)), 10_000)  # one bucket of all phi
+    assert small["device_total"] > small["alternative"]["device_total"]
+    assert "set optim.bucket_size" in small["note"] and "note: offload holds" in summary_line(small)
+    plain = report_from_config(Config(), 10_000)  # offload off: the note is only in memory.json
+    assert "note" in plain and "note" not in summary_line(plain)

@@ -126,6 +126,15 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     assert not (tmp_path / "out").exists()  # nothing written half-way
 
 
+def test_cli_version_and_unknown_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("jaxhybrid 0.1.0 (jax ")
+    with pytest.raises(SystemExit) as e:
+        main(["trian"])
+    assert e.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
+
+
 def test_bench_step_prints_ratio(tmp_path, capsys):
     rc = main(["bench", "step", "--rounds", "1", "--steps", "2", "--set", f"run.dir={tmp_path / 'b'}"]
               + [a for kv in FAST for a in ("--set", kv)])
