@@ -2,7 +2,8 @@
 
 Both run the same model, batch and AdamW settings in one process; timings interleave in rounds so
 machine noise hits both alike. Prints JSON with ``ratio`` = plain step time / trainer step time
-(goal >= 0.97: the trainer's engine/updater split costs nothing measurable).
+(goal >= 0.97: the trainer's engine/updater split costs nothing measurable) and ``ratio_rounds``, the
+per-round ratio's range (its noise band).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 import jax
 import numpy as np
 import optax
+
+from jaxhybrid.bench import round_ratios
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.optim import build_transform
     from jaxhybrid.train import Trainer
 
+    if args.steps < 1 or args.rounds < 1:
+        raise ValueError(f"--steps {args.steps} and --rounds {args.rounds} must be >= 1")
     cfg = load_config(args.config, ["metrics.progress=false", "metrics.tensorboard=false"] + args.overrides)
     trainer = Trainer(cfg)
     model, transform = trainer.model, build_transform(cfg.optim, cfg.train.steps)
@@ -71,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     tt, tp = float(np.median(times["trainer"])), float(np.median(times["plain"]))
     out = {"model": cfg.model.name, "global_batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len,
            "trainer_step_s": tt, "plain_step_s": tp, "ratio": tp / tt, "goal": 0.97,
+           "ratio_rounds": round_ratios(times["plain"], times["trainer"]), "rounds": args.rounds,
            "device": jax.devices()[0].platform}
     print(json.dumps(out))
     return 0

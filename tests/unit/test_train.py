@@ -140,6 +140,8 @@ def test_bench_step_prints_ratio(tmp_path, capsys):
               + [a for kv in FAST for a in ("--set", kv)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ratio"] > 0 and out["trainer_step_s"] > 0 and out["plain_step_s"] > 0
+    lo, hi = out["ratio_rounds"]  # one round: its ratio is the median's
+    assert lo == hi == pytest.approx(out["ratio"])
 
 
 def test_step_compiles_once(tmp_path):
