@@ -1,8 +1,9 @@
 """``jaxhybrid plan``: rank parallel layouts of a model on a cluster by predicted step time (no devices).
 
-Prints per plan the predicted step time, the exposed communication time and the memory per device;
-``--json`` prints ``{"plans": [...]}`` best first (feasible plans only); ``--out PLAN.json`` writes the
-best plan with the config overrides that ``jaxhybrid train --set plan.file=PLAN.json`` applies.
+Prints per plan the predicted step time, the exposed communication time and the memory per device, then
+any notes (e.g. that latency, which the model ignores, would dominate); ``--json`` prints ``{"plans":
+[...], "notes": [...]}``, plans best first (feasible ones only); ``--out PLAN.json`` writes the best plan
+with the config overrides that ``jaxhybrid train --set plan.file=PLAN.json`` applies.
 """
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import json
 from pathlib import Path
 
 from jaxhybrid.model.config import PRESETS, resolve_model
-from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import PLAN_KEYS, machine_from_hardware, rank_plans, write_plan
+from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
+from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, latency_notes, machine_from_hardware, rank_plans, \
+    write_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a run/model config file")
-    p.add_argument("--gpus", type=int, required=True, help="G, total GPUs")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
-    p.add_argument("--hardware", required=True, help="configs/hardware name (perlmutter, frontier, summit, "
-                   "h100-node) or a YAML path")
+    p.add_argument("--gpus", type=int, required=True, help="G, total GPUs: a multiple of --gpus-per-node "
+                   "(whole nodes) or a divisor of it (part of one node)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs used per node (at most the "
+                   "hardware file's gpus_per_node)")
+    p.add_argument("--hardware", required=True, help=f"configs/hardware name ({', '.join(planner_hardware_names())})"
+                   " or a YAML path with the same keys")
     p.add_argument("--top", type=int, default=10, help="plans to print")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="force Myelin's optimizer offload on/off (default: try both)")
@@ -47,21 +51,21 @@ def _model(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_gpus(args.gpus, args.gpus_per_node)
+    hw = load_hardware(args.hardware)
+    machine = machine_from_hardware(hw, args.gpus_per_node, args.dtype, args.efficiency)
     model, gb, seq = _model(args.model)
     gb = args.global_batch or gb or 512
     seq = args.seq_len or seq or model.max_seq_len
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
-    hw = load_hardware(args.hardware)
-    machine = machine_from_hardware(hw, args.gpus_per_node, args.dtype, args.efficiency)
     plans = rank_plans(model, args.gpus, machine, gb, seq, args.top, not args.no_tensor, args.offload)
+    notes = latency_notes(plans)
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                                         "hardware": hw["name"], "global_batch": gb, "seq_len": seq,
                                         "dtype": args.dtype})
     if args.json:
-        keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s")
-        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans]}))
+        keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s")
+        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes}))
         return 0
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
           f"tokens, {args.dtype} at {args.efficiency:.0%} of peak")
@@ -73,4 +77,6 @@ def run(args: argparse.Namespace) -> int:
               f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {yes[p['split_backward']]:>3} "
               f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
               f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
+    for n in notes:
+        print(f"note: {n}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULE_NAMES)} (or 1f1b-K)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P (one rank each)")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches M per step (default for 1f1b-K: K x stages)")
+                   help="microbatches M per step; required, except for 1f1b-K (default: K x stages)")
     p.add_argument("--split-backward", action="store_true", help="2BP: split B into BI and delayed BW")
     p.add_argument("--memory-saving", action="store_true",
                    help="2BP Fig. 5: also run pending BWs half-way (with --split-backward)")
@@ -37,12 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.pipeline.costs import parse_costs
-    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.schedule import SCHEDULE_NAMES, make_schedule
     from jaxhybrid.pipeline.simulate import simulate
     from jaxhybrid.pipeline.validate import validate_schedule
 
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages} must be >= 1")
+    # The command's flags, not make_schedule's parameter names, in the errors a user can fix here.
+    key = args.schedule.lower()  # an unknown name is left to make_schedule, which lists the valid ones
+    if args.microbatches is None and key in SCHEDULE_NAMES and not re.fullmatch(r"1f1b-\d+", key):
+        raise ValueError(f"--schedule {args.schedule} needs --microbatches M (only 1f1b-K defaults, to K x stages)")
+    if args.memory_saving and not args.split_backward:
+        raise ValueError("--memory-saving needs --split-backward (2BP Fig. 5 runs the delayed weight gradients "
+                         "half-way)")
     costs = parse_costs(args.costs, args.stages, latency=args.latency, bandwidth=args.bandwidth,
                         message_bytes=args.message_bytes)
     opts = {"costs": costs}

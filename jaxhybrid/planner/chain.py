@@ -11,6 +11,21 @@ import numpy as np
 from jaxhybrid.planner.costs import Profile
 
 
+def check_platform(memory: float, bandwidth: float, names: tuple[str, str] = ("memory", "bandwidth")) -> None:
+    """M and beta of MadPipe Sec. 3 must be positive (``names``: how the caller spells them)."""
+    if not memory > 0 or not bandwidth > 0:
+        raise ValueError(f"{names[0]}={memory} and {names[1]}={bandwidth} must be > 0 (bytes, bytes/s)")
+
+
+def check_processors(processors: int, layers: int, name: str = "processors") -> None:
+    """At most one processor per layer: in MadPipe's and PipeDream's allocations (MadPipe Sec. 3-4) every
+    processor holds a stage (the special one possibly several) and every stage at least one layer, so a
+    chain of L layers can keep at most L processors busy; more would be silently left idle."""
+    if processors < 1 or processors > layers:
+        raise ValueError(f"{name}={processors} must be in [1, {layers}]: the chain has {layers} layers and each "
+                         f"processor needs a stage of at least one layer, so at most {layers} can be used")
+
+
 @dataclass(frozen=True)
 class Chain:
     """Costs of a chain and the platform (memory M per processor, bandwidth beta).
@@ -32,8 +47,7 @@ class Chain:
 
     @classmethod
     def from_profile(cls, profile: Profile, memory: float, bandwidth: float) -> "Chain":
-        if not memory > 0 or not bandwidth > 0:
-            raise ValueError(f"memory={memory} and bandwidth={bandwidth} must be > 0 (bytes, bytes/s)")
+        check_platform(memory, bandwidth)
         uF = np.array([0.0] + [lc.forward_s for lc in profile.layers])
         uB = np.array([0.0] + [lc.backward_s for lc in profile.layers])
         W = np.array([0.0] + [lc.weight_bytes for lc in profile.layers])

@@ -94,15 +94,45 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     Path(path).write_text(json.dumps(profile.to_json(), indent=1))
 
 
+def _has_bandwidths(hw) -> bool:
+    bw = hw.get("bandwidth") if isinstance(hw, dict) else None
+    return isinstance(bw, dict) and "intra_node" in bw and "inter_node" in bw
+
+
+def planner_hardware_names() -> list[str]:
+    """The ``configs/hardware`` files the planner can use: those with the bandwidths of AxoNN's model
+    (Sec. V). Others (``cpu.yaml``) only serve the MFU bookkeeping of training runs."""
+    import yaml
+
+    from jaxhybrid.metrics import HARDWARE_DIR
+
+    names = []
+    for p in sorted(HARDWARE_DIR.glob("*.yaml")):
+        try:
+            if _has_bandwidths(yaml.safe_load(p.read_text())):
+                names.append(p.stem)
+        except yaml.YAMLError:
+            pass  # reported when it is asked for by name
+    return names
+
+
 def load_hardware(name_or_path: str) -> dict:
     """A ``configs/hardware`` file by name (``perlmutter``) or path: :func:`jaxhybrid.metrics.load_hardware`
-    plus the keys the planner needs."""
+    plus the keys the planner needs; errors list only the files the planner can use."""
+    from jaxhybrid.metrics import HARDWARE_DIR
     from jaxhybrid.metrics import load_hardware as load_checked
 
-    hw = load_checked(name_or_path)
+    usable = f"the planner can use {', '.join(planner_hardware_names()) or 'none'}, or a path to such a YAML file"
+    try:
+        hw = load_checked(name_or_path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"hardware {name_or_path!r} not found in {HARDWARE_DIR}; {usable}") from None
     for k in ("name", "memory_bytes", "gpus_per_node"):
         if k not in hw:
             raise ValueError(f"hardware file {name_or_path!r} is missing '{k}'")
+    if not _has_bandwidths(hw):
+        raise ValueError(f"hardware {name_or_path!r} has no bandwidth.intra_node / bandwidth.inter_node keys, so "
+                         f"it serves MFU bookkeeping in training runs but not the planner; {usable}")
     return hw
 
 

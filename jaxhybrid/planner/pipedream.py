@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxhybrid.planner.chain import Chain, Stage
+from jaxhybrid.planner.chain import Chain, Stage, check_processors
 
 
 def _items(chain: Chain, stages: list[Stage]) -> list[float]:
@@ -127,7 +127,11 @@ def pipedream_dp(chain: Chain, processors: int) -> tuple[float, list[Stage]]:
 
 
 def pipedream(chain: Chain, processors: int) -> Allocation:
-    """PipeDream's partition, made valid with 1F1B* (the baseline of MadPipe Sec. 5)."""
+    """PipeDream's partition, made valid with 1F1B* (the baseline of MadPipe Sec. 5).
+
+    Raises ValueError for more processors than layers; :func:`~jaxhybrid.planner.madpipe.madpipe` starts
+    here, so it refuses them the same way."""
+    check_processors(processors, chain.L)
     period, stages = pipedream_dp(chain, processors)
     if not stages:
         return Allocation("pipedream", (), float("inf"), float("inf"), "no contiguous partition fits")

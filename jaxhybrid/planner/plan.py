@@ -20,13 +20,31 @@ from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
              "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
+LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_gpus(gpus: int, gpus_per_node: int) -> None:
+    """G must be whole nodes or an aligned part of one node. AxoNN's bandwidth model (Sec. V;
+    :func:`~jaxhybrid.planner.comm_model.group_bandwidths`) puts every process group in an aligned block of
+    consecutive GPUs that is either inside one node (and divides it) or whole nodes; Assumption 6 (powers
+    of two) implies this. Any other count leaves some node partly used in a way no such block describes."""
+    if gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"--gpus={gpus} and --gpus-per-node={gpus_per_node} must be >= 1")
+    if gpus % gpus_per_node and gpus_per_node % gpus:
+        raise ValueError(f"--gpus={gpus} is neither a multiple of --gpus-per-node={gpus_per_node} (whole nodes) "
+                         f"nor a divisor of it (an aligned part of one node); AxoNN's communication model "
+                         f"(Sec. V) has no other partly used nodes")
+
+
 def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float) -> Machine:
+    """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's)."""
+    if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
+        raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
+                         f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if not 0 < efficiency <= 1:
@@ -67,9 +85,11 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
                tensor: bool = True, offload: bool | None = None) -> list[dict]:
-    """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix."""
+    """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix, or when
+    ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
+    check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
     for lay in layouts(cfg, gpus, global_batch, tensor, offload):
         r = evaluate(cfg, lay, machine, seq)
@@ -90,17 +110,39 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
     return plans[:top]
 
 
+def latency_notes(plans: list[dict]) -> list[str]:
+    """A note when some listed plan predicts every collective under a few microseconds. AxoNN's model
+    (eqs. 1-9, Assumption 3) is bandwidth-only, and the step model adds no latency or launch term, so at
+    that size the real per-collective latency dominates and the ranking compares meaningless numbers."""
+    small = [i for i, p in enumerate(plans) if 0 < p["max_collective_s"] < LATENCY_FLOOR_S]
+    if not small:
+        return []
+    which = f"all {len(plans)} plans" if len(small) == len(plans) else "plans " + ", ".join(f"#{i}" for i in small)
+    return [f"every collective of {which} is predicted under {LATENCY_FLOOR_S * 1e6:g} us "
+            f"(max_collective_s); the communication model is bandwidth-only (AxoNN eqs. 1-9) and "
+            f"ignores latency, so such small configurations are not ranked meaningfully"]
+
+
 def _describe(lay: Layout) -> str:
     return (f"pipeline={lay.pipeline} data={lay.data} tensor={lay.tensor_col}x{lay.tensor_row}x"
             f"{lay.tensor_depth} microbatch={lay.microbatch_size} offload={lay.offload} remat={lay.remat}")
 
 
+def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
+    """GPU counts above ``gpus`` that :func:`check_gpus` accepts: the larger divisors of a node, then
+    doubling whole nodes."""
+    yield from (d for d in _divisors(gpus_per_node) if d > gpus)
+    g = max(gpus, gpus_per_node) * 2
+    while g <= limit:
+        yield g
+        g *= 2
+
+
 def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
-    """Double the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
+    """Grow the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
     lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and the
     optimizer offloaded."""
-    g = gpus * 2
-    while g <= gpus * 4096:
+    for g in _larger_counts(gpus, machine.net.gpus_per_node, gpus * 4096):
         for pipe in _divisors(g):
             rest = g // pipe
             if pipe > cfg.n_layers or (not tensor and rest > 1):
@@ -113,7 +155,6 @@ def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
                     if evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
-        g *= 2
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
 
 

@@ -135,13 +135,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
     bw_["data"] = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row,
                                    lay.tensor_depth * lay.pipeline, lay.data)["data"]
-    per_blk = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_fwd": 0.0, "all_reduce_bwd": 0.0,
-               "all_reduce_data": 0.0}
-    for k, n, tr in mm:
-        t = comm_time(layer_comm_volumes(tokens, k, n, lay.tensor_col, lay.tensor_row, lay.tensor_depth,
-                                         lay.data, tr), bw_, db)
-        for key in per_blk:
-            per_blk[key] += t[key]
+    times = [comm_time(layer_comm_volumes(tokens, k, n, lay.tensor_col, lay.tensor_row, lay.tensor_depth,
+                                          lay.data, tr), bw_, db) for k, n, tr in mm]  # per matmul, eq. 9
+    per_blk = {key: sum(t[key] for t in times) for key in times[0] if key != "total"}
     head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, lay.tensor_col, lay.tensor_row,
                                         lay.tensor_depth, lay.data), bw_, db)
     # Bottleneck stage: per-microbatch F, BI, BW (2BP: BI ~ the input-gradient matmuls, BW ~ the weight ones)
@@ -195,6 +191,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
         if s == len(parts) - 1:
             transient += tokens * cfg.vocab_size * 4 / ts  # fp32 logits for the loss
         mem = max(mem, state + act_mb * stash + res_mb * n_ * residual + transient)
-    return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem,
+    # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
+    largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
+    return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
             "compute_s": makespan - (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm),
             "partition": list(parts)}
