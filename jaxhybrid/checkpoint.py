@@ -113,3 +113,33 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def check_run_dir(cfg) -> None:
+    """``run.dir`` can take this run: its nearest existing folder takes a new file (probed: as root,
+    ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
+    after the model was initialised), and it holds no earlier run's checkpoints unless resuming, when
+    they must have this run's layout. Needs no peer: the trainer checks it, and ``jaxhybrid launch`` once for all its ranks."""
+    import tempfile
+
+    from jaxhybrid.config import ConfigError
+
+    run_dir = Path(cfg.run.dir)
+    near = next(d for d in (run_dir, *run_dir.absolute().parents) if d.exists())
+    try:
+        if not near.is_dir():
+            raise NotADirectoryError(f"{near} is not a directory")
+        tempfile.TemporaryFile(dir=near).close()
+    except OSError as e:
+        raise ConfigError(f"run.dir={cfg.run.dir} cannot be written: {near} takes no new file "
+                          f"({e.strerror or e}); pick another --set run.dir=...") from None
+    found = {} if cfg.run.resume else committed_steps(run_dir)
+    if found:
+        # orbax skips saving a step at or below the newest one present, so a new run here would keep
+        # the old checkpoints and save none of its own (and a later --resume would load the old ones).
+        held = "; ".join(f"{r}: steps {', '.join(map(str, s))}" for r, s in list(found.items())[:2])
+        raise ConfigError(f"run.dir={cfg.run.dir} holds checkpoints of an earlier run ({held}"
+                          f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
+                          f"train into another run.dir, or delete {run_dir / 'checkpoints'}")
+    if cfg.run.resume:
+        check_resume_layout(run_dir, cfg)

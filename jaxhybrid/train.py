@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
-from jaxhybrid.checkpoint import Checkpointer, check_resume_layout, committed_steps
+from jaxhybrid.checkpoint import Checkpointer, check_run_dir
 from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
@@ -97,16 +97,7 @@ class Trainer:
         validate(cfg, world_size)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        found = {} if cfg.run.resume else committed_steps(self.run_dir)
-        if found:
-            # orbax skips saving a step at or below the newest one present, so a new run here would keep
-            # the old checkpoints and save none of its own (and a later --resume would load the old ones).
-            held = "; ".join(f"{r}: steps {', '.join(map(str, s))}" for r, s in list(found.items())[:2])
-            raise ConfigError(f"run.dir={cfg.run.dir} holds checkpoints of an earlier run ({held}"
-                              f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
-                              f"train into another run.dir, or delete {self.run_dir / 'checkpoints'}")
-        if cfg.run.resume:
-            check_resume_layout(self.run_dir, cfg)
+        check_run_dir(cfg)  # writable, and no earlier run's checkpoints unless resuming (same layout)
         self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
         self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.val_batches = validation_batches(cfg) if cfg.train.eval_every else []

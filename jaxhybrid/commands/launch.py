@@ -1,5 +1,10 @@
 """``jaxhybrid launch -n N [--timeout S] [--] <train args>``: an MPI job of ``jaxhybrid train`` ranks.
 
+The train arguments may follow ``--`` or come straight after the launcher's own (train's options are
+also the launcher's, kept as typed: :func:`add_train_options`). Every check a rank would make alike
+without its peers (the config against ``-n``, ``run.dir``, a plan file, the devices each rank will see
+on CPU) is made once here before mpiexec starts, so a mistake prints one ``jaxhybrid launch: error``.
+
 Runs the venv's ``mpiexec`` (next to this Python) with ``python -m mpi4py -m jaxhybrid train ...``, so an
 uncaught exception on any rank aborts the whole job (mpich alone would leave the others hanging), with
 ``MPIEXEC_TIMEOUT`` as the last resort, and one thread pool per rank sized to the cores available:
@@ -16,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
 from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
 
@@ -35,7 +42,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run")
     p.add_argument("--script", default="", help="run this Python file on every rank instead of `jaxhybrid "
                    "train` (drivers, benchmarks); the remaining arguments are its own")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `jaxhybrid train` (after --)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `jaxhybrid train` (or of the "
+                   "--script) after --; train's own options, below, may also come before --")
+    add_train_options(p.add_argument_group("options of `jaxhybrid train`, before or after --"))
+
+
+class _TrainOption(argparse.Action):
+    """A train option given before ``--``: kept as typed, in order, in ``train_first``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.train_first = [*namespace.train_first, option_string, *([values] if isinstance(values, str) else [])]
+
+
+def add_train_options(group) -> None:
+    """``jaxhybrid train``'s options (from its ``add_arguments``, the one list of them) as options of the
+    launcher too, so ``launch -n 4 --config F`` works without ``--``. Each keeps what was typed for the
+    ranks' command line (:class:`_TrainOption`); :func:`train_config` then parses it as train does."""
+    class Passthrough:
+        def add_argument(self, *flags, action="store", metavar=None, help=None, **_):
+            group.add_argument(*flags, action=_TrainOption, dest="train_first", default=[], help=help,
+                               nargs=0 if action == "store_true" else None,
+                               metavar=metavar or flags[-1].lstrip("-").replace("-", "_").upper())
+
+    from jaxhybrid.commands import train as train_cmd
+
+    train_cmd.add_arguments(Passthrough())
+
+
+def train_arguments(args: argparse.Namespace) -> list[str]:
+    """The ranks' arguments: train options given before ``--``, then what follows it."""
+    rest = list(args.train_args)
+    return [*args.train_first, *(rest[1:] if rest[:1] == ["--"] else rest)]
 
 
 def job_cpus(cores: int = 0) -> list[int]:
@@ -61,6 +98,14 @@ def find_mpiexec(explicit: str = "") -> str:
     return found
 
 
+def check_counts(n: int, timeout: int = 0) -> None:
+    """``-n`` and ``--timeout``, checked before anything reads them (a config's world size among them)."""
+    if n < 1:
+        raise ValueError(f"-n {n}: need at least one rank")
+    if timeout < 0:
+        raise ValueError(f"--timeout {timeout} must be >= 0")
+
+
 def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str] | None = None,
                      devices: int = 1, bind: bool = True) -> dict[str, str]:
     """Environment for ``n`` ranks sharing ``cpus``: thread pools of ``max(1, len(cpus) // n)`` threads,
@@ -68,10 +113,7 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     shapes the CPU platform: on a GPU node the ranks still use their GPUs), and with ``bind`` the CPU
     list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). Settings already made by
     the user win."""
-    if n < 1:
-        raise ValueError(f"-n {n}: need at least one rank")
-    if timeout < 0:
-        raise ValueError(f"--timeout {timeout} must be >= 0")
+    check_counts(n, timeout)
     env = dict(os.environ if base is None else base)
     threads = max(1, len(cpus) // n)
     env["OMP_NUM_THREADS"] = str(threads)
@@ -90,43 +132,15 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     return env
 
 
-def train_config(train_args: list[str]):
-    """``(train options, config)`` of the ranks' train arguments, or None when they cannot be read (the
-    ranks load the same arguments and name the problem)."""
-    from jaxhybrid.commands import train as train_cmd
-    from jaxhybrid.config import load_config
-
-    p = argparse.ArgumentParser(add_help=False)
-    train_cmd.add_arguments(p)
-    args = [a for a in train_args if a != "--"]
-    try:
-        ns, _ = p.parse_known_args(args[1:] if args[:1] == ["train"] else args)
-        return ns, load_config(ns.config, ns.overrides, check=False)
-    except Exception:  # noqa: BLE001
-        return None
+# Where a rank's report starts inside a line: a rank writes its error line and the newline separately,
+# so another rank's report can land between them ("...nope.jsonjaxhybrid train: error: ...").
+_REPORT_START = re.compile(r"(?<=\S)(?=jaxhybrid(?: [\w-]+)?: )")
 
 
-def check_job(ns, cfg, n: int) -> int:
-    """The checks every rank would make alike, made once before any rank starts: the config against
-    ``-n`` (the grid's rank count, or with ``--distributed`` processes that split the mesh evenly).
-    Returns the devices each rank needs (:func:`devices_per_rank`)."""
-    from jaxhybrid.commands.train import check_distributed
-    from jaxhybrid.config import validate
-
-    check_distributed(cfg, ns)
-    per_rank = devices_per_rank(ns, cfg, n)  # --distributed: raises unless the n processes split the mesh
-    validate(cfg, 1 if ns.distributed else n)
-    return per_rank
-
-
-def devices_per_rank(ns, cfg, n: int = 1) -> int:
-    """Devices each rank's tensor mesh needs: ``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
-    mode, the mesh's share of each of the ``n`` processes with ``--distributed``."""
-    from jaxhybrid.tensor.distributed import devices_per_process
-
-    if ns.distributed:
-        return devices_per_process(cfg.num_devices, n)
-    return max(1, cfg.num_devices // cfg.world_size)
+def split_reports(line: str) -> list[str]:
+    """``line`` cut where another rank's report begins, each part ending in a newline."""
+    parts = _REPORT_START.split(line)
+    return [part + "\n" for part in parts[:-1]] + parts[-1:]
 
 
 def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "") -> list[str]:
@@ -141,11 +155,15 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_counts(args.n, args.timeout)
     cpus = job_cpus(args.cores)
-    job = None if args.script else train_config(args.train_args)  # None: the ranks report what is wrong
+    train_args = train_arguments(args)
+    job = None if args.script else train_config(train_args)  # a --script's arguments are its own
     per_rank = check_job(*job, args.n) if job else 1
     env = rank_environment(args.n, cpus, args.timeout, devices=per_rank, bind=not args.no_bind)
-    cmd = build_command(args.n, args.train_args, find_mpiexec(args.mpiexec), args.script)
+    if job:
+        check_devices(job[1], args.n, env, per_rank)
+    cmd = build_command(args.n, train_args, find_mpiexec(args.mpiexec), args.script)
     if args.dry_run:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT", RANK_CPUS_ENV)
         print(" ".join(f"{k}={env[k]!r}" for k in keys if k in env) + " " + " ".join(cmd))
@@ -158,11 +176,12 @@ def run(args: argparse.Namespace) -> int:
                                 bufsize=1)
         tail: list[str] = []
         assert proc.stdout is not None
-        for line in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
-            sys.stdout.write(line)
+        for chunk in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
+            for line in split_reports(chunk):
+                sys.stdout.write(line)
+                if "RUNNING AT" in line or "Abort(" in line or line.startswith("jaxhybrid"):
+                    tail.append(line)
             sys.stdout.flush()
-            if "RUNNING AT" in line or "Abort(" in line or line.startswith("jaxhybrid"):
-                tail.append(line)
         rc = proc.wait()
         watch.stop()
         if rc != 0:

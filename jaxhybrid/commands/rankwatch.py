@@ -161,6 +161,10 @@ class RankWatch(threading.Thread):
 _OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: (rank (\d+) \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)")
 
 
+# An error a user can fix, as `jaxhybrid COMMAND` prints it (jaxhybrid.cli) before the process exits.
+_SETUP_ERROR = re.compile(r"jaxhybrid(?: [\w-]+)?: error: ")
+
+
 def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
     """``(rank, who)`` of the ranks that reported their own failure, in the order of their reports."""
     found = [m for line in output_lines for m in [_OWN_REPORT.search(line)] if m]
@@ -181,7 +185,10 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
        rank 1 of 2 whose watchdog fired ended after rank 0);
     2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
     3. hydra's ``PID n`` lines, named from the PID files (:func:`name_hydra_pids`), when the watcher saw
-       no rank end abnormally."""
+       no rank end abnormally;
+    4. the first error a rank printed (``jaxhybrid train: error: ...``): ranks that fail before they make
+       their topology leave no PID file to watch, and those that fail later with such an error exit
+       through Python's exit handlers, leaving the normal-exit marker before mpi4py aborts."""
     own = reporters(output_lines)
     if own:
         return f"{own[0][1]} reported the failure first (its message is above)"
@@ -191,7 +198,14 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     if first:
         return f"{first[0]} ended abnormally, the first rank to end"
     named = name_hydra_pids(output_lines, watch.pid_dir)
-    return f"{', '.join(named)} ended abnormally (hydra's report)" if named else "no rank was seen to end first"
+    if named:
+        return f"{', '.join(named)} ended abnormally (hydra's report)"
+    errors = [line.strip() for line in output_lines if _SETUP_ERROR.match(line)]
+    if errors:
+        who = "every rank" if len(errors) >= watch.n else f"{len(errors)} of {watch.n} ranks"
+        when = "" if read_pid_files(watch.pid_dir) else " before joining the job"  # no topology made
+        return f"{who} failed{when}: {errors[0]}"
+    return "no rank was seen to end first"
 
 
 def _rank_of(who: str) -> int:

@@ -56,16 +56,35 @@ def check_distributed(cfg, args) -> None:
                           f"run as MPI ranks without --distributed (jaxhybrid launch)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from jaxhybrid import launch_env
-    from jaxhybrid.config import load_config, validate
+def load_train_config(args: argparse.Namespace):
+    """The config this process trains: ``--config`` <- ``--set`` <- ``--resume``, not yet checked (the
+    checks need the world size: :func:`check_run`). ``jaxhybrid launch`` loads its ranks' config here too."""
+    from jaxhybrid.config import load_config
 
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
-    cfg = load_config(args.config, overrides, check=False)
+    return load_config(args.config, overrides, check=False)
+
+
+def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
+    """Every check a train process makes alike and without its peers, before it waits for one or builds
+    anything: ``jaxhybrid launch`` makes them once before its ``processes`` ranks start, so a mistake
+    prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
+    ``--distributed``, whose processes are one JAX mesh)."""
+    from jaxhybrid.checkpoint import check_run_dir
+    from jaxhybrid.config import validate
+
     check_distributed(cfg, args)
-    # Under --distributed the processes are JAX's (one mesh), not MPI ranks of a pipeline/data grid.
-    world = 1 if args.distributed else launch_env.world_size()
-    validate(cfg, world)  # every rule that needs no devices, before any process waits for its peers
+    world = 1 if args.distributed else processes
+    validate(cfg, world)  # every rule that needs no devices
+    check_run_dir(cfg)
+    return world
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid import launch_env
+
+    cfg = load_train_config(args)
+    world = check_run(cfg, args, launch_env.world_size())
     if args.distributed:
         from jaxhybrid.tensor import distributed
 

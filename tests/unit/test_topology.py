@@ -44,7 +44,7 @@ def test_explicit_partition_and_errors():
         partition_blocks(6, 2, (2, 2))
 
 
-def test_launch_command_and_thread_environment():
+def test_launch_command_and_thread_environment(tmp_path):
     cmd = build_command(4, ["--", "--config", "c.yaml"], "/x/mpiexec")
     assert cmd[:3] == ["/x/mpiexec", "-n", "4"]
     assert cmd[4:] == ["-m", "mpi4py", "-m", "jaxhybrid", "train", "--config", "c.yaml"]
@@ -57,17 +57,19 @@ def test_launch_command_and_thread_environment():
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, [0, 1], 0)
     # A hybrid layout's ranks get their tensor mesh's CPU devices; a user's own count wins.
-    from jaxhybrid.commands.launch import check_job, devices_per_rank, train_config
+    from jaxhybrid.commands.launch_checks import check_job, devices_per_rank, train_config
     from jaxhybrid.config import ConfigError
 
     runs = Path(__file__).resolve().parents[2] / "configs" / "runs"
     hybrid = train_config(["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"])
     grid = train_config(["--config", str(runs / "pipeline_2x2.yaml")])
     assert devices_per_rank(*hybrid, 4) == 4 and devices_per_rank(*grid, 4) == 1
-    assert train_config(["--config", "/nonexistent.yaml"]) is None  # the ranks report the missing file
+    with pytest.raises(ConfigError, match="config file not found: /nonexistent.yaml"):  # once, not per rank
+        train_config(["--config", "/nonexistent.yaml"])
     # --distributed: the one tensor-mode mesh is split over the n processes.
     mesh8 = train_config(["--distributed", "--config", str(runs / "tiny.yaml"), "--set", "parallel.data=2",
-                          "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2"])
+                          "--set", "parallel.tensor_row=2", "--set", "parallel.tensor_col=2",
+                          "--set", f"run.dir={tmp_path}"])
     assert devices_per_rank(*mesh8, 2) == 4 and devices_per_rank(*mesh8, 8) == 1
     # The launcher checks the job once, before any rank starts (each rank would repeat the same error).
     check_job(*mesh8, 2)

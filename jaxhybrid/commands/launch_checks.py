@@ -1,0 +1,85 @@
+"""The checks of a ``jaxhybrid launch`` job made once before mpiexec starts: each is a check every rank
+would make alike without its peers, so a mistake prints one ``jaxhybrid launch: error`` naming the
+values instead of one error per rank (sometimes two ranks' run together on one line) and an abort.
+
+Each check is the ranks' own function, run here on what the ranks will be given: train's argument parser
+and :func:`~jaxhybrid.commands.train.check_run` (the config against ``-n``, a plan file, ``run.dir``), and
+on CPU the device checks of the rank's mesh against the device count of the ranks' environment.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def train_config(train_args: list[str]):
+    """``(train options, config)`` of the ranks' train arguments, read as `jaxhybrid train` reads them: a
+    wrong option, a missing config or plan file fails here once, not on every rank."""
+    from jaxhybrid.commands import train as train_cmd
+
+    p = argparse.ArgumentParser(prog="jaxhybrid train", description="the ranks' arguments")
+    train_cmd.add_arguments(p)
+    args = [a for a in train_args if a != "--"]
+    ns = p.parse_args(args[1:] if args[:1] == ["train"] else args)
+    return ns, train_cmd.load_train_config(ns)
+
+
+def check_job(ns, cfg, n: int) -> int:
+    """The checks every rank would make alike, made once before any rank starts (train's own
+    :func:`~jaxhybrid.commands.train.check_run`: the config against ``-n``, ``run.dir``), and with
+    ``--distributed`` that the ``n`` processes split the mesh evenly. Returns the devices each rank needs
+    (:func:`devices_per_rank`)."""
+    from jaxhybrid.commands.train import check_run
+
+    check_run(cfg, ns, n)
+    return devices_per_rank(ns, cfg, n)
+
+
+def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
+    """On CPU, the devices each of the ``n`` ranks will see (``env``'s count: ``per_rank`` as the launcher
+    sets it, unless the user set one) against those its mesh needs, by the ranks' own checks: a hybrid
+    rank's local mesh (:func:`~jaxhybrid.tensor.local.rank_devices`; node-local rank 0 needs the fewest),
+    or one tensor-mode mesh over the ``n`` processes (:meth:`~jaxhybrid.tensor.mesh.MeshShape.check`).
+    Skipped where the ranks may run on accelerators: the count only shapes the CPU platform."""
+    from types import SimpleNamespace
+
+    from jaxhybrid.host_alloc import DEVICE_COUNT_FLAG, cpu_devices
+
+    if cfg.tensor_size == 1 or not ranks_on_cpu(env):
+        return
+    count = cpu_devices(env)
+    try:
+        if cfg.world_size > 1:
+            from jaxhybrid.tensor.local import rank_devices
+
+            rank_devices(cfg.tensor_size, [SimpleNamespace(platform="cpu")] * count, node_rank=0)
+        else:
+            from jaxhybrid.tensor.mesh import MeshShape
+
+            MeshShape.from_config(cfg).check(count * n)
+    except ValueError as e:
+        yours = [f"JAX_NUM_CPU_DEVICES={env['JAX_NUM_CPU_DEVICES']}"] if env.get("JAX_NUM_CPU_DEVICES") else []
+        yours += re.findall(DEVICE_COUNT_FLAG + r"=\d+", env.get("XLA_FLAGS", ""))
+        raise ValueError(f"your {' and '.join(yours)} (kept by the launcher) gives each of the {n} ranks {count} "
+                         f"CPU device(s): {e}; without it the launcher gives each rank {per_rank}") from None
+
+
+def ranks_on_cpu(env: dict[str, str]) -> bool:
+    """Whether the ranks' JAX will compute on the CPU: ``JAX_PLATFORMS`` puts it first, or no accelerator
+    plugin is installed (JAX finds them in the ``jax_plugins`` namespace package or entry-point group)."""
+    import importlib.metadata
+    import importlib.util
+
+    if env.get("JAX_PLATFORMS", "").strip():
+        return env["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
+    return importlib.util.find_spec("jax_plugins") is None and not importlib.metadata.entry_points(group="jax_plugins")
+
+
+def devices_per_rank(ns, cfg, n: int = 1) -> int:
+    """Devices each rank's tensor mesh needs: ``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
+    mode, the mesh's share of each of the ``n`` processes with ``--distributed``."""
+    from jaxhybrid.tensor.distributed import devices_per_process
+
+    if ns.distributed:
+        return devices_per_process(cfg.num_devices, n)
+    return max(1, cfg.num_devices // cfg.world_size)

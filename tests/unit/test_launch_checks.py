@@ -1,0 +1,109 @@
+"""`jaxhybrid launch` before mpiexec starts: the checks every rank would make alike are made once, with
+train's own functions; train's options parse with or without ``--``; and the launcher's last line on a
+job whose ranks failed with an error names that error. No MPI: nothing here starts a rank."""
+from pathlib import Path
+
+import pytest
+
+from jaxhybrid.cli import build_parser
+from jaxhybrid.commands import launch
+from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
+from jaxhybrid.commands.rankwatch import RankWatch, failure_summary
+from jaxhybrid.config import ConfigError
+
+RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
+
+
+def _job(run_dir, *sets: str, config: str = "pipeline_2x2.yaml", flags: tuple[str, ...] = ()):
+    args = [*flags, "--config", str(RUNS / config), "--set", f"run.dir={run_dir}"]
+    return train_config(args + [a for kv in sets for a in ("--set", kv)])
+
+
+def test_run_dir_is_checked_once_before_the_ranks_start(tmp_path):
+    """A run.dir holding checkpoints (train refuses to train over them), one that cannot be made, and a
+    resume whose checkpoints have another layout fail in the launcher, naming the values."""
+    run = tmp_path / "run"
+    assert check_job(*_job(run), 4) == 1  # nothing there yet: fine
+    (run / "checkpoints" / "rank_0" / "2").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"run.dir={run} holds checkpoints of an earlier run \(rank_0: steps 2\)"):
+        check_job(*_job(run), 4)
+    (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\n")
+    with pytest.raises(ConfigError, match=r"--resume in .*another layout \(parallel.data: 2 -> 1\)"):
+        check_job(*_job(run, "parallel.data=1", flags=("--resume",)), 2)
+    check_job(*_job(run, flags=("--resume",)), 4)  # the same layout resumes
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"run.dir={tmp_path}/file/x cannot be written: {tmp_path}/file takes no"):
+        check_job(*_job(tmp_path / "file" / "x"), 4)
+    if Path("/proc/self").exists():  # a read-only place that os.access calls writable for root
+        with pytest.raises(ConfigError, match="run.dir=/proc/nope cannot be written"):
+            check_job(*_job("/proc/nope"), 4)
+
+
+def test_plan_file_and_train_arguments_are_read_once(tmp_path):
+    with pytest.raises(FileNotFoundError, match="plan file not found: nope.json"):
+        _job(tmp_path, "plan.file=nope.json")
+    with pytest.raises(SystemExit):  # argparse's "jaxhybrid train: error: unrecognized arguments"
+        train_config(["--config", str(RUNS / "tiny.yaml"), "--bogus"])
+
+
+@pytest.mark.parametrize("env,fails", [
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"},
+     r"--xla_force_host_platform_device_count=1 \(kept by the launcher\) gives each of the 4 ranks 1 CPU "
+     r"device\(s\): .*needs parallel.tensor_depth x tensor_row x tensor_col = 2 local devices and sees 1"),
+    ({"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}, "your JAX_NUM_CPU_DEVICES=1"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}, None),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cuda"}, None),  # GPUs: theirs
+])
+def test_devices_the_ranks_will_see_are_checked_on_cpu(tmp_path, env, fails):
+    ns, cfg = _job(tmp_path, config="hybrid.yaml")
+    if fails:
+        with pytest.raises(ValueError, match=fails):
+            check_devices(cfg, 4, env, 2)
+    else:
+        check_devices(cfg, 4, env, 2)
+    # --distributed: one mesh of 8 devices over 2 processes of 1 device each.
+    ns, cfg = _job(tmp_path, "parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2",
+                   config="tiny.yaml", flags=("--distributed",))
+    one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    with pytest.raises(ValueError, match=r"= 8 != 2 devices.*the launcher gives each rank 4"):
+        check_devices(cfg, 2, one, 4)
+
+
+def test_rank_count_is_checked_first(tmp_path):
+    """-n 0 is named as such, not as a world size the config's grid does not match."""
+    _, args = build_parser(["launch", "-n", "0", "--config", str(RUNS / "pipeline_2x2.yaml")])
+    with pytest.raises(ValueError, match=r"^-n 0: need at least one rank$"):
+        launch.run(args)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--config", "c.yaml", "--set", "a=1"], ["--config", "c.yaml", "--set", "a=1"]),
+    (["--", "--config", "c.yaml", "--resume"], ["--config", "c.yaml", "--resume"]),
+    (["--config", "c.yaml", "--distributed", "--", "--set", "a=1"],
+     ["--config", "c.yaml", "--distributed", "--set", "a=1"]),
+    (["train", "--config", "c.yaml"], ["train", "--config", "c.yaml"]),
+])
+def test_train_arguments_with_or_without_the_separator(argv, expected):
+    _, args = build_parser(["launch", "-n", "4", "--timeout", "5", *argv])
+    assert launch.train_arguments(args) == expected and args.timeout == 5
+
+
+def test_two_ranks_reports_on_one_line_are_split():
+    merged = "jaxhybrid train: error: plan file not found: nope.jsonjaxhybrid train: error: plan file not found: x\n"
+    assert launch.split_reports(merged) == ["jaxhybrid train: error: plan file not found: nope.json\n",
+                                            "jaxhybrid train: error: plan file not found: x\n"]
+    assert launch.split_reports("see `jaxhybrid launch -n 4`\n") == ["see `jaxhybrid launch -n 4`\n"]
+
+
+def test_failure_summary_names_the_error_of_ranks_that_failed_at_setup(tmp_path):
+    """Ranks that fail before they make their topology leave no PID file: the last line quotes the first
+    rank error instead of "no rank was seen to end first"."""
+    watch = RankWatch(tmp_path, 4)
+    error = "jaxhybrid train: error: data path not found: /nope; create it with `jaxhybrid prepare-data --out DIR`"
+    abort = "Abort(2) on node 3 (rank 3 in comm 0): application called MPI_Abort(MPI_COMM_WORLD, 2) - process 3"
+    assert failure_summary(watch, [error + "\n"] * 4 + [abort]) == f"every rank failed before joining the job: {error}"
+    assert failure_summary(watch, [error + "\n"] * 2) == f"2 of 4 ranks failed before joining the job: {error}"
+    assert failure_summary(watch, [abort]) == "no rank was seen to end first"
+    # Ranks that made their topology and then exited with such an error left their exit marker.
+    (tmp_path / "rank0.pid").write_text("101 rank 0 (stage 0, replica 0)")
+    assert failure_summary(watch, [error + "\n"]) == f"1 of 4 ranks failed: {error}"
