@@ -26,12 +26,15 @@ def train_config(train_args: list[str]):
 
 def check_job(ns, cfg, n: int) -> int:
     """The checks every rank would make alike, made once before any rank starts (train's own
-    :func:`~jaxhybrid.commands.train.check_run`: the config against ``-n``, ``run.dir``), and with
+    :func:`~jaxhybrid.commands.train.check_run`: the config against ``-n``, ``run.dir``; a given data
+    path, :func:`~jaxhybrid.data.splits.check_data`), and with
     ``--distributed`` that the ``n`` processes split the mesh evenly. Returns the devices each rank needs
     (:func:`devices_per_rank`)."""
     from jaxhybrid.commands.train import check_run
+    from jaxhybrid.data.splits import check_data
 
     check_run(cfg, ns, n)
+    check_data(cfg)
     return devices_per_rank(ns, cfg, n)
 
 

@@ -29,6 +29,17 @@ def open_dataset(cfg, split: str = "train"):
     return ds
 
 
+def check_data(cfg) -> None:
+    """A given ``data.path`` holds the splits this run reads, with ids the model can embed and, with
+    ``train.eval_every``, a val split long enough: what every rank's trainer meets first. Cheap (memmaps),
+    so ``jaxhybrid launch`` checks it once for all ranks. The built-in corpus is left to the ranks: it is
+    prepared on first use, under a lock."""
+    if cfg.data.path:
+        open_dataset(cfg)
+        if cfg.train.eval_every:
+            validation_batches(cfg)
+
+
 def validation_batches(cfg) -> list[np.ndarray]:
     """The ``train.eval_batches`` global batches every evaluation scores: fixed windows of the val split
     (the sampler's first steps), so successive validation losses compare the same tokens."""

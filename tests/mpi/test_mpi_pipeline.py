@@ -115,16 +115,18 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
 
 
 def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
-    """A setup error the launcher does not check itself (a missing data file) fails every rank before its
-    topology exists, so no rank leaves a PID file: the launcher's last line quotes the first rank's error."""
+    """A setup error the launcher does not check itself (a CPU list of the user's that each rank parses
+    when it pins itself) fails every rank before its topology exists, so no rank leaves a PID file: the
+    launcher's last line quotes the first rank's error."""
     cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "60", "--config",
            str(ROOT / "configs" / "runs" / "pipeline_2x2.yaml"), "--set", "parallel.data=1",
-           "--set", "data.path=/nonexistent/tokens", "--set", f"run.dir={tmp_path}"]
-    r = subprocess.run(cmd, env=_env(60), cwd=ROOT, capture_output=True, text=True, timeout=90)
+           "--set", f"run.dir={tmp_path}"]
+    r = subprocess.run(cmd, env={**_env(60), "JAXHYBRID_RANK_CPUS": "x"}, cwd=ROOT, capture_output=True,
+                       text=True, timeout=90)
     last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 2 and re.fullmatch(
-        r"jaxhybrid launch: (every rank|1 of 2 ranks) failed before joining the job: jaxhybrid train: error: "
-        r"data path not found: /nonexistent/tokens.*; the job was stopped \(exit code 2\)", last), r.stdout + r.stderr
+    assert r.returncode != 0 and re.fullmatch(
+        r"jaxhybrid launch: (every rank|1 of 2 ranks) failed before joining the job: jaxhybrid: error: "
+        r"JAXHYBRID_RANK_CPUS='x' for local rank \d.*; the job was stopped \(exit code \d+\)", last), r.stdout + r.stderr
 
 
 def test_bench_pipeline_prints_side_by_side_json():

@@ -107,3 +107,8 @@ def test_failure_summary_names_the_error_of_ranks_that_failed_at_setup(tmp_path)
     # Ranks that made their topology and then exited with such an error left their exit marker.
     (tmp_path / "rank0.pid").write_text("101 rank 0 (stage 0, replica 0)")
     assert failure_summary(watch, [error + "\n"]) == f"1 of 4 ranks failed: {error}"
+
+
+def test_a_missing_data_path_is_found_once(tmp_path):
+    with pytest.raises(FileNotFoundError, match="/nonexistent/tokens"):
+        check_job(*_job(tmp_path, "data.path=/nonexistent/tokens"), 4)
