@@ -63,7 +63,7 @@ def build_updater(cfg: Config, engine):
     return DeviceUpdater(transform, cfg.optim.grad_clip)
 
 
-def _committed(tree, like=None):
+def committed(tree, like=None):
     """Commit uncommitted device arrays. Freshly created arrays are uncommitted and the jit cache keys on
     that, so without this every jitted step would compile twice (steps 1 and 2). Leaves that are not yet
     placed go where ``like``'s leaves live: replicated over its mesh (tensor mode) or on its device."""
@@ -110,11 +110,11 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
-        params = _committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))
-        opt_state = _committed(self.updater.init(params), like=params)
+        params = committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))
+        opt_state = committed(self.updater.init(params), like=params)
         # The engine sees the updater's compute copy from step 0 on (offload: bf16/fp16 params, so step 0
         # and a resumed step get half-precision gradients like every other step; on device: unchanged).
-        return TrainState(0, _committed(self.updater.compute_params(params)), opt_state,
+        return TrainState(0, committed(self.updater.compute_params(params)), opt_state,
                           loss_scale_from_config(self.cfg.precision))
 
     def _checkpointer(self) -> Checkpointer:

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
-from jaxhybrid.commands.rankwatch import PID_DIR_ENV, RankWatch, failure_summary
+from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, RankWatch, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
 
 
@@ -134,7 +134,7 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
 
 # Where a rank's report starts inside a line: a rank writes its error line and the newline separately,
 # so another rank's report can land between them ("...nope.jsonjaxhybrid train: error: ...").
-_REPORT_START = re.compile(r"(?<=\S)(?=jaxhybrid(?: [\w-]+)?: )")
+_REPORT_START = re.compile(rf"(?<=\S)(?={REPORT_PREFIX})")
 
 
 def split_reports(line: str) -> list[str]:

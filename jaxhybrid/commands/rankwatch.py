@@ -161,8 +161,10 @@ class RankWatch(threading.Thread):
 _OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: (rank (\d+) \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)")
 
 
-# An error a user can fix, as `jaxhybrid COMMAND` prints it (jaxhybrid.cli) before the process exits.
-_SETUP_ERROR = re.compile(r"jaxhybrid(?: [\w-]+)?: error: ")
+# How a line of jaxhybrid's own starts ("jaxhybrid: ", "jaxhybrid train: "), and an error a user can fix
+# as `jaxhybrid COMMAND` prints it (jaxhybrid.cli) before the process exits.
+REPORT_PREFIX = r"jaxhybrid(?: [\w-]+)?: "
+_SETUP_ERROR = re.compile(REPORT_PREFIX + "error: ")
 
 
 def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
