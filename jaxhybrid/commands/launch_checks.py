@@ -68,14 +68,10 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
 
 
 def ranks_on_cpu(env: dict[str, str]) -> bool:
-    """Whether the ranks' JAX will compute on the CPU: ``JAX_PLATFORMS`` puts it first, or no accelerator
-    plugin is installed (JAX finds them in the ``jax_plugins`` namespace package or entry-point group)."""
-    import importlib.metadata
-    import importlib.util
+    """Whether the ranks' JAX will compute on the CPU (:func:`~jaxhybrid.host_alloc.accelerator_backend`)."""
+    from jaxhybrid.host_alloc import accelerator_backend
 
-    if env.get("JAX_PLATFORMS", "").strip():
-        return env["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
-    return importlib.util.find_spec("jax_plugins") is None and not importlib.metadata.entry_points(group="jax_plugins")
+    return accelerator_backend(env) is None
 
 
 def devices_per_rank(ns, cfg, n: int = 1) -> int:

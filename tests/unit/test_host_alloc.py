@@ -64,6 +64,8 @@ def test_skipped_with_the_reason_named():
     assert _skip_reason({OPT_OUT: "system"}) == f"{OPT_OUT}=system"
     assert "MALLOC_ARENA_MAX" in _skip_reason({"MALLOC_ARENA_MAX": "4"})
     assert "GLIBC_TUNABLES" in _skip_reason({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    if is_glibc():  # an accelerator backend is checked after the platform
+        assert "JAX_PLATFORMS=cuda" in _skip_reason({"JAX_PLATFORMS": "cuda"})
 
 
 @glibc
