@@ -109,7 +109,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    hardware: str = "cpu"  # configs/hardware/<name>.yaml: peak flop/s for MFU
+    hardware: str = "auto"  # configs/hardware/<name>.yaml (peak flop/s for MFU); auto: the run's device's
     tensorboard: bool = True
     plot: bool = True  # loss-curve PNG at the end
     trace: bool = False  # Chrome trace of pipeline ranks

@@ -172,6 +172,9 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         writer = self.engine.is_writer
+        # Before any compilation: a named file's peak for the compute dtype, or the device's file (auto).
+        peak, peak_note = metrics_lib.run_peak_flops(cfg.metrics.hardware, cfg.precision.compute_dtype,
+                                                     jax.devices()[0])
         st = self.init_state()
         ckpt = self._checkpointer()
         if cfg.run.resume:
@@ -184,7 +187,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
             write_report(self.run_dir, mem)
             print(summary_line(mem), file=sys.stderr, flush=True)
-        hw = metrics_lib.load_hardware(cfg.metrics.hardware)
+            print(f"jaxhybrid: {peak_note}", file=sys.stderr, flush=True)
         n_dev = cfg.num_devices
         mw = MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
                                        progress=cfg.metrics.progress, is_writer=writer,
@@ -193,7 +196,6 @@ class Trainer:
         m = cfg.model
         flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
                                            m.vocab_size, recompute=cfg.train.remat != "none")
-        peak = metrics_lib.peak_tflops(hw, cfg.precision.compute_dtype) * 1e12
         losses, times, last_val = [], [], None
         try:
             while st.step < cfg.train.steps:
@@ -203,7 +205,7 @@ class Trainer:
                 losses.append(info["loss"])
                 times.append(dt)
                 rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                       "tflops_per_device": flops / dt / n_dev / 1e12, "mfu": flops / dt / n_dev / peak,
+                       "tflops_per_device": flops / dt / n_dev / 1e12, **({"mfu": flops / dt / n_dev / peak} if peak else {}),
                        "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
                 ev = cfg.train.eval_every
                 if ev and (st.step % ev == 0 or st.step == cfg.train.steps):

@@ -77,7 +77,28 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     world = 1 if args.distributed else processes
     validate(cfg, world)  # every rule that needs no devices
     check_run_dir(cfg)
+    check_metrics(cfg)
     return world
+
+
+def check_metrics(cfg) -> None:
+    """What the run's metrics need, checked before it builds anything: a named ``metrics.hardware`` file
+    with a peak for the compute dtype (``auto`` is resolved against the device later), and tensorboardX
+    where ``metrics.tensorboard`` is on."""
+    import importlib.util
+
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.metrics import load_hardware, peak_tflops
+
+    m = cfg.metrics
+    if m.hardware != "auto":
+        try:
+            peak_tflops(load_hardware(m.hardware), cfg.precision.compute_dtype)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"metrics.hardware={m.hardware!r}: {e}") from None
+    if m.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("metrics.tensorboard=true needs the tensorboardX package (a dependency of jaxhybrid: "
+                         "scripts/setup.sh installs it); install it or --set metrics.tensorboard=false")
 
 
 def run(args: argparse.Namespace) -> int:

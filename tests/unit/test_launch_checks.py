@@ -112,3 +112,22 @@ def test_failure_summary_names_the_error_of_ranks_that_failed_at_setup(tmp_path)
 def test_a_missing_data_path_is_found_once(tmp_path):
     with pytest.raises(FileNotFoundError, match="/nonexistent/tokens"):
         check_job(*_job(tmp_path, "data.path=/nonexistent/tokens"), 4)
+
+
+def test_metrics_settings_are_checked_before_the_ranks_start(tmp_path, monkeypatch):
+    """A metrics.hardware file that is missing or has no peak for the compute dtype, and TensorBoard
+    without tensorboardX, fail before anything is built (they used to fail after the first compilation)."""
+    with pytest.raises(ConfigError, match="metrics.hardware='nope': hardware 'nope' not found"):
+        check_job(*_job(tmp_path / "a", "metrics.hardware=nope"), 4)
+    hw = tmp_path / "fp32only.yaml"
+    hw.write_text("name: fp32only\npeak_tflops: {float32: 1.0}\n")
+    with pytest.raises(ConfigError, match="fp32only' has no peak_tflops for 'bfloat16'"):
+        check_job(*_job(tmp_path / "b", f"metrics.hardware={hw}", "precision.compute_dtype=bfloat16"), 4)
+    check_job(*_job(tmp_path / "c", f"metrics.hardware={hw}"), 4)  # float32: fine
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboardX" else real(n, *a))
+    with pytest.raises(ConfigError, match="metrics.tensorboard=true needs the tensorboardX package"):
+        check_job(*_job(tmp_path / "d"), 4)
+    check_job(*_job(tmp_path / "e", "metrics.tensorboard=false"), 4)

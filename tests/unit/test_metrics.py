@@ -49,6 +49,25 @@ def test_load_hardware():
         M.peak_tflops(hw, "int4")
 
 
+def test_auto_hardware_follows_the_device(tmp_path):
+    """``metrics.hardware: auto``: the CPU file on a CPU, the file whose device_kinds names the GPU (an H100
+    run once reported mfu 423% against the CPU file), and no MFU for a device no file names."""
+    from types import SimpleNamespace as Dev
+
+    assert M.hardware_for_device(Dev(platform="cpu", device_kind="cpu"))["name"] == "cpu"
+    h100 = Dev(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    assert M.hardware_for_device(h100)["name"] == "h100-node"
+    assert M.hardware_for_device(Dev(platform="gpu", device_kind="NVIDIA H200"))["name"] == "h200-node"
+    assert M.run_peak_flops("auto", "bfloat16", h100) == (989e12, "mfu against h100-node: 989 TFLOP/s bfloat16 per device")
+    assert M.run_peak_flops("cpu", "float32", h100)[0] == pytest.approx(0.1e12)  # a named file wins
+    peak, why = M.run_peak_flops("auto", "bfloat16", Dev(platform="gpu", device_kind="Imaginary X1"))
+    assert peak is None and "mfu not reported" in why and "'Imaginary X1'" in why
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ndevice_kinds: H100\npeak_tflops: {float32: 1.0}\n")
+    with pytest.raises(ValueError, match="device_kinds must be a list of non-empty strings, got 'H100'"):
+        M.load_hardware(str(bad))
+
+
 def _strict(line):
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
