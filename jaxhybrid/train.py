@@ -205,7 +205,8 @@ class Trainer:
                 losses.append(info["loss"])
                 times.append(dt)
                 rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                       "tflops_per_device": flops / dt / n_dev / 1e12, **({"mfu": flops / dt / n_dev / peak} if peak else {}),
+                       "tflops_per_device": flops / dt / n_dev / 1e12,
+                       "mfu": flops / dt / n_dev / peak if peak else None,  # null: no peak for this device
                        "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
                 ev = cfg.train.eval_every
                 if ev and (st.step % ev == 0 or st.step == cfg.train.steps):

@@ -51,6 +51,21 @@ def test_loss_falls_on_real_text(tmp_path):
     assert_tree_close(np.float32(val[40]), np.float32(want), "fp32_parity", "val_loss at the last step")
 
 
+def test_mfu_over_the_devices_peak_or_null(tmp_path, monkeypatch, capsys):
+    """``metrics.hardware: auto`` on a CPU divides by cpu.yaml's peak (and says so); a device that no
+    hardware file names records ``mfu: null`` instead of a ratio against another machine's peak."""
+    from jaxhybrid import metrics as metrics_lib
+
+    Trainer(_cfg(tmp_path, "train.steps=2", name="cpu")).run()
+    rec = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] / 0.1)
+    assert "mfu against cpu: 0.1 TFLOP/s float32 per device" in capsys.readouterr().err
+    monkeypatch.setattr(metrics_lib, "run_peak_flops", lambda *a: (None, "mfu not reported: test"))
+    Trainer(_cfg(tmp_path, "train.steps=2", name="unknown")).run()
+    rec = json.loads((tmp_path / "unknown" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["mfu"] is None and rec["tflops_per_device"] > 0
+
+
 @pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
                                            "precision.compute_dtype=bfloat16"),
                                    ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2"),
