@@ -2,13 +2,16 @@
 
 2BP (Sec. 3) splits the backward without adding arithmetic: the input pass does the input-gradient
 work and the weight pass only the ``dW = x^T dy`` matmuls (plus the batch sums of per-sample norm and
-bias gradients). :func:`kernel_costs` reads that off the compiled programs themselves, so it holds on
-any backend and is free of timing noise: ``backward_input + backward_weight`` flops match the fused
+bias gradients). :func:`kernel_costs` reads that off the compiled programs themselves, free of timing
+noise. On the CPU backend: ``backward_input + backward_weight`` flops match the fused
 ``backward``'s up to the cheap elementwise work XLA duplicates into several consumer fusions (0.992-1.000
 on ``scripts/bench_2bp.sh``'s stages; the fused pass duplicates more), and a weight pass that recomputed
 any of the forward would show up as extra flops.
 The bytes are XLA's count at fusion boundaries (operands read plus results written, per fusion): equal
 bytes with unequal times point at cache locality or scheduling, not at extra traffic.
+On a GPU, XLA's count leaves out library calls (cuBLAS matmuls, cuDNN attention), and not evenly: on an
+H100 a bf16 GPT-2-small stage's weight pass counted 34 MFLOP for about 460 GFLOP of matmuls, and a 1.3B
+stage's split 1.6x the fused pass's flops. :func:`split_ratios` gives no ratio there.
 """
 from __future__ import annotations
 
@@ -30,9 +33,12 @@ def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, 
     return {k: _cost(fn, *a) for k, (fn, *a) in progs.items()}
 
 
-def split_ratios(costs: dict[str, dict[str, float]]) -> dict[str, float]:
-    """(input + weight) / fused for flops and for bytes: what the split costs by XLA's own count."""
+def split_ratios(costs: dict[str, dict[str, float]], platform: str = "cpu") -> dict[str, float | None]:
+    """(input + weight) / fused for flops and for bytes: what the split costs by XLA's own count; None
+    off the CPU, where that count misses library calls (module docstring)."""
     def ratio(key):
+        if platform != "cpu":
+            return None
         fused = costs["backward"][key]
         return (costs["backward_input"][key] + costs["backward_weight"][key]) / fused if fused else float("nan")
 
