@@ -22,7 +22,7 @@ device allocator does.
 
 Only where JAX computes on the CPU (:func:`accelerator_backend`): on an H100 host (16 cores, jax 0.11.2)
 the same settings made ``bench stage`` of a bf16 GPT-2-small stage take 105 s instead of 25, with 10.5
-minutes of system time against 8 s, and each synchronous kernel call 0.2-0.4 ms longer.
+minutes of system time against 8 s, and its synchronous backward calls 0.2-0.8 ms longer.
 
 It must run before JAX starts its CPU client: threads that already allocated keep their own arenas, which
 ``mmap`` large requests regardless (measured: no effect when set after the first computation). The
