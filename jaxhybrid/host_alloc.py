@@ -139,4 +139,5 @@ def configure_host_malloc(environ=None) -> dict:
     return _applied
 
 
-__all__ = ["configure_host_malloc", "host_malloc_status", "accelerator_backend", "cpu_devices", "default_cpu_devices", "glibc", "OPT_OUT"]
+__all__ = ["configure_host_malloc", "host_malloc_status", "accelerator_backend", "cpu_devices", "default_cpu_devices",
+           "glibc", "OPT_OUT"]

@@ -58,7 +58,8 @@ def test_auto_hardware_follows_the_device(tmp_path):
     h100 = Dev(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
     assert M.hardware_for_device(h100)["name"] == "h100-node"
     assert M.hardware_for_device(Dev(platform="gpu", device_kind="NVIDIA H200"))["name"] == "h200-node"
-    assert M.run_peak_flops("auto", "bfloat16", h100) == (989e12, "mfu against h100-node: 989 TFLOP/s bfloat16 per device")
+    assert M.run_peak_flops("auto", "bfloat16", h100) == (989e12,
+                                                         "mfu against h100-node: 989 TFLOP/s bfloat16 per device")
     assert M.run_peak_flops("cpu", "float32", h100)[0] == pytest.approx(0.1e12)  # a named file wins
     peak, why = M.run_peak_flops("auto", "bfloat16", Dev(platform="gpu", device_kind="Imaginary X1"))
     assert peak is None and "mfu not reported" in why and "'Imaginary X1'" in why
