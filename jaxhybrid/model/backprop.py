@@ -53,9 +53,12 @@ class Tape:
       partials: their per-sample gradients, the wtaps' cotangents, packed per dtype name (replay mode;
         ``residuals.pack_partials``); ``offsets`` walks each packed array in per_sample order.
       wshapes: ShapeDtypeStruct of each of those taps (discover mode).
+      cots_in_program: replay mode inside the fused backward, whose cotangents are computed in the same
+        program rather than read as inputs (see :meth:`linear`).
     """
 
-    def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None, wtaps=None, partials=None):
+    def __init__(self, mode: str, taps=None, records=None, site_index=(), cots=None, wtaps=None, partials=None,
+                 cots_in_program: bool = False):
         if mode not in ("tap", "replay", "discover", "plain"):
             raise ValueError(f"Tape mode {mode!r}; choose tap, replay, discover or plain")
         self.mode = mode
@@ -69,6 +72,7 @@ class Tape:
         self.offsets: dict[str, int] = {}
         self._sums: dict[str, Array] = {}
         self.wshapes: list[jax.ShapeDtypeStruct] = []
+        self.cots_in_program = cots_in_program
         self.acc = jnp.zeros((), jnp.float32)
         self.i = 0  # next site
         self.k = 0  # next per-token weight vector (per_sample)
@@ -128,10 +132,14 @@ class Tape:
         lead = tuple(range(r.ndim - 1))
         # c in the compute dtype, as the fused backward's cotangent reaching the matmul (logits: f32 -> dtype).
         cr = c.astype(r.dtype)
-        if r.shape[-1] > c.shape[-1]:
+        if r.shape[-1] > c.shape[-1] and not self.cots_in_program:
             # The token dims lead in both operands, so one of them is transposed for the matmul: transpose
             # the narrower one (dy of mlp.down, not its 4x wider input) and the small [out, in] result.
             # The barrier stops XLA from folding the transpose back into the dot (measured: -0.3 to -1 ms).
+            # Not in the fused backward: there dy of mlp.down is the residual stream's gradient, made in
+            # the same program, and XLA wrote its transpose from inside the norm backward producing it,
+            # repeating that fusion (gpt-small-cpu 1:5, one core: 1.7 ms of such copies; transposing
+            # the input instead, 1.1 ms, and fused backward 15.0-15.2 -> 14.3 ms).
             dw = jax.lax.optimization_barrier(jnp.tensordot(cr, r, axes=(lead, lead))).T
         else:
             dw = jnp.tensordot(r, cr, axes=(lead, lead))

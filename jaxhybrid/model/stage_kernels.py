@@ -155,10 +155,10 @@ class StageKernels(StageChecks):
         grads = [self._weight_grads(params, wr) for wr in wrs]
         return _plus(acc, jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads))
 
-    def _weight_grads(self, params, wr: WeightResiduals):
+    def _weight_grads(self, params, wr: WeightResiduals, cots_in_program: bool = False):
         def replay(p):
             tape = bp.Tape("replay", records=wr.records, site_index=wr.site_index, cots=wr.cots,
-                           partials=wr.partials)
+                           partials=wr.partials, cots_in_program=cots_in_program)
             first = wr.records[0]
             x = first if self.is_first else jnp.zeros((*first.shape[:2], self.cfg.d_model), self.model.dtype)
             tgt = jnp.zeros(first.shape[:2], jnp.int32) if self.is_last else None
@@ -178,7 +178,7 @@ class StageKernels(StageChecks):
         else:
             dx, cots, parts = self._bi_saved(res.params, res.vjp, dy)
             wr = WeightResiduals(res.records, cots, parts, res.site_index)
-        return dx, _plus(acc, self._weight_grads(res.params, wr))
+        return dx, _plus(acc, self._weight_grads(res.params, wr, cots_in_program=True))
 
     # ---- public API -------------------------------------------------------------------------------------
     def forward(self, params, x, targets=None):
