@@ -2,7 +2,7 @@
 
 Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``backward_input`` and
 ``backward_weight`` (single; on K microbatches concatenated as 2BP Fig. 2; on the list of K, summed in
-one program, which is what the pipeline does on CPU, ``pipeline.weight_join``), plus a plain reference
+one program, which is what the pipeline does by default, ``pipeline.weight_join``), plus a plain reference
 (``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
 interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike;
 each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
