@@ -105,8 +105,9 @@ def hardware_for_device(device) -> dict[str, Any] | None:
 
 def run_peak_flops(name: str, dtype: str, device) -> tuple[float | None, str]:
     """The per-device peak flop/s a training run's MFU divides by, from ``metrics.hardware`` (a file, or
-    ``auto``: :func:`hardware_for_device`), and a line saying what it was taken from. None (and why)
-    when ``auto`` finds no file for the device: the run then records ``mfu: null`` rather than a wrong one."""
+    ``auto``: :func:`hardware_for_device` of ``device``), and a line saying what it was taken from. None
+    (and why) when ``auto`` finds no file for the device: the run then records ``mfu: null`` rather than a
+    wrong one."""
     hw = hardware_for_device(device) if name == "auto" else load_hardware(name)
     if hw is None:
         return None, (f"mfu not reported: no file in {HARDWARE_DIR} lists device kind {device.device_kind!r} in "

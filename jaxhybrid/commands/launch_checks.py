@@ -43,12 +43,13 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
     sets it, unless the user set one) against those its mesh needs, by the ranks' own checks: a hybrid
     rank's local mesh (:func:`~jaxhybrid.tensor.local.rank_devices`; node-local rank 0 needs the fewest),
     or one tensor-mode mesh over the ``n`` processes (:meth:`~jaxhybrid.tensor.mesh.MeshShape.check`).
-    Skipped where the ranks may run on accelerators: the count only shapes the CPU platform."""
+    Skipped where the ranks will compute on an accelerator (:func:`~jaxhybrid.host_alloc.accelerator_backend`):
+    the count only shapes the CPU platform."""
     from types import SimpleNamespace
 
-    from jaxhybrid.host_alloc import DEVICE_COUNT_FLAG, cpu_devices
+    from jaxhybrid.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
 
-    if cfg.tensor_size == 1 or not ranks_on_cpu(env):
+    if cfg.tensor_size == 1 or accelerator_backend(env):
         return
     count = cpu_devices(env)
     try:
@@ -65,13 +66,6 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
         yours += re.findall(DEVICE_COUNT_FLAG + r"=\d+", env.get("XLA_FLAGS", ""))
         raise ValueError(f"your {' and '.join(yours)} (kept by the launcher) gives each of the {n} ranks {count} "
                          f"CPU device(s): {e}; without it the launcher gives each rank {per_rank}") from None
-
-
-def ranks_on_cpu(env: dict[str, str]) -> bool:
-    """Whether the ranks' JAX will compute on the CPU (:func:`~jaxhybrid.host_alloc.accelerator_backend`)."""
-    from jaxhybrid.host_alloc import accelerator_backend
-
-    return accelerator_backend(env) is None
 
 
 def devices_per_rank(ns, cfg, n: int = 1) -> int:

@@ -88,12 +88,12 @@ def check_metrics(cfg) -> None:
     import importlib.util
 
     from jaxhybrid.config import ConfigError
-    from jaxhybrid.metrics import load_hardware, peak_tflops
+    from jaxhybrid.metrics import run_peak_flops
 
     m = cfg.metrics
     if m.hardware != "auto":
         try:
-            peak_tflops(load_hardware(m.hardware), cfg.precision.compute_dtype)
+            run_peak_flops(m.hardware, cfg.precision.compute_dtype, device=None)  # a named file needs no device
         except (OSError, ValueError) as e:
             raise ConfigError(f"metrics.hardware={m.hardware!r}: {e}") from None
     if m.tensorboard and importlib.util.find_spec("tensorboardX") is None:

@@ -36,13 +36,15 @@ def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, 
 def split_ratios(costs: dict[str, dict[str, float]], platform: str = "cpu") -> dict[str, float | None]:
     """(input + weight) / fused for flops and for bytes: what the split costs by XLA's own count; None
     off the CPU, where that count misses library calls (module docstring)."""
+    keys = {"split_flops_over_fused": "flops", "split_bytes_over_fused": "bytes_accessed"}
+    if platform != "cpu":
+        return dict.fromkeys(keys)
+
     def ratio(key):
-        if platform != "cpu":
-            return None
         fused = costs["backward"][key]
         return (costs["backward_input"][key] + costs["backward_weight"][key]) / fused if fused else float("nan")
 
-    return {"split_flops_over_fused": ratio("flops"), "split_bytes_over_fused": ratio("bytes_accessed")}
+    return {name: ratio(key) for name, key in keys.items()}
 
 
 __all__ = ["kernel_costs", "split_ratios"]
