@@ -109,7 +109,8 @@ class StageKernels(StageChecks):
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):
         self.trace_counts["forward"] += 1
-        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, rs.remat_save_policy(self.remat))
+        policy = rs.remat_save_policy(self.remat, self.model.dtype)
+        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, policy)
         return y, rs.strip_params(vjp, params), records, Static(index)
 
     def _bi_saved(self, params, vjp, dy):
