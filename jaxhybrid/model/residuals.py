@@ -43,24 +43,17 @@ def fill_params(tree: Any, params: Any) -> Any:
                         is_leaf=lambda v: isinstance(v, ParamSlot))
 
 
-def keep_all_but_casts(prim, *_, **__) -> bool:
-    """Remat policy for "none" in a 16-bit compute dtype: save every intermediate except dtype casts, so
-    that compute-dtype copies of the float32 master weights are recast in the input pass from the
-    (slotted) masters instead of being stored per microbatch (plain ``jax.vjp`` would keep them: a
-    4-block gpt-small-cpu stage in bfloat16 kept each block's four kernels). Activation casts are
-    recomputed from their saved inputs (cheap)."""
-    return prim.name != "convert_element_type"
+def remat_save_policy(remat: str):
+    """The jax.checkpoint policy that decides what the forward keeps for the input pass; None (remat
+    "none"): no checkpoint, plain ``jax.vjp``, which keeps every intermediate the input pass reads.
 
-
-def remat_save_policy(remat: str, compute_dtype: Any):
-    """The jax.checkpoint policy that decides what the forward keeps for the input pass; None: no
-    checkpoint at all. That is remat "none" in float32, where nothing is cast and plain ``jax.vjp`` keeps
-    the same arrays (same shapes, same bytes) but XLA makes a leaner forward of it than of the
-    checkpointed function (its count of bytes accessed, 4-block stages at 4 x 128 tokens: llama-small-cpu
-    215 -> 151 MB, gpt-small-cpu 208 -> 187 MB, llama-tiny 62 -> 49 MB; forward time 0.89-0.98 of the
-    checkpointed one, interleaved on 2 cores)."""
+    Why not a save-everything policy: plain ``jax.vjp`` keeps the same arrays, but XLA builds a leaner
+    forward of it (XLA's count of bytes accessed, 4-block stages at 4 x 128 tokens, float32:
+    llama-small-cpu 215 -> 151 MB, gpt-small-cpu 208 -> 187 MB, llama-tiny 62 -> 49 MB; forward time
+    0.89-0.98 of the checkpointed one). Such a policy was once needed to keep casts of the float32
+    masters out of the residuals; the forward now differentiates their cast copy (``Model.cast_matrices``)."""
     if remat == "none":
-        return None if jnp.dtype(compute_dtype) == jnp.float32 else keep_all_but_casts
+        return None
     if remat == "dots":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     raise ValueError(f"remat={remat!r} has no save policy (full uses segment recomputation)")

@@ -2,10 +2,10 @@
 
 Two ways of keeping what backward-p1 needs (chosen by ``remat``):
 
-* "saved" (remat none / dots): the forward takes ``jax.vjp`` of the tapped stage under a
-  ``jax.checkpoint`` save policy and returns the vjp's residuals, with the stage's parameters replaced by
-  :class:`~jaxhybrid.model.residuals.ParamSlot` placeholders, plus the site inputs (records) that
-  backward-p2 will need.
+* "saved" (remat none / dots): the forward takes ``jax.vjp`` of the tapped stage (remat dots: under a
+  ``jax.checkpoint`` save policy) and returns the vjp's residuals, with the stage's parameters (in the
+  compute dtype) replaced by :class:`~jaxhybrid.model.residuals.ParamSlot` placeholders, plus the site
+  inputs (records) that backward-p2 will need.
 * "segments" (remat full, Myelin's interval ac): the forward keeps only the inputs of each segment of ac
   blocks; backward-p1 recomputes one segment at a time (in reverse) and emits the records there.
 
@@ -108,14 +108,18 @@ class StageKernels(StageChecks):
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):
+        # The vjp is taken on the compute-dtype copy of the weights, cast here: its residuals then reference
+        # those casts as inputs, which become slots (recast by the input pass), instead of keeping a bf16
+        # copy of every matrix per microbatch.
         self.trace_counts["forward"] += 1
-        policy = rs.remat_save_policy(self.remat, self.model.dtype)
-        y, vjp, records, index = self._tapped_vjp(0, params, x, targets, policy)
-        return y, rs.strip_params(vjp, params), records, Static(index)
+        pc = self.model.cast_matrices(params)
+        y, vjp, records, index = self._tapped_vjp(0, pc, x, targets, rs.remat_save_policy(self.remat))
+        return y, rs.strip_params(vjp, pc), records, Static(index)
 
     def _bi_saved(self, params, vjp, dy):
         self.trace_counts["backward_input"] += 1
-        dx, cots, parts = self._split_cts(rs.fill_params(vjp, params)(dy), self.is_first)
+        vjp = rs.fill_params(vjp, self.model.cast_matrices(params))
+        dx, cots, parts = self._split_cts(vjp(dy), self.is_first)
         return dx, cots, rs.pack_partials(parts)
 
     # ---- segment mode (remat full, checkpoint interval ac) -----------------------------------------------

@@ -169,6 +169,13 @@ class Model:
         """Shapes only, for planning models too large to materialise (``jax.eval_shape``)."""
         return jax.eval_shape(lambda: self.init(jax.random.key(0), seq_len))
 
+    def cast_matrices(self, params: Params) -> Params:
+        """``params`` with every matrix (embedding tables, kernels) in the compute dtype and the vectors
+        (norm scales, biases) as they are. The layers cast each matrix to the compute dtype where they use
+        it, so the model computes exactly the same on this copy; the 2BP forward differentiates it so that
+        the casts are inputs of its vjp, not intermediates kept per microbatch (``model.stage_kernels``)."""
+        return jax.tree.map(lambda v: v.astype(self.dtype) if v.ndim >= 2 and v.dtype != self.dtype else v, params)
+
     def apply_embed(self, p: Params, tokens: Array) -> Array:
         return self.embed.apply({"params": p}, tokens)
 

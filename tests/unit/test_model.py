@@ -1,4 +1,6 @@
 """Single-device model: shapes, causal masking, parameter counts, abstract construction of large presets."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,25 @@ def test_tied_embeddings_share_gradient():
     tok = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
     g = jax.grad(m.loss)(p, tok, tok)
     assert float(jnp.abs(g["embed"]["wte"]).sum()) > 0
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_cast_matrices_computes_the_same(name):
+    """The 2BP forward differentiates Model.cast_matrices(params): the layers must cast every matrix to
+    the compute dtype where they use it, so that the loss and its gradient are bit-identical. (Untied:
+    a tied table, used twice, sums its two gradients in bf16 on the copy, one ulp off here and there;
+    the stage takes only dx and the tap cotangents from that vjp, never a parameter gradient.)"""
+    m = Model(dataclasses.replace(PRESETS[name], tie_embeddings=False), compute_dtype="bfloat16")
+    p = m.init(jax.random.key(0))
+    pc = m.cast_matrices(p)
+    assert {x.dtype for x in jax.tree.leaves(pc) if x.ndim >= 2} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(pc) if x.ndim < 2} == {jnp.dtype(jnp.float32)}
+    tok = jax.random.randint(jax.random.key(1), (2, 8), 0, 256)
+    loss = jax.jit(jax.value_and_grad(m.loss))
+    (l32, g32), (lc, gc) = loss(p, tok, tok), loss(pc, tok, tok)
+    assert float(l32) == float(lc)
+    for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(gc)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_bf16_compute_keeps_fp32_params():
