@@ -108,9 +108,7 @@ class StageKernels(StageChecks):
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------
     def _forward_saved(self, params, x, targets):
-        # The vjp is taken on the compute-dtype copy of the weights, cast here: its residuals then reference
-        # those casts as inputs, which become slots (recast by the input pass), instead of keeping a bf16
-        # copy of every matrix per microbatch.
+        # The vjp of the cast copy (Model.cast_matrices): its casts are inputs, so they become slots.
         self.trace_counts["forward"] += 1
         pc = self.model.cast_matrices(params)
         y, vjp, records, index = self._tapped_vjp(0, pc, x, targets, rs.remat_save_policy(self.remat))

@@ -292,11 +292,12 @@ def test_bfloat16_stages_match_bf16_vjp_and_track_float32(kind):
     assert_tree_close(jax.tree.map(lambda v: v.astype(jnp.float32), g16), grads["bf16"], "bf16_parity",
                       "compute-copy gradients vs float32-master gradients ")
     mid = _stage(kind, 1, 2, "none", "bfloat16")
-    y, res = mid.forward(mid.slice_params(full), jnp.ones((2, T, 32), jnp.bfloat16))
+    mid_params = mid.slice_params(full)
+    y, res = mid.forward(mid_params, jnp.ones((2, T, 32), jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and Stage.residual_bytes(res) > 0
     # The casts of the float32 masters are redone by the input pass, not kept per microbatch (plain
     # jax.vjp of the model on the masters would keep them): no kept bf16 array has a matrix's shape.
-    mats = {tuple(v.shape) for v in jax.tree.leaves(mid.slice_params(full)) if v.ndim == 2}
+    mats = {tuple(v.shape) for v in jax.tree.leaves(mid_params) if v.ndim == 2}
     kept = {tuple(v.shape) for v in jax.tree.leaves(res.vjp) if getattr(v, "dtype", None) == jnp.bfloat16}
     assert mats and not mats & kept, mats & kept
 
