@@ -33,6 +33,8 @@ from jaxhybrid.host_alloc import host_malloc_status
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="run config YAML (model, data.seq_len, microbatch size, dtype)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override as in train, e.g. --set model.d_model=768 (a preset's width changed)")
     p.add_argument("--model", default=None, help="model preset (overrides the config's)")
     p.add_argument("--blocks", default="4", help="N (a middle stage of N blocks) or LO:HI (block range)")
     p.add_argument("--microbatch-size", type=int, default=None, help="default: the config's, else 4")
@@ -75,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
     from jaxhybrid.testing import max_rel_err
 
-    cfg = load_config(args.config) if args.config else None
+    clash = [o for o in args.overrides if o.startswith("model.")]
+    if args.model and clash:
+        raise ValueError(f"--model {args.model} replaces the whole model config, so {', '.join(clash)} would be "
+                         f"lost: give the preset as --set model.name={args.model} instead")
+    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
     mcfg = resolve_model(args.model) if args.model else (cfg.model if cfg else resolve_model("gpt-small-cpu"))
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "float32")
     mb = args.microbatch_size or (cfg.microbatch_size if cfg else 4)
@@ -149,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
     costs = kernel_costs(stage, params, x, tgt, res, dy, wr)
     out = {
-        "model": mcfg.name, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
+        "model": mcfg.name, "d_model": mcfg.d_model, "d_ff": mcfg.d_ff, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
         "remat": args.remat, "concat_k": args.concat, "repeats": args.repeats,
         "forward_s": med["forward"], "backward_fused_s": med["backward_fused"],
         "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],

@@ -53,3 +53,18 @@ def test_bench_stage_bad_block_range_names_the_values(capsys):
     assert "stage block range [3, 9) is empty or outside the model's 4 blocks" in capsys.readouterr().err
     assert main(ARGS[:5] + ["a:b"] + ARGS[6:]) == 2
     assert "--blocks 'a:b': give N (a stage of N blocks) or LO:HI" in capsys.readouterr().err
+
+
+def test_bench_stage_set_changes_a_presets_width(capsys):
+    """``--set`` overrides as train's (a preset at another width); with ``--model`` they would be lost."""
+    from jaxhybrid.cli import main
+
+    rest = ["--blocks", "1", "--microbatch-size", "1", "--seq-len", "8", "--concat", "2", "--repeats", "1", "--json"]
+    assert main(["bench", "stage", "--set", "model.name=llama-tiny", "--set", "model.d_model=32",
+                 "--set", "model.d_ff=64"] + rest) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["model"], out["d_model"], out["d_ff"]) == ("llama-tiny", 32, 64)
+    assert out["grad_max_rel_err"] <= TOLERANCES["fp32_kernel"]
+    assert main(["bench", "stage", "--model", "gpt-tiny", "--set", "model.d_model=32"] + rest) != 0
+    assert "--model gpt-tiny replaces the whole model config, so model.d_model=32 would be lost" in \
+        capsys.readouterr().err
