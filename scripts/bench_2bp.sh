@@ -10,7 +10,8 @@
 #   scripts/bench_2bp.sh --widths   gpt-small-cpu's 4-block middle stage at 4 x 128 tokens, widened
 #                                   (d 128/256/384/512/768, d_ff 4d): the ratio against stage width
 #   scripts/bench_2bp.sh --gpu      GPU set: 4-block middle stages of GPT-2 small and GPT-2 1.3B in
-#                                   bf16, 8 x 1024 tokens (cuDNN attention), fused vs split, TFLOP/s
+#                                   bf16, 8 x 1024 tokens (cuDNN attention), fused vs split, TFLOP/s;
+#                                   a 2-block stage of 2BP's own LLaMA-style Transformer-7b, 4 x 1024
 #
 # Extra arguments go to every `bench stage` call (e.g. --repeats 5). Python: $PYTHON if set, else the
 # project's .venv (made by scripts/setup.sh), else a python3 that already has jax (a GPU image).
@@ -38,6 +39,7 @@ elif [ "$set_name" = gpu ]; then
     "--model gpt2-small --blocks 4 --dtype bfloat16 --microbatch-size 8 --seq-len 1024"
     "--model gpt2-1.3b --blocks 4 --dtype bfloat16 --microbatch-size 8 --seq-len 1024"
     "--model gpt2-1.3b --blocks 4 --dtype bfloat16 --microbatch-size 2 --seq-len 1024"
+    "--model 2bp-transformer-7b --blocks 2 --dtype bfloat16 --microbatch-size 4 --seq-len 1024"
   )
 else
   cases=(
