@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
     costs = kernel_costs(stage, params, x, tgt, res, dy, wr)
     out = {
-        "model": mcfg.name, "d_model": mcfg.d_model, "d_ff": mcfg.d_ff, "blocks": [lo, hi], "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
+        "model": mcfg.name, "d_model": mcfg.d_model, "d_ff": mcfg.d_ff, "blocks": [lo, hi],
+        "microbatch_size": mb, "seq_len": seq, "dtype": dtype,
         "remat": args.remat, "concat_k": args.concat, "repeats": args.repeats,
         "forward_s": med["forward"], "backward_fused_s": med["backward_fused"],
         "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],
