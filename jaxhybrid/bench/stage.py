@@ -73,7 +73,7 @@ def _stage_flops(cfg, blocks: int, mb: int, seq: int, last: bool) -> float:
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.config import load_config
     from jaxhybrid.model import Model, resolve_model
-    from jaxhybrid.model.stage import Stage, concat_weight_residuals, reference_apply
+    from jaxhybrid.model.stage import Stage, auto_weight_join, concat_weight_residuals, reference_apply
     from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
     from jaxhybrid.testing import max_rel_err
 
@@ -168,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         "split_concat_over_fused": (med["backward_input"] + med["concat"] + med["backward_weight_concat"])
         / med["backward_fused"],
         "split_sum_over_fused": (med["backward_input"] + med["backward_weight_sum"]) / med["backward_fused"],
+        # What pipeline.weight_join=auto takes for this stage and microbatch (stage.weight_join).
+        "weight_join_auto": auto_weight_join(stage, wr), "param_bytes": stage.param_bytes,
         # Device-bound view: calls queued back to back, one sync (an asynchronous runtime's dispatch hides
         # the host's per-call cost behind the kernels already queued; the synchronous ratio above pays it).
         "queued_backward_fused_s": queued["fused"], "queued_split_s": queued["split"],

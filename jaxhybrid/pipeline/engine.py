@@ -42,16 +42,17 @@ class EventLoop(MessageDriven):
       stage_to_rank: row rank of every logical stage.
       rank: this process's rank in the pipeline row.
       transport: a :class:`~jaxhybrid.pipeline.transport.Transport`.
-      join: hands the weight residuals of several microbatches to one ``BW`` call: ``list`` (the default;
-        the stage sums their weight passes in one program) or ``concat_weight_residuals`` (one batch,
-        one larger matmul per site, 2BP Fig. 2).
+      join: ``join(stage, parts)`` hands the weight residuals of several microbatches to one ``BW`` call
+        (:func:`jaxhybrid.model.stage.weight_join`): the list (the default; the stage sums their weight
+        passes in one program) or one batch (one larger matmul per site, 2BP Fig. 2).
       progress: called after every task and message (the watchdog's heartbeat).
       waiting: called with what the loop is about to wait for (named in the watchdog's report).
       weight_budget: message-driven 2BP: most microbatches whose weight pass may wait.
     """
 
     def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
-                 join: Callable[[list[Any]], Any] = list, progress: Callable[[str], None] | None = None,
+                 join: Callable[[Any, list[Any]], Any] = lambda stage, parts: list(parts),
+                 progress: Callable[[str], None] | None = None,
                  weight_budget: int = 0, waiting: Callable[[str], None] | None = None):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.num_stages = len(self.stage_to_rank)
@@ -206,7 +207,7 @@ class EventLoop(MessageDriven):
         acc = self._grad_sum(s)
 
         def weight_pass():  # one BW over several microbatches (2BP Fig. 2), joined as ``join`` says
-            wres = self.join(parts) if len(parts) > 1 else parts[0]
+            wres = self.join(stage, parts) if len(parts) > 1 else parts[0]
             return stage.backward_weight(self.params[s], wres, acc)
 
         self.grads[s] = self._timed("BW", tuple(mbs), s, weight_pass)

@@ -42,6 +42,8 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
     assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["blocks"] == [1, 3] and out["concat_k"] == 3
+    # auto's join, by its rule: concat where one microbatch's weight residuals are under the parameters
+    assert out["weight_join_auto"] == ("concat" if out["weight_residual_bytes"] < out["param_bytes"] else "sum")
     malloc = out["host_malloc"]  # said either way: the settings, or why none
     assert (malloc["applied"] and malloc["M_MMAP_MAX"] == 0) or (not malloc["applied"] and malloc["reason"])
 
