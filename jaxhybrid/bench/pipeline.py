@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py"))
+    p.add_argument("--weight-join", default="auto", choices=("auto", "sum", "concat"),
+                   help="pipeline.weight_join: how a deferred weight pass takes several microbatches")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cores", type=int, default=0, help="cores shared by the ranks (default: all)")
@@ -126,7 +128,8 @@ def _cfg(args: argparse.Namespace, m: int, transport: str):
         "model": {"name": args.model, "n_layers": layers, "max_seq_len": max(base.max_seq_len, args.seq)},
         "data": {"seq_len": args.seq}, "train": {"global_batch": m * args.microbatch_size},
         "parallel": {"pipeline": args.stages, "data": 1},
-        "pipeline": {"schedule": args.schedule, "microbatches": m, "transport": transport, "watchdog_s": 600.0}})
+        "pipeline": {"schedule": args.schedule, "microbatches": m, "transport": transport, "watchdog_s": 600.0,
+                     "weight_join": args.weight_join}})
 
 
 def _step(engine, params, batch, world) -> tuple[float, dict]:
@@ -188,6 +191,7 @@ def _worker(args: argparse.Namespace, m: int) -> int:
         gain, expected = best["fused"] / best["split"], theoretical_gain(args.schedule, args.stages, m, costs)
         out = {"stages": args.stages, "schedule": args.schedule, "microbatches": m, "model": args.model,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
+               "weight_join": cfg.pipeline.weight_join,
                "throughput_fused": tokens / best["fused"], "throughput_split": tokens / best["split"],
                "gain": gain, "theoretical_gain": theoretical_gain(args.schedule, args.stages, m),
                "expected_gain": expected, "gain_over_expected": gain / expected,

@@ -136,13 +136,14 @@ def test_bench_pipeline_prints_side_by_side_json():
 
     cmd = [sys.executable, "-m", "jaxhybrid", "bench", "pipeline", "--stages", "2", "--schedule", "1f1b-1",
            "--model", "gpt-tiny", "--seq", "16", "--microbatch-size", "2", "--rounds", "1", "--warmup", "1",
-           "--json"]
+           "--weight-join", "concat", "--json"]
     r = subprocess.run(cmd, env=_env(300), cwd=ROOT, capture_output=True, text=True, timeout=330)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("throughput_fused", "throughput_split", "gain", "theoretical_gain", "event_loop_overhead"):
         assert key in out, out
     assert out["gain"] == pytest.approx(out["throughput_split"] / out["throughput_fused"])
+    assert out["weight_join"] == "concat"  # reached the ranks' pipeline config
     assert out["theoretical_gain"] == pytest.approx(9 / 7)  # 2BP Table 1, 1F1B-1, N = 2
     assert 0 <= out["event_loop_overhead"] < 1
     # The schedules simulated with this run's own kernel times (F, fused B, BI, BW per stage).
