@@ -90,8 +90,8 @@ class PipelineConfig:
     pipeline_limit: int = 0  # message-driven policy: microbatches in flight; 0 = number of stages
     transport: str = "mpi4jax"  # mpi4jax | mpi4py
     # 2BP: one BW over several microbatches as sum (their weight passes in one program) | concat (2BP Fig. 2:
-    # residuals copied into one batch, one larger matmul per site) | auto (concat where one microbatch's weight
-    # residuals are smaller than the stage's parameters, else sum: see jaxhybrid.model.stage.weight_join)
+    # residuals copied into one batch, one larger matmul per site) | auto (concat where that copy moves fewer bytes
+    # than K gradient trees and is at most one tree, else sum: jaxhybrid.model.stage.auto_weight_join)
     weight_join: str = "auto"
     watchdog_s: float = 300.0  # abort if a rank makes no progress for this long
 

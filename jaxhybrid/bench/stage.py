@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         "split_concat_over_fused": (med["backward_input"] + med["concat"] + med["backward_weight_concat"])
         / med["backward_fused"],
         "split_sum_over_fused": (med["backward_input"] + med["backward_weight_sum"]) / med["backward_fused"],
-        # What pipeline.weight_join=auto takes for this stage and microbatch (stage.weight_join).
-        "weight_join_auto": auto_weight_join(stage, wr), "param_bytes": stage.param_bytes,
+        # What pipeline.weight_join=auto takes for --concat K microbatches of this stage (stage.weight_join).
+        "weight_join_auto": auto_weight_join(stage, wr, args.concat), "param_bytes": stage.param_bytes,
         # Device-bound view: calls queued back to back, one sync (an asynchronous runtime's dispatch hides
         # the host's per-call cost behind the kernels already queued; the synchronous ratio above pays it).
         "queued_backward_fused_s": queued["fused"], "queued_split_s": queued["split"],

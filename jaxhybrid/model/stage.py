@@ -47,14 +47,15 @@ def weight_join(mode: str) -> Callable[["Stage", list[WeightResiduals]], Any]:
     ``join(stage, parts)`` gives ``Stage.backward_weight`` the list (``sum``: their weight passes summed
     in one program) or one batch (``concat``: :func:`concat_weight_residuals`, 2BP Fig. 2).
 
-    ``auto`` picks by memory traffic, per stage. A summed pass writes K gradient trees (the stage's
-    parameter bytes, :attr:`Stage.param_bytes`, each). The concatenated pass writes one tree but first
-    copies K microbatches' weight residuals. So ``auto`` takes ``concat`` when one microbatch's weight
-    residuals are smaller than the stage's parameters (wide layers, few tokens per microbatch), else
-    ``sum``. Per microbatch at K = 4, sum against copy + concatenated pass:
-    - 2-core CPU, 2-block gpt2-small stages, by residual/parameter bytes: 0.11: 6.6 ms against 5.1;
-      0.22: 10.4 against 9.2; 0.89: 33.6 against 34.2; 1.8: 63.8 against 71.1.
-    - 4-block gpt-small-cpu stage, about 5: 3.0 against 3.7.
+    ``auto`` (:func:`auto_weight_join`) weighs what each moves. Summing K weight passes writes K gradient
+    trees of ``G`` bytes (:attr:`Stage.param_bytes`); concatenating reads and writes the K microbatches'
+    weight residuals (``R`` bytes each) once, then writes one tree. It takes ``concat`` when that moves
+    fewer bytes, ``2 K R + G < K G``, and the copy is no larger than one gradient tree, ``K R <= G``
+    (so the join never holds much more than the weight pass does anyway), else ``sum``: concat for wide
+    layers with few tokens per microbatch. Per microbatch at K = 4, sum against copy + concatenated pass:
+    - 2-core CPU, 2-block gpt2-small stages, by R / G: 0.11: 6.6 ms against 5.1; 0.22: 10.4 against 9.2
+      (auto takes concat, the faster there); 0.89: 33.6 against 34.2; 1.8: 63.8 against 71.1 (sum).
+    - 4-block gpt-small-cpu stage, R / G about 5: 3.0 against 3.7.
     - H100, bf16: GPT-2 small 8 x 1024, about 7: 0.97-1.07 against 1.62-1.76. GPT-2 1.3B 8 x 1024,
       about 2.7: 4.8-5.1 against 6.2-6.6.
     """
@@ -62,15 +63,16 @@ def weight_join(mode: str) -> Callable[["Stage", list[WeightResiduals]], Any]:
         raise ValueError(f"weight_join={mode!r}; choose auto, sum or concat")
 
     def join(stage: "Stage", parts: list[WeightResiduals]):
-        m = auto_weight_join(stage, parts[0]) if mode == "auto" else mode
+        m = auto_weight_join(stage, parts[0], len(parts)) if mode == "auto" else mode
         return concat_weight_residuals(parts) if m == "concat" else list(parts)
 
     return join
 
 
-def auto_weight_join(stage: "Stage", wr: WeightResiduals) -> str:
-    """What ``weight_join("auto")`` does for ``stage`` given one microbatch's weight residuals ``wr``."""
-    return "concat" if Stage.weight_residual_bytes(wr) < stage.param_bytes else "sum"
+def auto_weight_join(stage: "Stage", wr: WeightResiduals, k: int) -> str:
+    """What ``weight_join("auto")`` does for ``k`` microbatches of ``stage`` shaped like ``wr``."""
+    r, g = Stage.weight_residual_bytes(wr), stage.param_bytes
+    return "concat" if 2 * k * r + g < k * g and k * r <= g else "sum"
 
 
 class Stage(StageKernels):

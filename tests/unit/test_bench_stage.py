@@ -42,8 +42,9 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
     assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["blocks"] == [1, 3] and out["concat_k"] == 3
-    # auto's join, by its rule: concat where one microbatch's weight residuals are under the parameters
-    assert out["weight_join_auto"] == ("concat" if out["weight_residual_bytes"] < out["param_bytes"] else "sum")
+    # auto's join for the K = 3 microbatches, by its rule (stage.auto_weight_join)
+    r, g, k = out["weight_residual_bytes"], out["param_bytes"], out["concat_k"]
+    assert out["weight_join_auto"] == ("concat" if 2 * k * r + g < k * g and k * r <= g else "sum")
     malloc = out["host_malloc"]  # said either way: the settings, or why none
     assert (malloc["applied"] and malloc["M_MMAP_MAX"] == 0) or (not malloc["applied"] and malloc["reason"])
 

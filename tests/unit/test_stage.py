@@ -14,7 +14,8 @@ import pytest
 from jaxhybrid.model import Model, PRESETS
 from jaxhybrid.model import stage_kernels
 from jaxhybrid.model.residuals import ParamSlot, WeightResiduals
-from jaxhybrid.model.stage import (TIED_KEY, Stage, concat_weight_residuals, reference_apply, weight_join)
+from jaxhybrid.model.stage import (TIED_KEY, Stage, auto_weight_join, concat_weight_residuals, reference_apply,
+                                  weight_join)
 from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.testing import TOLERANCES, assert_tree_close, max_rel_err
@@ -152,13 +153,14 @@ def test_weight_pass_on_concatenated_microbatches_is_the_sum(kind, monkeypatch):
             stage.backward_weight(params, bad)
 
 
-def test_weight_join_auto_concatenates_only_residuals_smaller_than_the_parameters():
-    """``pipeline.weight_join=auto``: one batch (concat) where a microbatch's weight residuals take fewer
-    bytes than the stage's parameters (the summed pass would write more gradient trees than the copy
-    moves), the list (sum) otherwise; ``param_bytes`` comes from shapes and matches the real params."""
-    stage = _stage("gpt2", 1, 2)
-    params = stage.slice_params(_full_params("gpt2", 0))
-    assert stage.param_bytes == sum(v.nbytes for v in jax.tree.leaves(params))
+def test_weight_join_auto_concatenates_only_where_that_moves_fewer_bytes():
+    """``pipeline.weight_join=auto``: one batch (concat) where copying K microbatches' weight residuals
+    (R bytes each) moves fewer bytes than writing K gradient trees (G bytes each) and the copy is at most
+    one tree, the list (sum) otherwise; ``param_bytes`` comes from shapes and matches the real params."""
+    stage = Stage(Model(dataclasses.replace(CONFIGS["gpt2"], d_model=64, d_ff=256)), 1, 2)
+    params = stage.init_params(jax.random.key(0))
+    g = stage.param_bytes
+    assert g == sum(v.nbytes for v in jax.tree.leaves(params))
     picked = {}
     for mb in (1, 8):
         wrs = []
@@ -166,13 +168,14 @@ def test_weight_join_auto_concatenates_only_residuals_smaller_than_the_parameter
             x, tgt = _inputs(stage, 40 + k, mb)
             y, res = stage.forward(params, x, tgt)
             wrs.append(stage.backward_input(res, _cotangent(stage, y, 50 + k))[1])
-        smaller = Stage.weight_residual_bytes(wrs[0]) < stage.param_bytes
+        r = Stage.weight_residual_bytes(wrs[0])
         got = weight_join("auto")(stage, wrs)
         picked[mb] = "concat" if isinstance(got, WeightResiduals) else "sum"
-        assert picked[mb] == ("concat" if smaller else "sum"), (mb, Stage.weight_residual_bytes(wrs[0]))
+        assert picked[mb] == ("concat" if 4 * r + g < 2 * g and 2 * r <= g else "sum"), (mb, r, g)
         assert isinstance(weight_join("sum")(stage, wrs), list)
         assert weight_join("concat")(stage, wrs).batch == 2 * mb
     assert picked == {1: "concat", 8: "sum"}  # both branches taken at these sizes
+    assert auto_weight_join(stage, wrs[0], 1) == "sum"  # one microbatch: nothing to join
     with pytest.raises(ValueError, match="weight_join='stack'; choose auto, sum or concat"):
         weight_join("stack")
 
