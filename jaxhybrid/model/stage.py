@@ -145,16 +145,18 @@ class Stage(StageKernels):
         slicing the whole model's jitted init, test_stage), materialising only the stage's own parts: a
         pipeline rank never holds the whole model. ``shardings_of`` (abstract slice -> shardings, e.g. the
         rank's tensor mesh's ``param_shardings``) makes each device compute only its own shards."""
-        fn = lambda r: self.slice_params(self.model.init(r, None, self.init_parts))  # noqa: E731
-        out = None if shardings_of is None else shardings_of(jax.eval_shape(fn, rng))
-        return jax.jit(fn, out_shardings=out)(rng)
+        out = None if shardings_of is None else shardings_of(jax.eval_shape(self._init_slice, rng))
+        return jax.jit(self._init_slice, out_shardings=out)(rng)
+
+    def _init_slice(self, rng: jax.Array) -> dict:
+        """The stage's params from ``Model.init``, initialising only the stage's own parts."""
+        return self.slice_params(self.model.init(rng, None, self.init_parts))
 
     @functools.cached_property
     def param_bytes(self) -> int:
         """Bytes of the stage's parameters (float32 masters), and so of one tree of its gradients; from
         shapes only, nothing materialised."""
-        fn = lambda r: self.slice_params(self.model.init(r, None, self.init_parts))  # noqa: E731
-        return rs.tree_bytes(jax.eval_shape(fn, jax.random.key(0)))
+        return rs.tree_bytes(jax.eval_shape(self._init_slice, jax.random.key(0)))
 
     @property
     def init_parts(self) -> tuple[str, ...]:
