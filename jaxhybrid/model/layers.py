@@ -39,16 +39,7 @@ class Ops:
         """
         if attention_kernel(kernel, q) == "cudnn":
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        rep = q.shape[2] // k.shape[2]
-        if rep > 1:
-            k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-        t = q.shape[1]
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        return causal_attention(q, k, v)
 
     def embed(self, ids: Array, table: Array) -> Array:
         return jnp.take(table, ids, axis=0)
@@ -79,6 +70,62 @@ class Ops:
 DEFAULT_OPS = Ops()
 
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
+
+
+def _repeat_kv(x: Array, heads: int) -> Array:
+    """Grouped-query attention: each of ``x``'s kv heads serves ``heads / Hkv`` consecutive query heads."""
+    rep = heads // x.shape[2]
+    return jnp.repeat(x, rep, axis=2) if rep > 1 else x
+
+
+def _attention_probs(q: Array, k: Array) -> Array:
+    """Causal softmax probabilities ``[B, H, Tq, Tk]`` in float32 (scores scaled by 1/sqrt(Dh)); ``k``
+    already repeated to q's heads."""
+    scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    t = q.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), s, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(s, axis=-1)
+
+
+@jax.custom_vjp
+def causal_attention(q: Array, k: Array, v: Array) -> Array:
+    """The materialised-scores attention core, ``softmax(q k^T / sqrt(Dh)) v``. q: ``[B, T, H, Dh]``;
+    k, v: ``[B, T, Hkv, Dh]`` with ``Hkv`` dividing ``H`` (grouped-query attention).
+
+    Its backward is written out (the softmax derivative ``dS = P * (dP - rowsum(dP * P))``, as
+    FlashAttention's backward uses it) so that the forward keeps q, k, v (k and v before their repeat
+    to q's heads) and the probabilities P only. Why: autodiff of the same code also keeps the scaled and
+    the masked scores (two more ``[B, H, T, T]`` float32 arrays) and k and v repeated. Measured on
+    4-block stages at 4 x 128 tokens, float32, session 20: the forward's residuals shrank 18-34%
+    (llama-small-cpu 43.2 -> 33.2 MB, gpt-small-cpu 49.1 -> 40.0, llama-tiny 14.1 -> 9.3; a 2-block
+    gpt2-small stage at 2 x 256 tokens 147 -> 120), the forward took 6-13% less time, the backward
+    about the same.
+    """
+    return _causal_attention_fwd(q, k, v)[0]
+
+
+def _causal_attention_fwd(q, k, v):
+    h = q.shape[2]
+    p = _attention_probs(q, _repeat_kv(k, h))
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), _repeat_kv(v, h)), (q, k, v, p)
+
+
+def _causal_attention_bwd(res, do):
+    q, k, v, p = res
+    (b, t, h, d), hkv = q.shape, k.shape[2]
+    scale = 1.0 / jnp.sqrt(jnp.asarray(d, jnp.float32))
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), do)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, _repeat_kv(v, h)).astype(jnp.float32)
+    ds = (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * scale).astype(q.dtype)  # 0 where masked (P = 0)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, _repeat_kv(k, h))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q)
+    # The repeat's transpose: each kv head's gradient is the sum over the query heads it served.
+    group = lambda g: g.reshape(b, t, hkv, h // hkv, d).sum(axis=3) if h != hkv else g  # noqa: E731
+    return dq, group(dk), group(dv)
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def attention_kernel(kernel: str, q: Array) -> str:

@@ -139,3 +139,32 @@ def test_cudnn_attention_matches_xla(heads, kv_heads):
 
     got, want = jax.jit(lambda: run("cudnn"))(), jax.jit(lambda: run("xla"))()
     assert_tree_close(got, want, "bf16_parity", "cudnn vs xla attention")
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(4, 4, jnp.float32), (8, 2, jnp.float32), (4, 2, jnp.bfloat16)])
+def test_attention_backward_matches_autodiff_and_keeps_only_probabilities(heads, kv_heads, dtype):
+    """The XLA path's written-out backward (layers.causal_attention) against autodiff of the plain
+    formula, GQA included; its vjp keeps q, k, v (unrepeated) and the float32 probabilities, nothing else."""
+    from jaxhybrid.model.layers import causal_attention
+    from jaxhybrid.testing import assert_tree_close
+
+    def plain(q, k, v):
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+        t = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    b, t, d = 2, 32, 16
+    q = jax.random.normal(ks[0], (b, t, heads, d), dtype)
+    k, v = (jax.random.normal(kk, (b, t, kv_heads, d), dtype) for kk in ks[1:3])
+    dy = jax.random.normal(ks[3], q.shape, dtype)
+    y, vjp = jax.vjp(causal_attention, q, k, v)
+    want_y, want_vjp = jax.vjp(plain, q, k, v)
+    tol = "fp32_kernel" if dtype == jnp.float32 else "bf16_parity"
+    assert_tree_close((y, vjp(dy)), (want_y, want_vjp(dy)), tol, f"attention {heads}/{kv_heads} {dtype.__name__}")
+    kept = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(vjp))
+    assert kept == sorted([(q.shape, str(q.dtype)), (k.shape, str(k.dtype)), (v.shape, str(v.dtype)),
+                           ((b, heads, t, t), "float32")]), kept
