@@ -9,11 +9,13 @@ other ops objects, so this file never changes for them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -45,16 +47,10 @@ class Ops:
         return jnp.take(table, ids, axis=0)
 
     def layer_norm(self, x: Array, scale: Array, bias: Array | None, eps: float) -> Array:
-        xf = x.astype(jnp.float32)
-        mu = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mu).mean(-1, keepdims=True)
-        y = (xf - mu) * jax.lax.rsqrt(var + eps) * scale
-        return (y if bias is None else y + bias).astype(x.dtype)
+        return _layer_norm(x, scale, bias, eps)
 
     def rms_norm(self, x: Array, scale: Array, eps: float) -> Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps) * scale
-        return y.astype(x.dtype)
+        return _rms_norm(x, scale, eps)
 
     def logits(self, h: Array, kernel: Array) -> Array:
         """h: [B, T, d], kernel: [d, V] -> float32 logits [B, T, V]."""
@@ -188,6 +184,47 @@ class RMSNorm(nn.Module):
     def __call__(self, x: Array) -> Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
         return self.ops.rms_norm(x, scale, self.eps)
+
+
+# What a norm keeps for its backward: its input and the per-token statistics (named "norm_stats"); the
+# centred and normalised inputs are recomputed from them in one elementwise pass. Why: autodiff keeps
+# three arrays of the model's width per norm (x - mu, 2 (x - mu) and the normalised input), where one suffices.
+_KEEP_STATS = jax.checkpoint_policies.save_only_these_names("norm_stats")
+
+
+@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3,))
+def _layer_norm(x: Array, scale: Array, bias: Array | None, eps: float) -> Array:
+    xf = x.astype(jnp.float32)
+    mu = checkpoint_name(xf.mean(-1, keepdims=True), "norm_stats")
+    r = checkpoint_name(jax.lax.rsqrt(jnp.square(xf - mu).mean(-1, keepdims=True) + eps), "norm_stats")
+    y = (xf - mu) * r * scale
+    return (y if bias is None else y + bias).astype(x.dtype)
+
+
+@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2,))
+def _rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    xf = x.astype(jnp.float32)
+    r = checkpoint_name(jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps), "norm_stats")
+    return (xf * r * scale).astype(x.dtype)
+
+
+def _gelu(u: Array) -> Array:
+    return jax.nn.gelu(u, approximate=True)
+
+
+def _swiglu(g: Array, u: Array) -> Array:
+    return jax.nn.silu(g) * u
+
+
+# The MLP activations, recomputed in the backward from their inputs (jax.checkpoint), as Megatron's
+# fused bias-GeLU and SwiGLU kernels do. Why: autodiff keeps their intermediates, four or five arrays
+# of the MLP's width per block, where the pre-activations (one for GeLU, two for SwiGLU) suffice and
+# the recomputation is one elementwise pass. Measured with the norms above (session 20, 4-block stages,
+# 4 x 128 tokens, float32): forward residuals 33.2 -> 20.2 MB (llama-small-cpu), 40.0 -> 20.0 MB
+# (gpt-small-cpu), forward 6-29% faster, backward as before; whole-model value_and_grad of
+# gpt-small-cpu 220 -> 133 ms.
+gelu = jax.checkpoint(_gelu)
+swiglu = jax.checkpoint(_swiglu)
 
 
 def rope(x: Array, theta: float) -> Array:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.model.config import ModelConfig
-from jaxhybrid.model.layers import DEFAULT_OPS, Dense, LayerNorm, Ops, RMSNorm, _init, rope
+from jaxhybrid.model.layers import DEFAULT_OPS, Dense, LayerNorm, Ops, RMSNorm, _init, gelu, rope, swiglu
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -66,11 +66,11 @@ class Block(nn.Module):
         h = norm("ln_mlp")(x)
         if gpt:
             u = Dense(c.d_ff, ops, "mlp.up", True, dt, c.init_std, name="mlp_up")(h)
-            u = jax.nn.gelu(u, approximate=True)
+            u = gelu(u)
         else:
             g = Dense(c.d_ff, ops, "mlp.gate", False, dt, c.init_std, name="mlp_gate")(h)
             u = Dense(c.d_ff, ops, "mlp.up", False, dt, c.init_std, name="mlp_up")(h)
-            u = jax.nn.silu(g) * u
+            u = swiglu(g, u)
         return x + Dense(c.d_model, ops, "mlp.down", gpt, dt, self.out_std, name="mlp_down")(u)
 
 

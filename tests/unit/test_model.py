@@ -168,3 +168,33 @@ def test_attention_backward_matches_autodiff_and_keeps_only_probabilities(heads,
     kept = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(vjp))
     assert kept == sorted([(q.shape, str(q.dtype)), (k.shape, str(k.dtype)), (v.shape, str(v.dtype)),
                            ((b, heads, t, t), "float32")]), kept
+
+
+def test_norms_and_activations_keep_only_inputs_and_statistics():
+    """The norms keep x and their per-token statistics, the MLP activations their pre-activations
+    (layers: jax.checkpoint), with gradients equal to autodiff of the plain formulas."""
+    from jaxhybrid.model.layers import Ops, gelu, swiglu
+    from jaxhybrid.testing import assert_tree_close
+
+    def plain_ln(x, s, b):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(jnp.square(x - mu).mean(-1, keepdims=True) + 1e-5) * s + b
+
+    def plain_rms(x, s):
+        return x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-5) * s
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    x, g = (jax.random.normal(k, (2, 8, 16)) for k in ks[:2])
+    s, b = 1.0 + jax.random.normal(ks[2], (2, 1, 16)), jax.random.normal(ks[3], (16,))  # s per sample (taps)
+    dy = jax.random.normal(ks[3], x.shape)
+    cases = {"layer_norm": (lambda *a: Ops().layer_norm(*a, 1e-5), plain_ln, (x, s, b), [1, 1, 16]),
+             "rms_norm": (lambda *a: Ops().rms_norm(*a, 1e-5), plain_rms, (x, s), [1, 16]),
+             "gelu": (gelu, lambda u: jax.nn.gelu(u, approximate=True), (x,), [16]),
+             "swiglu": (swiglu, lambda a, u: jax.nn.silu(a) * u, (g, x), [16, 16])}
+    for name, (fn, ref, args, widths) in cases.items():
+        y, vjp = jax.vjp(fn, *args)
+        want_y, want_vjp = jax.vjp(ref, *args)
+        assert_tree_close((y, vjp(dy)), (want_y, want_vjp(dy)), "fp32_kernel", name)
+        # Arrays over every token (2 x 8): the inputs (width 16) and the norms' statistics (width 1).
+        kept = sorted(v.shape[-1] for v in jax.tree.leaves(vjp) if getattr(v, "shape", ())[:2] == (2, 8))
+        assert kept == widths, (name, kept)
