@@ -74,11 +74,20 @@ def _repeat_kv(x: Array, heads: int) -> Array:
     return jnp.repeat(x, rep, axis=2) if rep > 1 else x
 
 
+def _sum_kv_groups(g: Array, kv_heads: int) -> Array:
+    """The transpose of :func:`_repeat_kv`: each kv head's gradient is the sum over the query heads it served."""
+    b, t, h, d = g.shape
+    return g.reshape(b, t, kv_heads, h // kv_heads, d).sum(axis=3) if h != kv_heads else g
+
+
+def _softmax_scale(q: Array) -> Array:
+    return 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
+
+
 def _attention_probs(q: Array, k: Array) -> Array:
     """Causal softmax probabilities ``[B, H, Tq, Tk]`` in float32 (scores scaled by 1/sqrt(Dh)); ``k``
     already repeated to q's heads."""
-    scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * _softmax_scale(q)
     t = q.shape[1]
     s = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), s, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(s, axis=-1)
@@ -109,16 +118,13 @@ def _causal_attention_fwd(q, k, v):
 
 def _causal_attention_bwd(res, do):
     q, k, v, p = res
-    (b, t, h, d), hkv = q.shape, k.shape[2]
-    scale = 1.0 / jnp.sqrt(jnp.asarray(d, jnp.float32))
+    h, hkv = q.shape[2], k.shape[2]
     dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), do)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do, _repeat_kv(v, h)).astype(jnp.float32)
-    ds = (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * scale).astype(q.dtype)  # 0 where masked (P = 0)
+    ds = (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * _softmax_scale(q)).astype(q.dtype)  # 0 where masked
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, _repeat_kv(k, h))
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q)
-    # The repeat's transpose: each kv head's gradient is the sum over the query heads it served.
-    group = lambda g: g.reshape(b, t, hkv, h // hkv, d).sum(axis=3) if h != hkv else g  # noqa: E731
-    return dq, group(dk), group(dv)
+    return dq, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
