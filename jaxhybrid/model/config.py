@@ -24,7 +24,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    attention: str = "auto"  # attention kernel: auto | xla | cudnn (layers.attention_kernel)
+    attention: str = "auto"  # attention kernel: auto | xla | cudnn (model.attention.attention_kernel)
 
     @property
     def head_dim(self) -> int:

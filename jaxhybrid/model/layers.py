@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxhybrid.model.attention import attention_kernel, causal_attention
+
 Array = jax.Array
 
 
@@ -47,10 +49,10 @@ class Ops:
         return jnp.take(table, ids, axis=0)
 
     def layer_norm(self, x: Array, scale: Array, bias: Array | None, eps: float) -> Array:
-        return _layer_norm(x, scale, bias, eps)
+        return layer_norm(x, scale, bias, eps, feature_mean)
 
     def rms_norm(self, x: Array, scale: Array, eps: float) -> Array:
-        return _rms_norm(x, scale, eps)
+        return rms_norm(x, scale, eps, feature_mean)
 
     def logits(self, h: Array, kernel: Array) -> Array:
         """h: [B, T, d], kernel: [d, V] -> float32 logits [B, T, V]."""
@@ -64,88 +66,6 @@ class Ops:
 
 
 DEFAULT_OPS = Ops()
-
-ATTENTION_KERNELS = ("auto", "xla", "cudnn")
-
-
-def _repeat_kv(x: Array, heads: int) -> Array:
-    """Grouped-query attention: each of ``x``'s kv heads serves ``heads / Hkv`` consecutive query heads."""
-    rep = heads // x.shape[2]
-    return jnp.repeat(x, rep, axis=2) if rep > 1 else x
-
-
-def _sum_kv_groups(g: Array, kv_heads: int) -> Array:
-    """The transpose of :func:`_repeat_kv`: each kv head's gradient is the sum over the query heads it served."""
-    b, t, h, d = g.shape
-    return g.reshape(b, t, kv_heads, h // kv_heads, d).sum(axis=3) if h != kv_heads else g
-
-
-def _softmax_scale(q: Array) -> Array:
-    return 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-
-
-def _attention_probs(q: Array, k: Array) -> Array:
-    """Causal softmax probabilities ``[B, H, Tq, Tk]`` in float32 (scores scaled by 1/sqrt(Dh)); ``k``
-    already repeated to q's heads."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * _softmax_scale(q)
-    t = q.shape[1]
-    s = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), s, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(s, axis=-1)
-
-
-@jax.custom_vjp
-def causal_attention(q: Array, k: Array, v: Array) -> Array:
-    """The materialised-scores attention core, ``softmax(q k^T / sqrt(Dh)) v``. q: ``[B, T, H, Dh]``;
-    k, v: ``[B, T, Hkv, Dh]`` with ``Hkv`` dividing ``H`` (grouped-query attention).
-
-    Its backward is written out (the softmax derivative ``dS = P * (dP - rowsum(dP * P))``, as
-    FlashAttention's backward uses it) so that the forward keeps q, k, v (k and v before their repeat
-    to q's heads) and the probabilities P only. Why: autodiff of the same code also keeps the scaled and
-    the masked scores (two more ``[B, H, T, T]`` float32 arrays) and k and v repeated. Measured on
-    4-block stages at 4 x 128 tokens, float32, session 20: the forward's residuals shrank 18-34%
-    (llama-small-cpu 43.2 -> 33.2 MB, gpt-small-cpu 49.1 -> 40.0, llama-tiny 14.1 -> 9.3; a 2-block
-    gpt2-small stage at 2 x 256 tokens 147 -> 120), the forward took 6-13% less time, the backward
-    about the same.
-    """
-    return _causal_attention_fwd(q, k, v)[0]
-
-
-def _causal_attention_fwd(q, k, v):
-    h = q.shape[2]
-    p = _attention_probs(q, _repeat_kv(k, h))
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), _repeat_kv(v, h)), (q, k, v, p)
-
-
-def _causal_attention_bwd(res, do):
-    q, k, v, p = res
-    h, hkv = q.shape[2], k.shape[2]
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), do)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", do, _repeat_kv(v, h)).astype(jnp.float32)
-    ds = (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * _softmax_scale(q)).astype(q.dtype)  # 0 where masked
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, _repeat_kv(k, h))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q)
-    return dq, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
-
-
-causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
-
-
-def attention_kernel(kernel: str, q: Array) -> str:
-    """Resolve ``model.attention`` for queries ``q``: cuDNN flash attention needs an NVIDIA GPU, 16-bit
-    q/k/v and a head dim that is a multiple of 8 and at most 128 (jax's cuDNN checks); ``auto`` takes it
-    when all hold (MaxText's autoselection does the same), else the XLA path."""
-    dev = jax.devices()[0]
-    why = [w for ok, w in (
-        (dev.platform == "gpu" and "nvidia" in dev.device_kind.lower(), f"device {dev.device_kind!r}"),
-        (q.dtype in (jnp.bfloat16, jnp.float16), f"dtype {q.dtype}"),
-        (q.shape[-1] % 8 == 0 and q.shape[-1] <= 128, f"head_dim {q.shape[-1]}")) if not ok]
-    if kernel == "cudnn" and why:
-        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, bfloat16/float16 and head_dim a "
-                         f"multiple of 8 <= 128; got {', '.join(why)}")
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"model.attention={kernel!r}; choose one of {ATTENTION_KERNELS}")
-    return "xla" if kernel == "xla" or why else "cudnn"
-
 
 def _init(std: float):
     return nn.initializers.normal(stddev=std)
@@ -192,26 +112,36 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, scale, self.eps)
 
 
+def feature_mean(v: Array) -> Array:
+    """Mean over the last (feature) axis, kept as a size-1 axis: the norms' reduction on one device."""
+    return v.mean(-1, keepdims=True)
+
+
 # What a norm keeps for its backward: its input and the per-token statistics (named "norm_stats"); the
 # centred and normalised inputs are recomputed from them in one elementwise pass. Why: autodiff keeps
 # three arrays of the model's width per norm (x - mu, 2 (x - mu) and the normalised input), where one suffices.
+# The statistics kept are the mean and the variance (mean square), not rsqrt of them: rsqrt's derivative
+# reads its input, so keeping its output made the backward recompute the variance, a pass over x and,
+# in tensor parallelism, one more all-reduce over row per norm (session 21: 5 more on 2 LLaMA blocks).
+# ``mean`` is the feature mean: :func:`feature_mean` here, a psum over the axis that splits the features in
+# tensor parallelism (``jaxhybrid.tensor.ops``), so both layouts share this code and what it keeps.
 _KEEP_STATS = jax.checkpoint_policies.save_only_these_names("norm_stats")
 
 
-@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3,))
-def _layer_norm(x: Array, scale: Array, bias: Array | None, eps: float) -> Array:
+@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3, 4))
+def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean) -> Array:
     xf = x.astype(jnp.float32)
-    mu = checkpoint_name(xf.mean(-1, keepdims=True), "norm_stats")
-    r = checkpoint_name(jax.lax.rsqrt(jnp.square(xf - mu).mean(-1, keepdims=True) + eps), "norm_stats")
-    y = (xf - mu) * r * scale
+    mu = checkpoint_name(mean(xf), "norm_stats")
+    var = checkpoint_name(mean(jnp.square(xf - mu)), "norm_stats")
+    y = (xf - mu) * jax.lax.rsqrt(var + eps) * scale
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
-@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2,))
-def _rms_norm(x: Array, scale: Array, eps: float) -> Array:
+@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2, 3))
+def rms_norm(x: Array, scale: Array, eps: float, mean) -> Array:
     xf = x.astype(jnp.float32)
-    r = checkpoint_name(jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps), "norm_stats")
-    return (xf * r * scale).astype(x.dtype)
+    ms = checkpoint_name(mean(jnp.square(xf)), "norm_stats")
+    return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)
 
 
 def _gelu(u: Array) -> Array:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxhybrid.model.layers import Ops
+from jaxhybrid.model.layers import Ops, layer_norm, rms_norm
 from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
 from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW
 
@@ -105,31 +105,16 @@ class TensorOps(Ops):
 
     # -- norms ---------------------------------------------------------------------------------------
     def layer_norm(self, x, scale, bias, eps):
-        """x local [b, T, d/G_r]; statistics psum'd over row."""
-        d = x.shape[-1]
-
-        def f(xl, s, b):
-            xf = xl.astype(jnp.float32)
-            mu = lax.psum(xf.sum(-1, keepdims=True), STREAM) / d
-            var = lax.psum(jnp.square(xf - mu).sum(-1, keepdims=True), STREAM) / d
-            y = (xf - mu) * lax.rsqrt(var + eps) * s
-            return (y if b is None else y + b).astype(xl.dtype)
-
+        """x local [b, T, d/G_r]: the reference norm (what it keeps included) with statistics psum'd over row."""
         xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
         if bias is None:
-            return self._smap(lambda a, s: f(a, s, None), (xs, P(STREAM)), xs)(x, scale)
-        return self._smap(f, (xs, P(STREAM), P(STREAM)), xs)(x, scale, bias)
+            return self._smap(lambda a, s: layer_norm(a, s, None, eps, _stream_mean), (xs, P(STREAM)), xs)(x, scale)
+        return self._smap(lambda a, s, b: layer_norm(a, s, b, eps, _stream_mean),
+                          (xs, P(STREAM), P(STREAM)), xs)(x, scale, bias)
 
     def rms_norm(self, x, scale, eps):
-        d = x.shape[-1]
-
-        def f(xl, s):
-            xf = xl.astype(jnp.float32)
-            ms = lax.psum(jnp.square(xf).sum(-1, keepdims=True), STREAM) / d
-            return (xf * lax.rsqrt(ms + eps) * s).astype(xl.dtype)
-
         xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
-        return self._smap(f, (xs, P(STREAM)), xs)(x, scale)
+        return self._smap(lambda a, s: rms_norm(a, s, eps, _stream_mean), (xs, P(STREAM)), xs)(x, scale)
 
     # -- embedding and vocabulary loss ---------------------------------------------------------------
     def embed(self, ids, table):
@@ -165,6 +150,11 @@ class TensorOps(Ops):
             return lax.psum(jnp.sum(lse - tgt), BATCH) / count
 
         return self._smap(f, (P(BATCH, None, COL), P(BATCH, None)), P())(logits, targets)
+
+
+def _stream_mean(v):
+    """The feature mean of a stream shard ``[b, T, d/G_r]``: local sums psum'd over row, over the full d."""
+    return lax.psum(v.sum(-1, keepdims=True), STREAM) / (v.shape[-1] * lax.axis_size(STREAM))
 
 
 def _move(mesh: Mesh, src: str, dst: str, y):

@@ -105,7 +105,7 @@ def _nvidia_gpu() -> bool:
 
 def test_attention_kernel_choice_and_errors():
     from jaxhybrid.config import ConfigError
-    from jaxhybrid.model.layers import attention_kernel
+    from jaxhybrid.model.attention import attention_kernel
 
     q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
     q32 = jnp.zeros((1, 8, 2, 64), jnp.float32)
@@ -143,9 +143,9 @@ def test_cudnn_attention_matches_xla(heads, kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads,dtype", [(4, 4, jnp.float32), (8, 2, jnp.float32), (4, 2, jnp.bfloat16)])
 def test_attention_backward_matches_autodiff_and_keeps_only_probabilities(heads, kv_heads, dtype):
-    """The XLA path's written-out backward (layers.causal_attention) against autodiff of the plain
+    """The XLA path's written-out backward (attention.causal_attention) against autodiff of the plain
     formula, GQA included; its vjp keeps q, k, v (unrepeated) and the float32 probabilities, nothing else."""
-    from jaxhybrid.model.layers import causal_attention
+    from jaxhybrid.model.attention import causal_attention
     from jaxhybrid.testing import assert_tree_close
 
     def plain(q, k, v):

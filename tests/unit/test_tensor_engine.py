@@ -132,3 +132,28 @@ def test_switches_change_the_lowered_program():
     on, no_e, off = lowered("ABCDE"), lowered("ABCD"), lowered("A")
     assert on.count("optimization_barrier") < off.count("optimization_barrier")
     assert on.count("all_gather") < no_e.count("all_gather")  # E: no re-gather in the recomputation
+
+
+@pytest.mark.parametrize("kind,row_psums", [("layer_norm", (2, 3)), ("rms_norm", (1, 1))])
+def test_tensor_norms_match_reference_and_reduce_nothing_again(kind, row_psums):
+    """TensorOps' norms (features split over row) equal the single-device ones, value and gradients, and
+    their backward psums over row only the statistics' cotangents (RMSNorm: the mean square's; LayerNorm:
+    the mean's, the variance's and the variance's through the mean) and recomputes no statistic: the
+    norms keep what rsqrt's derivative reads (keeping rsqrt's output cost one more psum per norm)."""
+    import re
+
+    from jaxhybrid.model.layers import Ops
+    from jaxhybrid.tensor.ops import TensorOps
+
+    mesh = make_mesh(MeshShape(1, 2, 2, 2))
+    tops = TensorOps.build(mesh, n_heads=4, kv_heads=4)
+    k = jax.random.split(jax.random.key(0), 4)
+    x, dy = jax.random.normal(k[0], (4, 8, 16)), jax.random.normal(k[1], (4, 8, 16))
+    s, b = 1.0 + jax.random.normal(k[2], (16,)), jax.random.normal(k[3], (16,))
+    args = (x, s, b) if kind == "layer_norm" else (x, s)
+    fn = lambda ops: lambda *a: getattr(ops, kind)(*a, 1e-5)  # noqa: E731
+    y, vjp = jax.vjp(fn(tops), *args)
+    y_r, vjp_r = jax.vjp(fn(Ops()), *args)
+    assert_tree_close((y, vjp(dy)), (y_r, vjp_r(dy)), "fp32_kernel", kind)
+    row = lambda jaxpr: len(re.findall(r"psum\w*\[axes=\('row',\)", str(jaxpr)))  # noqa: E731
+    assert (row(jax.make_jaxpr(fn(tops))(*args)), row(jax.make_jaxpr(vjp)(dy))) == row_psums
