@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -129,7 +129,7 @@ _KEEP_STATS = jax.checkpoint_policies.save_only_these_names("norm_stats")
 
 
 @functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3, 4))
-def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean) -> Array:
+def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean: Callable[[Array], Array]) -> Array:
     xf = x.astype(jnp.float32)
     mu = checkpoint_name(mean(xf), "norm_stats")
     var = checkpoint_name(mean(jnp.square(xf - mu)), "norm_stats")
@@ -138,7 +138,7 @@ def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean) -> 
 
 
 @functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2, 3))
-def rms_norm(x: Array, scale: Array, eps: float, mean) -> Array:
+def rms_norm(x: Array, scale: Array, eps: float, mean: Callable[[Array], Array]) -> Array:
     xf = x.astype(jnp.float32)
     ms = checkpoint_name(mean(jnp.square(xf)), "norm_stats")
     return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)

@@ -48,5 +48,5 @@ def weight_join(mode: str) -> Callable[[Any, list[WeightResiduals]], Any]:
 
 def auto_weight_join(stage, wr: WeightResiduals, k: int) -> str:
     """What ``weight_join("auto")`` does for ``k`` microbatches of ``stage`` shaped like ``wr``."""
-    r, g = rs.tree_bytes(wr), stage.param_bytes  # as Stage.weight_residual_bytes and Stage.param_bytes count
+    r, g = stage.weight_residual_bytes(wr), stage.param_bytes
     return "concat" if 2 * k * r + g < k * g and k * r <= g else "sum"

@@ -104,17 +104,18 @@ class TensorOps(Ops):
         return self._smap(partial(Ops.attention, self, kernel=kernel), (spec, spec, spec), spec)(q, k, v)
 
     # -- norms ---------------------------------------------------------------------------------------
-    def layer_norm(self, x, scale, bias, eps):
-        """x local [b, T, d/G_r]: the reference norm (what it keeps included) with statistics psum'd over row."""
+    def _norm(self, norm, x, *vectors):
+        """``norm`` on the stream shard: x local [b, T, d/G_r], its scale (and bias) local [d/G_r]."""
         xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
-        if bias is None:
-            return self._smap(lambda a, s: layer_norm(a, s, None, eps, _stream_mean), (xs, P(STREAM)), xs)(x, scale)
-        return self._smap(lambda a, s, b: layer_norm(a, s, b, eps, _stream_mean),
-                          (xs, P(STREAM), P(STREAM)), xs)(x, scale, bias)
+        return self._smap(norm, (xs, *[P(STREAM)] * len(vectors)), xs)(x, *vectors)
+
+    def layer_norm(self, x, scale, bias, eps):
+        """The reference norm (what it keeps included) with its statistics psum'd over row."""
+        vectors = (scale,) if bias is None else (scale, bias)
+        return self._norm(lambda a, s, b=None: layer_norm(a, s, b, eps, _stream_mean), x, *vectors)
 
     def rms_norm(self, x, scale, eps):
-        xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
-        return self._smap(lambda a, s: rms_norm(a, s, eps, _stream_mean), (xs, P(STREAM)), xs)(x, scale)
+        return self._norm(lambda a, s: rms_norm(a, s, eps, _stream_mean), x, scale)
 
     # -- embedding and vocabulary loss ---------------------------------------------------------------
     def embed(self, ids, table):
