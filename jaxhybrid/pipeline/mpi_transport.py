@@ -11,6 +11,14 @@ non-blocking send, so a sender thread owns the sends; the main loop ``Iprobe``s 
 it never blocks on a message that has not been sent. :class:`Mpi4pyTransport` stages through host numpy
 buffers with ``Isend`` and ``Improbe``/``Mrecv``.
 
+The jitted send and receive hold the mpi4jax call and nothing else, the half-float bitcasts running as
+programs of their own. Why: XLA:CPU runs a program of under 1000 flops (HloCostAnalysis) inline on the
+calling thread, and any other on the client's worker pool, which has one thread on a rank pinned to
+one core (``jaxhybrid launch``). A send blocked in MPI on that thread stalls every later program of its
+rank, the receive its peer's send waits for among them: with the bitcast inside, two bfloat16 stages
+sending to each other deadlocked on their third microbatch. :meth:`Mpi4jaxTransport.program_flops`
+exposes the count the tests hold at zero.
+
 Hybrid pipeline x tensor (AxoNN-4D item 5): a stage's activations are sharded over the rank's local
 tensor mesh, and mpi4jax refuses multi-device arrays. Given the activation ``sharding``, the mpi4py
 transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one through the
@@ -138,6 +146,10 @@ class Mpi4jaxTransport(_Base):
     def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
         super().__init__(comm, template, sharding)
         self.header_comm = comm.Dup()  # collective on the row: every rank builds its transport together
+        half, wire, dt = self.wire != template.dtype, self.wire, template.dtype
+        # Half floats travel as uint16: the bitcasts are programs of their own (module docstring).
+        self._to_wire = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, wire)) if half else (lambda x: x)
+        self._from_wire = jax.jit(lambda y: jax.lax.bitcast_convert_type(y, dt)) if half else (lambda y: y)
         self._sendq: queue.Queue = queue.Queue()
         self._sends: dict[int, Any] = {}
         self._recvs: dict[tuple[int, int], Any] = {}
@@ -149,10 +161,9 @@ class Mpi4jaxTransport(_Base):
         if dest not in self._sends:
             import mpi4jax
 
-            comm, wire, dt = self.comm, self.wire, self.template.dtype
+            comm = self.comm
 
-            def send(x):
-                w = jax.lax.bitcast_convert_type(x, wire) if wire != dt else x
+            def send(w):  # the MPI call alone: run inline on the sender thread (module docstring)
                 mpi4jax.send(w, dest, tag=0, comm=comm)
                 return jnp.zeros((), jnp.int32)  # ready only when the program (and the send) finished
 
@@ -163,16 +174,25 @@ class Mpi4jaxTransport(_Base):
         if source not in self._recvs:
             import mpi4jax
 
-            comm, wire, dt, shape = self.comm, self.wire, self.template.dtype, self.template.shape
+            comm, wire, shape = self.comm, self.wire, self.template.shape
 
-            def recv():
-                y = mpi4jax.recv(jnp.zeros(shape, wire), source, tag=0, comm=comm)
-                return jax.lax.bitcast_convert_type(y, dt) if wire != dt else y
+            def recv():  # the MPI call alone; the payload is still in the wire dtype
+                return mpi4jax.recv(jnp.zeros(shape, wire), source, tag=0, comm=comm)
 
             # Received on the mesh's first device (mpi4jax moves single-device buffers only).
             home = None if self.home is None else jax.sharding.SingleDeviceSharding(self.home)
             self._recvs[source] = jax.jit(recv, out_shardings=home)
         return self._recvs[source]
+
+    def program_flops(self, peer: int) -> dict[str, float]:
+        """XLA's flop count of the jitted send to and receive from ``peer``: both must stay under XLA:CPU's
+        inline threshold (1000), so that a blocking MPI call never holds the worker pool."""
+        def flops(fn, *args):
+            ca = fn.lower(*args).compile().cost_analysis()
+            return float((ca[0] if isinstance(ca, (list, tuple)) else ca).get("flops", 0.0))
+
+        w = jax.ShapeDtypeStruct(self.template.shape, self.wire)
+        return {"send": flops(self._send_fn(peer), w), "recv": flops(self._recv_fn(peer))}
 
     def _sender(self) -> None:
         while True:
@@ -184,7 +204,7 @@ class Mpi4jaxTransport(_Base):
                 if self._error is None:
                     header = np.array([int(env.kind), env.microbatch, env.stage], np.int32)
                     self.header_comm.Send(header, dest=dest, tag=0)
-                    self._send_fn(dest)(x).block_until_ready()
+                    self._send_fn(dest)(self._to_wire(x)).block_until_ready()
             except BaseException as e:  # surfaced on the main thread's next poll/flush
                 self._error = e
             finally:
@@ -208,7 +228,7 @@ class Mpi4jaxTransport(_Base):
         header = np.empty(3, np.int32)
         self.header_comm.Recv(header, source=src, tag=0)
         env = Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2]))
-        payload = self._laid_out(self._recv_fn(src)())
+        payload = self._laid_out(self._from_wire(self._recv_fn(src)()))
         self.journal.received(src, env)
         return Message(env, src, payload)
 

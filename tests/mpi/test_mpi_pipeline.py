@@ -1,6 +1,7 @@
 """MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
 (tests/mpi/drive_parity.py), and three fault jobs check that a failing, killed or stuck rank ends the
 job within 10 s with a message naming the rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``)."""
+import json
 import os
 import re
 import subprocess
@@ -129,10 +130,32 @@ def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
         r"JAXHYBRID_RANK_CPUS='x' for local rank \d.*; the job was stopped \(exit code \d+\)", last), r.stdout + r.stderr
 
 
+def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(tmp_path):
+    """A bfloat16 2-stage job over the mpi4jax transport, each rank pinned to one core as `jaxhybrid launch`
+    pins it: its XLA:CPU worker pool then has one thread, and a send program doing arithmetic beside its
+    MPI call (the half-float bitcast) held that thread and deadlocked the two stages on their third
+    microbatch (the watchdog ended the job). It must train, and reach the losses of the mpi4py transport."""
+    def run(transport):
+        cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "150", "--config",
+               str(ROOT / "configs" / "runs" / "pipeline_2x2.yaml"), "--set", "parallel.data=1",
+               "--set", "precision.compute_dtype=bfloat16", "--set", f"pipeline.transport={transport}",
+               "--set", "train.steps=2", "--set", "train.global_batch=8", "--set", "data.seq_len=64",
+               "--set", "train.eval_every=0", "--set", "pipeline.watchdog_s=60", "--set", "metrics.trace=false",
+               "--set", "metrics.tensorboard=false", "--set", "metrics.plot=false", "--set", "checkpoint.at_end=false",
+               "--set", f"run.dir={tmp_path / transport}"]
+        r = subprocess.run(cmd, env=_env(150), cwd=ROOT, capture_output=True, text=True, timeout=200)
+        assert r.returncode == 0, f"{transport}:\n" + (r.stdout + r.stderr)[-3000:]
+        summary = [ln for ln in r.stdout.splitlines() if ln.startswith('{"run_dir"')]  # ranks' lines interleave
+        assert len(summary) == 1, r.stdout[-3000:]
+        return json.loads(summary[0])
+
+    device, host = run("mpi4jax"), run("mpi4py")
+    assert (device["first_loss"], device["last_loss"]) == (host["first_loss"], host["last_loss"])
+
+
 def test_bench_pipeline_prints_side_by_side_json():
     """`jaxhybrid bench pipeline` relaunches itself under mpiexec and prints the measured ratios (values
     are machine-dependent: only their presence and consistency are checked, never timings)."""
-    import json
 
     cmd = [sys.executable, "-m", "jaxhybrid", "bench", "pipeline", "--stages", "2", "--schedule", "1f1b-1",
            "--model", "gpt-tiny", "--seq", "16", "--microbatch-size", "2", "--rounds", "1", "--warmup", "1",
