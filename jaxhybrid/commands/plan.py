@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from jaxhybrid.model.config import PRESETS, resolve_model
 from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
-from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, latency_notes, machine_from_hardware, rank_plans, \
-    write_plan
+from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, config_layout, latency_notes, machine_from_hardware, \
+    rank_plans, write_plan
+from jaxhybrid.planner.step_model import evaluate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a run/model config file")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a run config file (its "
+                   f"model, batch, sequence and dtype; its own layout is scored beside the plans)")
     p.add_argument("--gpus", type=int, required=True, help="G, total GPUs: a multiple of --gpus-per-node "
                    "(whole nodes) or a divisor of it (part of one node)")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs used per node (at most the "
@@ -32,51 +35,82 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, "
                    "or 512 for a preset)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: model.max_seq_len)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the config's precision.compute_dtype, or bfloat16 for a preset)")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak flop/s the matmuls reach")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
 
 
-def _model(spec: str):
+def _config(spec: str):
+    """The run config of ``--model`` (None for a preset), validated as train validates it."""
     if spec in PRESETS:
-        return resolve_model(spec), 0, 0
+        return None
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
     from jaxhybrid.config import load_config
 
-    cfg = load_config(path, check=False)
-    return cfg.model, cfg.train.global_batch, cfg.data.seq_len
+    return load_config(path)
+
+
+def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
+    """The config's own layout scored by the same step model, and where it would rank among all feasible
+    ``plans`` (0: none predicted faster)."""
+    lay = config_layout(cfg)
+    r = {**asdict(lay), **evaluate(cfg.model, lay, machine, seq)}
+    r["fits"] = r["memory_per_device_bytes"] <= machine.memory_bytes
+    r["rank"] = sum(p["predicted_step_s"] < r["predicted_step_s"] for p in plans)
+    return r
+
+
+def _row(label: str, p: dict) -> str:
+    yes = {True: "y", False: "n"}
+    return (f"{label:>2} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
+            f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {yes[p['split_backward']]:>3} "
+            f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
+            f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
 
 
 def run(args: argparse.Namespace) -> int:
     check_gpus(args.gpus, args.gpus_per_node)
     hw = load_hardware(args.hardware)
-    machine = machine_from_hardware(hw, args.gpus_per_node, args.dtype, args.efficiency)
-    model, gb, seq = _model(args.model)
-    gb = args.global_batch or gb or 512
-    seq = args.seq_len or seq or model.max_seq_len
-    plans = rank_plans(model, args.gpus, machine, gb, seq, args.top, not args.no_tensor, args.offload)
-    notes = latency_notes(plans)
+    cfg = _config(args.model)
+    model = cfg.model if cfg else resolve_model(args.model)
+    dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "bfloat16")
+    machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency)
+    gb = args.global_batch or (cfg.train.global_batch if cfg else 512)
+    seq = args.seq_len or (cfg.data.seq_len if cfg else model.max_seq_len)
+    ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload)  # all
+    plans = ranked[:args.top]
+    notes, own = latency_notes(plans), None
+    if cfg is not None:
+        if cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (0, 0):
+            notes.append(f"{args.model}'s own layout ({cfg.num_devices} devices, global batch "
+                         f"{cfg.train.global_batch} x {cfg.data.seq_len}) is scored only with --gpus "
+                         f"{cfg.num_devices} and the config's own batch and sequence")
+        else:
+            own = _own_layout(cfg, machine, seq, ranked)
+            if not own["fits"]:
+                notes.append(f"{args.model}'s own layout needs {own['memory_per_device_bytes'] / 1e9:.3g} GB per "
+                             f"device, more than {hw['name']}'s {machine.memory_bytes / 1e9:.3g} GB")
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
-                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq,
-                                        "dtype": args.dtype})
+                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype})
+    keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s")
     if args.json:
-        keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s")
-        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes}))
+        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes,
+                          "config_layout": own and {k: own[k] for k in keys + ("fits", "rank")}}))
         return 0
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
-          f"tokens, {args.dtype} at {args.efficiency:.0%} of peak")
+          f"tokens, {dtype} at {args.efficiency:.0%} of peak")
     print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'2BP':>3} "
           f"{'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):
-        yes = {True: "y", False: "n"}
-        print(f"{i:2d} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
-              f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {yes[p['split_backward']]:>3} "
-              f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
-              f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
+        print(_row(str(i), p))
+    if own is not None:
+        print(f"the config's own layout (would rank #{own['rank']} of {len(ranked)} feasible plans):")
+        print(_row("->", own))
     for n in notes:
         print(f"note: {n}")
     return 0

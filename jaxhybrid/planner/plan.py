@@ -76,7 +76,7 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                     m = global_batch // (data * b)
                     if b > max_microbatch or (pipe > 1 and m < pipe):
                         continue
-                    scheds = schedules if pipe > 1 else ("gpipe",)
+                    scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
                         if split and pipe == 1:  # 2BP needs a pipeline to fill
                             continue
@@ -169,6 +169,16 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
            "optim": {"offload": plan["offload"]},
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
     return out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
+
+
+def config_layout(cfg) -> Layout:
+    """The :class:`Layout` a run config trains with (the inverse of :func:`plan_overrides`), so the step
+    model can score a hand-written config beside the planner's own plans. The step model splits the blocks
+    its own way (:func:`~jaxhybrid.planner.step_model.partition_blocks`), not by ``parallel.partition``."""
+    p, pl = cfg.parallel, cfg.pipeline
+    return Layout(p.pipeline, p.data, p.tensor_col, p.tensor_row, p.tensor_depth, cfg.microbatch_size,
+                  pl.microbatches, pl.schedule, pl.split_backward and p.pipeline > 1, cfg.optim.offload,
+                  cfg.train.remat)
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:

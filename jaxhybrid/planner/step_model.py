@@ -159,7 +159,10 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     msg = msg_bytes / p2p_bw if lay.pipeline > 1 else 0.0
     # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
     # the thousands of layouts of a search with a few hundred simulations.
-    make, act_mb, res_mb = pipeline_makespan(lay.schedule if lay.pipeline > 1 else "gpipe", lay.pipeline,
+    # One stage runs its microbatches as gradient accumulation (jaxhybrid.step.accumulated_step: forward
+    # and backward of each in turn, one microbatch's activations live), i.e. a one-stage 1F1B whatever
+    # the config's schedule; GPipe's order would hold all M.
+    make, act_mb, res_mb = pipeline_makespan(lay.schedule if lay.pipeline > 1 else "1f1b", lay.pipeline,
                                              lay.microbatches, lay.split_backward, _sig2(BI / F),
                                              _sig2(BW / F), _sig2(msg / F))
     makespan = make * F

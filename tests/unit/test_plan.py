@@ -52,6 +52,20 @@ def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
     assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
 
 
+def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does():
+    """One stage runs its microbatches as gradient accumulation (jaxhybrid.step.accumulated_step), so its
+    activations do not grow with their number, and the planner labels it so."""
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    mem = [evaluate(cfg, Layout(1, 2, 2, 2, 2, 8, k, "gpipe", False, False, "none"), m, 1024)
+           ["memory_per_device_bytes"] for k in (1, 8, 32)]
+    assert mem[0] == mem[1] == mem[2]
+    piped = [evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, k, "gpipe", False, False, "none"), m, 1024)
+             ["memory_per_device_bytes"] for k in (2, 8)]
+    assert piped[1] > piped[0]  # a real GPipe stashes every microbatch
+    plans = rank_plans(cfg, 8, m, 512, 1024, top=10_000, tensor=True)
+    assert {p["schedule"] for p in plans if p["pipeline"] == 1} == {"1f1b"}
+
+
 def test_model_that_cannot_fit_says_which_constraint_and_what_would():
     with pytest.raises(ValueError, match=r"does not fit on 2 GPUs.*needs .* GB per device; \d+ GPUs would fit"):
         rank_plans(PRESETS["myelin-100b"], 2, _machine("summit", 6), global_batch=64, seq=512)
