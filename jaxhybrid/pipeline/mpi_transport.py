@@ -4,26 +4,31 @@ Both send bfloat16/float16 payloads as uint16 bit patterns (MPI has no such type
 them bit-exactly on arrival. Every message of one step has the shape and dtype of ``template`` (the
 activation between stages: ``[mb, seq, d_model]`` in the compute dtype).
 
-:class:`Mpi4jaxTransport` follows the design card: payloads travel through ``mpi4jax.send``/``recv``
-inside cached ``jax.jit`` functions (eager mpi4jax recompiles on every call). mpi4jax has no
-non-blocking send, so a sender thread owns the sends; the main loop ``Iprobe``s a header communicator
-(a 3-int envelope sent with mpi4py just before the payload) and only then calls the jitted receive, so
-it never blocks on a message that has not been sent. :class:`Mpi4pyTransport` stages through host numpy
-buffers with ``Isend`` and ``Improbe``/``Mrecv``.
+:class:`Mpi4jaxTransport` receives through ``mpi4jax.recv`` inside cached ``jax.jit`` functions
+(eager mpi4jax recompiles on every call), into a device buffer: the main loop ``Iprobe``s a header
+communicator (a 3-int envelope sent just before the payload) and only then calls the jitted receive, so
+it never waits for a message that has not been sent. A sender thread sends each payload from a host
+buffer with a blocking ``MPI_Send``, header first. :class:`Mpi4pyTransport` stages both ways through
+host numpy buffers with ``Isend`` and ``Improbe``/``Mrecv``.
 
-The jitted send and receive hold the mpi4jax call and nothing else, the half-float bitcasts running as
-programs of their own. Why: XLA:CPU runs a program of under 1000 flops (HloCostAnalysis) inline on the
-calling thread, and any other on the client's worker pool, which has one thread on a rank pinned to
-one core (``jaxhybrid launch``). A send blocked in MPI on that thread stalls every later program of its
-rank, the receive its peer's send waits for among them: with the bitcast inside, two bfloat16 stages
-sending to each other deadlocked on their third microbatch. :meth:`Mpi4jaxTransport.program_flops`
-exposes the count the tests hold at zero.
+Why the mpi4jax transport does not send with ``mpi4jax.send`` (it did until session 22): mpi4jax's calls
+carry an ordered effect, so JAX runs a process's MPI programs one after another in dispatch order, and
+mpi4jax has no non-blocking send. A send above MPI's eager limit blocks until the peer's receive starts,
+and two neighbours sending to each other (activations forward, gradients back) each order their receive
+behind their own blocked send. On XLA:CPU a program of 1000 flops or more (HloCostAnalysis), or one whose
+inputs are not ready yet, also runs on the client's worker pool, one thread on a rank pinned to one core
+(``jaxhybrid launch``), where a blocked MPI call stalls every program of the rank. Measured on bfloat16
+jobs with ranks pinned: 2 stages hung on their third microbatch (the bitcast gave the send program flops),
+and with the bitcast moved out, 8 stages of the message-driven schedule still hung. Sending from a host
+buffer that is ready before its header leaves means that every receive a rank starts has a sender
+already inside ``MPI_Send`` for exactly that message, so the receives always complete. The receive holds
+the MPI call alone (the half-float bitcast runs apart), so it runs inline on the main thread.
 
 Hybrid pipeline x tensor (AxoNN-4D item 5): a stage's activations are sharded over the rank's local
 tensor mesh, and mpi4jax refuses multi-device arrays. Given the activation ``sharding``, the mpi4py
-transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one through the
-mesh's first device (a device-side gather, then a single-device send), and both lay a received payload
-out with that sharding before the next stage's kernels read it.
+transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one sends so too
+and receives on the mesh's first device, and both lay a received payload out with that sharding before
+the next stage's kernels read it.
 """
 from __future__ import annotations
 
@@ -80,6 +85,11 @@ class _Base:
         if self._error is not None:
             raise RuntimeError(f"rank {self.rank}: pipeline send failed: {self._error!r}") from self._error
 
+    def _host_wire(self, x) -> np.ndarray:
+        """``x`` as a contiguous host buffer in the wire dtype: waits for ``x``, gathers its shards."""
+        buf = np.asarray(x)
+        return np.ascontiguousarray(buf if buf.dtype == self.wire else buf.view(np.uint16))
+
     def _to_jax(self, buf: np.ndarray) -> jax.Array:
         x = buf if self.wire == self.template.dtype else buf.view(np.dtype(self.template.dtype))  # bit-exact
         return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
@@ -96,10 +106,7 @@ class Mpi4pyTransport(_Base):
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
 
     def send(self, x, dest: int, envelope: Envelope) -> None:
-        buf = np.asarray(x)  # waits for x, copies device -> host where they differ
-        if buf.dtype != self.wire:
-            buf = buf.view(np.uint16)
-        buf = np.ascontiguousarray(buf)
+        buf = self._host_wire(x)  # waits for x, copies device -> host where they differ
         req = self.comm.Isend(buf, dest=dest, tag=_encode_tag(envelope, self._tag_ub))
         self._pending.append((req, buf))  # the buffer must live until the send completes
         self.journal.sent(dest, envelope)
@@ -146,30 +153,15 @@ class Mpi4jaxTransport(_Base):
     def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
         super().__init__(comm, template, sharding)
         self.header_comm = comm.Dup()  # collective on the row: every rank builds its transport together
-        half, wire, dt = self.wire != template.dtype, self.wire, template.dtype
-        # Half floats travel as uint16: the bitcasts are programs of their own (module docstring).
-        self._to_wire = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, wire)) if half else (lambda x: x)
+        half, dt = self.wire != template.dtype, template.dtype
+        # Half floats arrive as uint16: the bitcast is a program of its own (module docstring).
         self._from_wire = jax.jit(lambda y: jax.lax.bitcast_convert_type(y, dt)) if half else (lambda y: y)
         self._sendq: queue.Queue = queue.Queue()
-        self._sends: dict[int, Any] = {}
         self._recvs: dict[tuple[int, int], Any] = {}
         self._thread = threading.Thread(target=self._sender, name=f"mpi4jax-sender-{self.rank}", daemon=True)
         self._thread.start()
 
-    # -- cached jitted programs (one per destination / (source, kind)) -------------------------------
-    def _send_fn(self, dest: int):
-        if dest not in self._sends:
-            import mpi4jax
-
-            comm = self.comm
-
-            def send(w):  # the MPI call alone: run inline on the sender thread (module docstring)
-                mpi4jax.send(w, dest, tag=0, comm=comm)
-                return jnp.zeros((), jnp.int32)  # ready only when the program (and the send) finished
-
-            self._sends[dest] = jax.jit(send)
-        return self._sends[dest]
-
+    # -- cached jitted receives (one per source) --------------------------------------------------------
     def _recv_fn(self, source: int):
         if source not in self._recvs:
             import mpi4jax
@@ -184,15 +176,11 @@ class Mpi4jaxTransport(_Base):
             self._recvs[source] = jax.jit(recv, out_shardings=home)
         return self._recvs[source]
 
-    def program_flops(self, peer: int) -> dict[str, float]:
-        """XLA's flop count of the jitted send to and receive from ``peer``: both must stay under XLA:CPU's
-        inline threshold (1000), so that a blocking MPI call never holds the worker pool."""
-        def flops(fn, *args):
-            ca = fn.lower(*args).compile().cost_analysis()
-            return float((ca[0] if isinstance(ca, (list, tuple)) else ca).get("flops", 0.0))
-
-        w = jax.ShapeDtypeStruct(self.template.shape, self.wire)
-        return {"send": flops(self._send_fn(peer), w), "recv": flops(self._recv_fn(peer))}
+    def recv_flops(self, peer: int) -> float:
+        """XLA's flop count of the jitted receive from ``peer``: under XLA:CPU's inline threshold (1000) it
+        runs on the calling thread, not on the worker pool (module docstring)."""
+        ca = self._recv_fn(peer).lower().compile().cost_analysis()
+        return float((ca[0] if isinstance(ca, (list, tuple)) else ca).get("flops", 0.0))
 
     def _sender(self) -> None:
         while True:
@@ -202,9 +190,12 @@ class Mpi4jaxTransport(_Base):
                     return
                 x, dest, env = item
                 if self._error is None:
+                    # The payload is on the host before its header leaves: a receive the peer starts on
+                    # that header finds a sender already in MPI (module docstring).
+                    buf = self._host_wire(x)
                     header = np.array([int(env.kind), env.microbatch, env.stage], np.int32)
                     self.header_comm.Send(header, dest=dest, tag=0)
-                    self._send_fn(dest)(self._to_wire(x)).block_until_ready()
+                    self.comm.Send(buf, dest=dest, tag=0)
             except BaseException as e:  # surfaced on the main thread's next poll/flush
                 self._error = e
             finally:
@@ -212,8 +203,6 @@ class Mpi4jaxTransport(_Base):
 
     def send(self, x, dest: int, envelope: Envelope) -> None:
         self._raise_pending()
-        if self.home is not None:  # gather the shards onto one device (dispatched here, async)
-            x = jax.device_put(x, self.home)
         self.journal.sent(dest, envelope)
         self._sendq.put((x, dest, envelope))
 
