@@ -130,22 +130,36 @@ def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
         r"JAXHYBRID_RANK_CPUS='x' for local rank \d.*; the job was stopped \(exit code \d+\)", last), r.stdout + r.stderr
 
 
-def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(tmp_path):
-    """A bfloat16 2-stage job over the mpi4jax transport, each rank pinned to one core as `jaxhybrid launch`
-    pins it: its XLA:CPU worker pool then has one thread, and a send program doing arithmetic beside its
-    MPI call (the half-float bitcast) held that thread and deadlocked the two stages on their third
-    microbatch (the watchdog ended the job). It must train, and reach the losses of the mpi4py transport."""
+# bfloat16 pipelines with ranks pinned to one core each, as `jaxhybrid launch` pins them (one XLA:CPU
+# worker thread per rank). Both hung over the mpi4jax transport while it sent with mpi4jax.send (see
+# jaxhybrid/pipeline/mpi_transport.py): 2 stages on their third microbatch (the bitcast inside the send
+# program), and, with the bitcast moved out, the Myelin config's 8 stages (message-driven, offload; it
+# hung with train.log_every=1, and trained once in two tries without it).
+PINNED_BF16 = {
+    "2-stages": (2, "pipeline_2x2.yaml", ["parallel.data=1", "train.global_batch=8"]),
+    "8-stages-myelin-offload": (8, "myelin-50b-offload.yaml", [
+        "parallel.data=1", "model.name=gpt-tiny", "model.n_layers=8", "pipeline.microbatches=32",
+        "train.global_batch=32", "optim.bucket_size=4096"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PINNED_BF16))
+def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(case, tmp_path):
+    """The job trains over both transports and the mpi4jax one reaches the mpi4py one's losses."""
+    n, config, sets = PINNED_BF16[case]
+    sets = sets + ["precision.compute_dtype=bfloat16", "train.steps=2", "train.log_every=1", "data.seq_len=64",
+                   "train.eval_every=0", "pipeline.watchdog_s=60", "metrics.trace=false", "metrics.tensorboard=false", "metrics.plot=false",
+                   "checkpoint.at_end=false"]
+
     def run(transport):
-        cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "150", "--config",
-               str(ROOT / "configs" / "runs" / "pipeline_2x2.yaml"), "--set", "parallel.data=1",
-               "--set", "precision.compute_dtype=bfloat16", "--set", f"pipeline.transport={transport}",
-               "--set", "train.steps=2", "--set", "train.global_batch=8", "--set", "data.seq_len=64",
-               "--set", "train.eval_every=0", "--set", "pipeline.watchdog_s=60", "--set", "metrics.trace=false",
-               "--set", "metrics.tensorboard=false", "--set", "metrics.plot=false", "--set", "checkpoint.at_end=false",
-               "--set", f"run.dir={tmp_path / transport}"]
-        r = subprocess.run(cmd, env=_env(150), cwd=ROOT, capture_output=True, text=True, timeout=200)
+        over = [a for kv in sets + [f"pipeline.transport={transport}", f"run.dir={tmp_path / transport}"]
+                for a in ("--set", kv)]
+        cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", str(n), "--timeout", "150", "--config",
+               str(ROOT / "configs" / "runs" / config), *over]
+        env = {k: v for k, v in _env(150).items() if k != "XLA_FLAGS"}  # the launcher's own, as a user runs it
+        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
         assert r.returncode == 0, f"{transport}:\n" + (r.stdout + r.stderr)[-3000:]
-        summary = [ln for ln in r.stdout.splitlines() if ln.startswith('{"run_dir"')]  # ranks' lines interleave
+        summary = re.findall(r'\{"run_dir".*?\}', r.stdout)  # ranks' lines interleave, even within a line
         assert len(summary) == 1, r.stdout[-3000:]
         return json.loads(summary[0])
 

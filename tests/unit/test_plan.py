@@ -62,7 +62,7 @@ def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does(
     piped = [evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, k, "gpipe", False, False, "none"), m, 1024)
              ["memory_per_device_bytes"] for k in (2, 8)]
     assert piped[1] > piped[0]  # a real GPipe stashes every microbatch
-    plans = rank_plans(cfg, 8, m, 512, 1024, top=10_000, tensor=True)
+    plans = rank_plans(cfg, 8, m, 64, 1024, top=10_000, tensor=False)
     assert {p["schedule"] for p in plans if p["pipeline"] == 1} == {"1f1b"}
 
 
