@@ -1,8 +1,8 @@
 """The run configs shipped in configs/runs: each passes the checks `jaxhybrid launch` makes before any
 rank starts, at the process count its header names, and each written for a cluster (a named
-``metrics.hardware``) lays out whole nodes and fits that hardware's memory by the planner's model, at
-about the rank the planner gives it. No devices, no compilation: a config that a later change makes
-invalid or too large fails here, not at a user's srun."""
+``metrics.hardware``) lays out whole nodes and fits that hardware's memory by the planner's model. No
+devices, no compilation: a config that a later change makes invalid or too large fails here, not at a
+user's srun."""
 import json
 import re
 from pathlib import Path
@@ -27,7 +27,7 @@ def _processes(cfg, text: str) -> tuple[int, bool]:
     return cfg.world_size, False
 
 
-def test_every_shipped_config_is_tested():
+def test_the_shipped_configs_are_all_found():
     assert {c.name for c in CONFIGS} >= {"tiny.yaml", "pipeline_2x2.yaml", "hybrid.yaml", "gpt2-small-h100.yaml",
                                          "llama-7b-2bp.yaml", "myelin-50b-offload.yaml", "axonn-gpt-10b-4d.yaml"}
 
