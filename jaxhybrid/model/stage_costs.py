@@ -16,7 +16,8 @@ stage's split 1.6x the fused pass's flops. :func:`split_ratios` gives no ratio t
 from __future__ import annotations
 
 
-def _cost(jitted, *args) -> dict[str, float]:
+def compiled_cost(jitted, *args) -> dict[str, float]:
+    """``{"flops", "bytes_accessed"}`` of ``jitted`` compiled for ``args``, by XLA's HloCostAnalysis."""
     ca = jitted.lower(*args).compile().cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca  # a list per program in older jax
     return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
@@ -30,7 +31,7 @@ def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, 
     x, targets = stage._check_inputs(params, x, targets)
     progs = {"forward": (stage._fwd, params, x, targets), "backward_input": (stage._bi, *stage._bi_args(res, dy)),
              "backward_weight": (stage._bw, params, wr, None), "backward": (stage._fused, res, dy, None)}
-    return {k: _cost(fn, *a) for k, (fn, *a) in progs.items()}
+    return {k: compiled_cost(fn, *a) for k, (fn, *a) in progs.items()}
 
 
 def split_ratios(costs: dict[str, dict[str, float]], platform: str = "cpu") -> dict[str, float | None]:
@@ -47,4 +48,4 @@ def split_ratios(costs: dict[str, dict[str, float]], platform: str = "cpu") -> d
     return {name: ratio(key) for name, key in keys.items()}
 
 
-__all__ = ["kernel_costs", "split_ratios"]
+__all__ = ["compiled_cost", "kernel_costs", "split_ratios"]

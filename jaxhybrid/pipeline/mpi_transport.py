@@ -179,8 +179,9 @@ class Mpi4jaxTransport(_Base):
     def recv_flops(self, peer: int) -> float:
         """XLA's flop count of the jitted receive from ``peer``: under XLA:CPU's inline threshold (1000) it
         runs on the calling thread, not on the worker pool (module docstring)."""
-        ca = self._recv_fn(peer).lower().compile().cost_analysis()
-        return float((ca[0] if isinstance(ca, (list, tuple)) else ca).get("flops", 0.0))
+        from jaxhybrid.model.stage_costs import compiled_cost
+
+        return compiled_cost(self._recv_fn(peer))["flops"]
 
     def _sender(self) -> None:
         while True:
