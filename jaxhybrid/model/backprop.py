@@ -33,8 +33,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxhybrid.model.layers import Ops
+
+SITE_OUTPUT = "site_output"  # checkpoint name of a tapped site's output (remat dots saves these)
 
 Array = jax.Array
 
@@ -170,7 +173,7 @@ class Tape:
             tap = self.taps[self.i]
             if tap.shape != y.shape or tap.dtype != y.dtype:
                 raise ValueError(f"tap {self.i}: {tap.shape} {tap.dtype} != site output {y.shape} {y.dtype}")
-            y = y + tap
+            y = checkpoint_name(y + tap, SITE_OUTPUT)
             self.i += 1
         return y
 

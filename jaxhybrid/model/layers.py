@@ -117,7 +117,7 @@ def feature_mean(v: Array) -> Array:
     return v.mean(-1, keepdims=True)
 
 
-# What a norm keeps for its backward: its input and the per-token statistics (named "norm_stats"); the
+# What a norm keeps for its backward: its input and the per-token statistics (named NORM_STATS); the
 # centred and normalised inputs are recomputed from them in one elementwise pass. Why: autodiff keeps
 # three arrays of the model's width per norm (x - mu, 2 (x - mu) and the normalised input), where one suffices.
 # The statistics kept are the mean and the variance (mean square), not rsqrt of them: rsqrt's derivative
@@ -125,14 +125,15 @@ def feature_mean(v: Array) -> Array:
 # in tensor parallelism, one more all-reduce over row per norm (session 21: 5 more on 2 LLaMA blocks).
 # ``mean`` is the feature mean: :func:`feature_mean` here, a psum over the axis that splits the features in
 # tensor parallelism (``jaxhybrid.tensor.ops``), so both layouts share this code and what it keeps.
-_KEEP_STATS = jax.checkpoint_policies.save_only_these_names("norm_stats")
+NORM_STATS = "norm_stats"  # checkpoint name of a norm's per-token statistics
+_KEEP_STATS = jax.checkpoint_policies.save_only_these_names(NORM_STATS)
 
 
 @functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3, 4))
 def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean: Callable[[Array], Array]) -> Array:
     xf = x.astype(jnp.float32)
-    mu = checkpoint_name(mean(xf), "norm_stats")
-    var = checkpoint_name(mean(jnp.square(xf - mu)), "norm_stats")
+    mu = checkpoint_name(mean(xf), NORM_STATS)
+    var = checkpoint_name(mean(jnp.square(xf - mu)), NORM_STATS)
     y = (xf - mu) * jax.lax.rsqrt(var + eps) * scale
     return (y if bias is None else y + bias).astype(x.dtype)
 
@@ -140,7 +141,7 @@ def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean: Cal
 @functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2, 3))
 def rms_norm(x: Array, scale: Array, eps: float, mean: Callable[[Array], Array]) -> Array:
     xf = x.astype(jnp.float32)
-    ms = checkpoint_name(mean(jnp.square(xf)), "norm_stats")
+    ms = checkpoint_name(mean(jnp.square(xf)), NORM_STATS)
     return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)
 
 

@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.model.backprop import SITE_OUTPUT
+from jaxhybrid.model.layers import NORM_STATS
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
@@ -55,7 +58,11 @@ def remat_save_policy(remat: str):
     if remat == "none":
         return None
     if remat == "dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        # The tapped sites' outputs (their matmul plus bias and tap; backprop.SITE_OUTPUT) and the norms'
+        # statistics. Why not ``dots_with_no_batch_dims_saveable``: it saves the bare matmul outputs, and
+        # recomputing ``matmul + tap`` then keeps each site's tap, a zero array of the site output's size,
+        # as a residual too (gpt-small-cpu block: 48.4 -> 32.3 bytes per token and model width in bf16).
+        return jax.checkpoint_policies.save_only_these_names(SITE_OUTPUT, NORM_STATS)
     raise ValueError(f"remat={remat!r} has no save policy (full uses segment recomputation)")
 
 

@@ -18,7 +18,7 @@ from jaxhybrid.pipeline.simcore import Core, Record, StaticPolicy, describe_dead
 from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.pipeline.trace import Event, Timeline
 
-__all__ = ["Costs", "RankStats", "SimResult", "simulate", "run_order"]
+__all__ = ["Costs", "RankStats", "SimResult", "simulate", "run_order", "peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ def run_order(schedule: Schedule, costs: Costs) -> Core:
     if stuck:
         raise ValueError(f"schedule {schedule.name!r} deadlocks: {describe_deadlock(core, policy, stuck)}")
     return core
+
+
+def peak_bytes(core: Core, costs: Costs) -> list[float]:
+    """Per rank, the peak bytes of an executed ``core`` with ``costs``'s activation and residual bytes
+    (which do not change the run: one run serves several byte models, as the planner's two)."""
+    recs: list[list[Record]] = [[] for _ in range(core.num_ranks)]
+    for r in core.records:
+        recs[r.rank].append(r)
+    return [_memory(rs, costs)[1] for rs in recs]
 
 
 def _memory(records: list[Record], costs: Costs) -> tuple[int, float]:

@@ -10,12 +10,10 @@
 """
 from __future__ import annotations
 
-import math
-
 from jaxhybrid.config import optimal_checkpoint_interval
 
 __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_interval",
-           "stashed_microbatches", "block_activation_bytes", "boundary_bytes"]
+           "stashed_microbatches", "block_residual_bytes", "boundary_bytes"]
 
 
 def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0, tensor_size: int = 1) -> float:
@@ -57,28 +55,56 @@ def stashed_microbatches(schedule: str, stages: int, microbatches: int, split_ba
     return peak_stashed(make_schedule(schedule, stages, microbatches, split_backward))
 
 
-def block_activation_bytes(seq: int, microbatch: int, d_model: int, n_heads: int, dtype_bytes: int = 2,
-                           remat: str = "none") -> float:
-    """Stored activations of one transformer block for one microbatch (Korthikanti et al. 2022, eq. 2).
+def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, remat: str = "none",
+                         flash: bool = False) -> tuple[float, float]:
+    """What one transformer block of :class:`jaxhybrid.model.stage.Stage` keeps per microbatch: bytes
+    ``(activations, weight_residuals)``, i.e. its ``residual_bytes`` (forward -> backward-p1) and
+    ``weight_residual_bytes`` (backward-p1 -> backward-p2, 2BP Sec. 4.2), counted from the arrays the stage
+    keeps (``tests/unit/test_memory_model.py`` checks them against the stage's own count).
 
-    ``s b h (34 + 5 a s / h)`` bytes in 16-bit; rescaled to ``dtype_bytes``. With full recomputation
-    only the block input is kept (``dtype_bytes * s b h``).
+    Per token, with ``c`` the compute dtype's bytes, ``d`` the width, ``f`` the MLP width, ``k`` the key and
+    value width (LLaMA's grouped-query heads):
+
+    * site inputs (records), both passes: ``c (3d + f)`` (the two norm outputs, the attention output and
+      the MLP activation); the weight pass also keeps each site's output cotangent: GPT-2 ``c (5d + f)``,
+      LLaMA ``c (3d + 2k + 2f)``, plus per-sample norm-weight and bias gradients;
+    * the forward, ``remat`` none: the block input, q, k and v, the residual stream after attention, the
+      MLP pre-activations (GPT-2 ``c (5d + f)``, LLaMA ``c (3d + 2k + 2f)``) and float32 norm statistics
+      (8 and 4 bytes per norm); the attention core keeps its ``[H, T, T]`` float32 probabilities per
+      sequence (``model.attention: xla``) or, with cuDNN's flash attention (``flash``), its output and
+      float32 log-sum-exp (``c d + 4 H`` per token). LLaMA also keeps its rotary tables (float32
+      ``4 T Dh`` per block, whatever the batch);
+    * ``remat`` dots: the same minus the attention core's and the rotary tables' (recomputed), since
+      the saved site outputs (matmul + bias) take the place of the pre-activations, q, k and v;
+    * ``remat`` full: only segment inputs; see :func:`boundary_bytes` (not this function).
+
+    Korthikanti et al.'s ``s b h (34 + 5 a s / h)`` (Megatron: dropout masks, 16-bit probabilities)
+    overstates this stage by 1.2x (GPT-2 small, xla attention, 1024 tokens) to 3.5x (flash attention).
     """
-    sbh = seq * microbatch * d_model
-    if remat == "full":
-        return dtype_bytes * sbh
-    return sbh * (34 + 5 * n_heads * seq / d_model) * dtype_bytes / 2
+    if remat not in ("none", "dots"):
+        raise ValueError(f"remat={remat!r}: block_residual_bytes models none and dots (full keeps segment inputs)")
+    c, d, f, h = dtype_bytes, cfg.d_model, cfg.d_ff, cfg.n_heads
+    llama = cfg.kind == "llama"
+    k = cfg.kv_heads * cfg.head_dim
+    tokens = seq * microbatch
+    records = c * (3 * d + f)
+    sites = c * (3 * d + 2 * k + 2 * f) if llama else c * (5 * d + f)  # outputs, or their cotangents
+    stats = 8 if llama else 16  # RMSNorm: mean square; LayerNorm: mean and variance (float32), 2 norms
+    per_sample = 2 * 4 * d  # the two norms' scales, per-sample copies (float32)
+    act = tokens * (records + sites + stats) + microbatch * per_sample
+    if remat == "none":
+        if flash:
+            act += tokens * (c * d + 4 * h)
+        else:
+            act += microbatch * 4 * h * seq * seq
+        if llama:
+            act += 4 * 4 * seq * (cfg.head_dim // 2)  # cos and sin of q and k: [T, Dh / 2] float32 each
+    vectors = 2 * d if llama else 4 * d  # norm scales (and biases): float32
+    biases = 0 if llama else c * (5 * d + f)
+    wres = tokens * (records + sites) + microbatch * (4 * vectors + biases)
+    return float(act), float(wres)
 
 
 def boundary_bytes(seq: int, microbatch: int, d_model: int, dtype_bytes: int = 2) -> float:
     """One hidden state: what crosses a pipeline boundary and what a checkpoint keeps."""
     return float(seq * microbatch * d_model * dtype_bytes)
-
-
-def checkpointed_stage_bytes(n_layers: int, g_inter: int, stash: float, block_bytes: float,
-                             boundary: float) -> float:
-    """Activations of a stage with Myelin's checkpointing: per stashed microbatch the checkpoints of its
-    N / (G_inter ac) segments, plus the live segment recomputed in the backward (ac full blocks)."""
-    ac = optimal_checkpoint_interval(n_layers, g_inter)
-    per_stage = max(1, n_layers // g_inter)
-    return stash * math.ceil(per_stage / ac) * boundary + ac * block_bytes

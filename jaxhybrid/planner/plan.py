@@ -49,13 +49,16 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
         raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    flash = hw.get("flash_attention", False)
+    if not isinstance(flash, bool):
+        raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
     peak = float(hw["peak_tflops"][dtype]) * 1e12
     return Machine(peak * efficiency, float(hw["memory_bytes"]), Network.from_hardware(hw, gpus_per_node),
-                   DTYPE_BYTES[dtype])
+                   DTYPE_BYTES[dtype], flash)
 
 
 def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True, offload: bool | None = None,
-            schedules=("1f1b", "gpipe"), remats=("none", "full"), max_microbatch: int = 64):
+            schedules=("1f1b", "gpipe"), remats=("none", "dots", "full"), max_microbatch: int = 64):
     """All layouts of ``gpus`` GPUs that the config validation would accept."""
     offloads = (False, True) if offload is None else (offload,)
     for pipe in _divisors(gpus):

@@ -4,7 +4,8 @@ Compute: flop counts over ``peak x efficiency``, divided over the tensor grid. C
 4-9 for every matmul of a block (optimization A: the attention output and MLP down projections are
 transposed), synchronous (AxoNN Assumption 4), plus the pipeline's point-to-point messages and the
 data-parallel all-reduce (eq. 8). The pipeline makespan and stashed microbatches come from the schedule
-simulator; memory from Myelin's model (:mod:`jaxhybrid.planner.memory`).
+simulator; memory from Myelin's model (:mod:`jaxhybrid.planner.memory`) with the activations the stage
+kernels keep (:func:`~jaxhybrid.planner.memory.block_residual_bytes`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
-from jaxhybrid.planner.memory import block_activation_bytes, boundary_bytes, optimal_checkpoint_interval, \
+from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, optimal_checkpoint_interval, \
     param_state_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -82,28 +83,36 @@ def _sig2(x: float) -> float:
     return float(f"{x:.2g}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _schedule(schedule: str, p: int, m: int, split: bool):
+    """Schedules are data and depend on no cost: one per shape serves every ratio of a search."""
+    from jaxhybrid.pipeline.schedule import make_schedule
+
+    return make_schedule(schedule, p, m, split)
+
+
 @functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
                       ) -> tuple[float, float, float]:
     """(makespan, peak stashed microbatches, peak residual microbatches) with F = 1 (scale-free).
 
-    Uses the schedule simulator; very long schedules fall back to the closed forms
-    (m + p - 1)(F + B) for GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
+    Uses the schedule simulator (one run; the two peaks are read from it with unit activation bytes and
+    with unit residual bytes); very long schedules fall back to the closed forms (m + p - 1)(F + B) for
+    GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
     """
     if p * m <= 2048:
-        from jaxhybrid.pipeline.schedule import make_schedule
-        from jaxhybrid.pipeline.simulate import Costs, simulate
+        from jaxhybrid.pipeline.simulate import Costs, peak_bytes, run_order
 
-        def run(act, res):
-            costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
-                          activation_bytes=(act,) * p, residual_bytes=(res,) * p,
-                          message_bytes=(msg,) * p, bandwidth=1.0)
-            return simulate(make_schedule(schedule, p, m, split), costs)
+        def costs(act, res):
+            return Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
+                         activation_bytes=(act,) * p, residual_bytes=(res,) * p,
+                         message_bytes=(msg,) * p, bandwidth=1.0)
 
-        r = run(1.0, 0.0)
-        act = max(s.peak_bytes for s in r.per_rank)
-        res = max(s.peak_bytes for s in run(0.0, 1.0).per_rank) if split else 0.0
-        return r.makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
+        core = run_order(_schedule(schedule, p, m, split), costs(1.0, 0.0))
+        makespan = max(r.end for r in core.records)
+        act = max(peak_bytes(core, costs(1.0, 0.0)))
+        res = max(peak_bytes(core, costs(0.0, 1.0))) if split else 0.0
+        return makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
     span = (1 + bi + bw)
     make = m * span + (p - 1) * ((1 + bi) if split else span) + 2 * (p - 1) * msg
     live = m if schedule == "gpipe" else min(m, p)
@@ -112,12 +121,14 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
 
 @dataclass(frozen=True)
 class Machine:
-    """What a layout runs on: peak flop/s of the dtype times an efficiency, memory, network."""
+    """What a layout runs on: peak flop/s of the dtype times an efficiency, memory, network, and whether
+    16-bit attention runs cuDNN's flash attention there (``model.attention: auto`` picks it)."""
 
     flops_per_s: float
     memory_bytes: float
     net: Network
     dtype_bytes: int = 2
+    flash_attention: bool = False
 
 
 def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_size: int = 1 << 24) -> dict:
@@ -146,9 +157,13 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     fwd_comm = nb * (per_blk["all_gather"] + per_blk["all_reduce_fwd"])
     bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
     recompute = lay.remat == "full"
+    # The stage's attention kernel (jaxhybrid.model.attention.attention_kernel's rule).
+    flash = machine.flash_attention and db == 2 and cfg.attention != "xla" and cfg.head_dim % 8 == 0 \
+        and cfg.head_dim <= 128
     F = nb * f_blk + last_extra + fwd_comm
     f_attn = attn_flops / (machine.flops_per_s * ts)  # attention core: no weights, backward = 2 x forward
     BI = nb * (f_blk + f_attn) + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)
+    BI += nb * f_attn if lay.remat == "dots" else 0.0  # dots recomputes the attention core
     BW = nb * (f_blk - f_attn) + last_extra + nb * per_blk["reduce_scatter"]
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
     msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
@@ -160,12 +175,14 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
     # the thousands of layouts of a search with a few hundred simulations.
     # One stage runs its microbatches as gradient accumulation (jaxhybrid.step.accumulated_step: forward
-    # and backward of each in turn, one microbatch's activations live), i.e. a one-stage 1F1B whatever
-    # the config's schedule; GPipe's order would hold all M.
-    make, act_mb, res_mb = pipeline_makespan(lay.schedule if lay.pipeline > 1 else "1f1b", lay.pipeline,
-                                             lay.microbatches, lay.split_backward, _sig2(BI / F),
-                                             _sig2(BW / F), _sig2(msg / F))
-    makespan = make * F
+    # and backward of each in turn, one microbatch's activations live) whatever the config's schedule;
+    # GPipe's order would hold all M.
+    if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
+        makespan, act_mb, res_mb = lay.microbatches * (F + BI + BW), 1.0, 0.0
+    else:
+        make, act_mb, res_mb = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches,
+                                                 lay.split_backward, _sig2(BI / F), _sig2(BW / F), _sig2(msg / F))
+        makespan = make * F
     phi_blk = block_params(cfg)
     stage_phi = [n_ * phi_blk for n_ in parts]
     stage_phi[0] += _embed_params(cfg)
@@ -179,18 +196,19 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
     act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
-    blk_full = block_activation_bytes(seq, b, d, cfg.n_heads, db, "none") / act_shard
+    blk_none, residual = (v / act_shard for v in block_residual_bytes(cfg, seq, b, db, "none", flash))
+    blk_kept = block_residual_bytes(cfg, seq, b, db, "dots", flash)[0] / act_shard if lay.remat == "dots" \
+        else blk_none
     bnd = boundary_bytes(seq, b, d, db) / act_shard
-    residual = 16 * bnd  # weight-gradient residuals: inputs and output gradients of the 4 matmuls
     mem = 0.0
     for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
         state = param_state_bytes(phi, lay.offload, bucket_size, ts)
         if recompute:
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             stash = math.ceil(n_ / ac) * bnd
-            transient = min(ac, n_) * blk_full
+            transient = min(ac, n_) * blk_none
         else:
-            stash, transient = n_ * blk_full, 0.0
+            stash, transient = n_ * blk_kept, 0.0
         if s == len(parts) - 1:
             transient += tokens * cfg.vocab_size * 4 / ts  # fp32 logits for the loss
         mem = max(mem, state + act_mb * stash + res_mb * n_ * residual + transient)

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from jaxhybrid.model.config import PRESETS
-from jaxhybrid.planner.memory import block_activation_bytes, myelin_activation_units, optimal_checkpoint_interval, \
+from jaxhybrid.planner.memory import block_residual_bytes, myelin_activation_units, optimal_checkpoint_interval, \
     param_state_bytes, stashed_microbatches
 
 
@@ -47,7 +47,43 @@ def test_stash_counts_per_schedule():
         stashed_microbatches("nope", 2, 2)
 
 
-def test_block_activations_korthikanti_and_full_recompute():
-    s, b, h, a = 2048, 1, 4096, 32
-    assert block_activation_bytes(s, b, h, a, 2) == s * b * h * (34 + 5 * a * s / h)
-    assert block_activation_bytes(s, b, h, a, 2, remat="full") == 2 * s * b * h
+@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "llama-tiny-gqa"])
+def test_block_residuals_are_what_the_stage_keeps(name):
+    """The planner's activation and 2BP weight-residual bytes per block equal the stage's own count
+    (``Stage.activation_bytes`` / ``weight_residual_bytes_estimate``, from the kernels' abstract
+    outputs) for both model kinds, both dtypes, remat none and dots, and several microbatch shapes."""
+    import dataclasses
+
+    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.model.transformer import Model
+
+    base = PRESETS[name.removesuffix("-gqa")]
+    cfg = dataclasses.replace(base, attention="xla", **({"n_kv_heads": 2} if name.endswith("-gqa") else {}))
+    for dtype, c in (("float32", 4), ("bfloat16", 2)):
+        for remat in ("none", "dots"):
+            stage = Stage(Model(cfg, compute_dtype=dtype), 1, 3, remat=remat)  # two middle blocks
+            for mb, seq in ((1, 16), (3, 32)):
+                got = block_residual_bytes(cfg, seq, mb, c, remat)
+                want = (stage.activation_bytes(mb, seq) / 2, stage.weight_residual_bytes_estimate(mb, seq) / 2)
+                assert got == want, f"{name} {dtype} remat={remat} mb={mb} seq={seq}: planner {got}, stage {want}"
+
+
+def test_block_residuals_flash_attention_and_dots_drop_the_quadratic_term():
+    """Without flash attention a block keeps [H, T, T] float32 probabilities per sequence; cuDNN's flash
+    attention keeps its output and log-sum-exp instead, and remat dots recomputes the core: both grow
+    linearly in the sequence. Korthikanti et al.'s Megatron count (34 + 5 a s / h bytes per s b h in
+    16-bit) is above all of them."""
+    cfg = PRESETS["gpt2-small"]
+    s, b, d, h = 1024, 8, cfg.d_model, cfg.n_heads
+    none, wres = block_residual_bytes(cfg, s, b, 2, "none")
+    flash = block_residual_bytes(cfg, s, b, 2, "none", flash=True)[0]
+    dots = block_residual_bytes(cfg, s, b, 2, "dots")[0]
+    assert none - dots == b * h * s * s * 4  # exactly the float32 probabilities (GPT-2: no rotary tables)
+    assert flash - dots == s * b * (2 * d + 4 * h)
+    assert dots == block_residual_bytes(cfg, s, b, 2, "dots", flash=True)[0]
+    assert wres == 16 * 2 * s * b * d + b * (4 * 4 * d + 2 * (5 * d + cfg.d_ff))  # GPT-2: records + cotangents
+    assert max(none, flash, dots) < s * b * d * (34 + 5 * h * s / d)
+    for remat, fl, kept in (("none", True, flash), ("dots", False, dots)):  # twice the tokens, twice the bytes
+        assert block_residual_bytes(cfg, 2 * s, b, 2, remat, fl)[0] == pytest.approx(2 * kept, rel=1e-3)
+    with pytest.raises(ValueError, match="remat='full'"):
+        block_residual_bytes(cfg, s, b, 2, "full")

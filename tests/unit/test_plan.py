@@ -1,4 +1,5 @@
 """Ranked plans: feasibility against the device memory, JSON keys, plan files -> config, clear failures."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -50,6 +51,24 @@ def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
     remat = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "full"), m, 1024)
     assert remat["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
     assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
+
+
+def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time():
+    """The stage's activations (planner.memory.block_residual_bytes): on hardware with cuDNN flash
+    attention a 16-bit block keeps no [H, T, T] probabilities (model.attention xla, float32 or a file
+    without flash_attention keep them); remat dots keeps neither and recomputes the attention core."""
+    cfg, flash, plain = PRESETS["gpt2-1.3b"], _machine(), _machine("frontier", 8)
+    lay = {r: Layout(1, 8, 1, 1, 1, 8, 4, "1f1b", False, False, r) for r in ("none", "dots")}
+    ev = {(r, name): evaluate(c, lay[r], mach, 1024) for r in lay for name, c, mach in (
+        ("flash", cfg, flash), ("plain", cfg, plain), ("xla", dataclasses.replace(cfg, attention="xla"), flash))}
+    probs = 24 * 8 * cfg.n_heads * 1024 * 1024 * 4  # float32, per block, 24 blocks
+    mem = {k: v["memory_per_device_bytes"] for k, v in ev.items()}
+    assert mem["none", "plain"] == mem["none", "xla"] > mem["none", "flash"] > mem["dots", "flash"]
+    assert mem["none", "plain"] - mem["dots", "plain"] == pytest.approx(probs)
+    assert mem["dots", "plain"] == mem["dots", "flash"]
+    assert ev["dots", "flash"]["predicted_step_s"] > ev["none", "flash"]["predicted_step_s"]
+    with pytest.raises(ValueError, match="flash_attention='yes' must be true or false"):
+        machine_from_hardware({**load_hardware("h100-node"), "flash_attention": "yes"}, 8, "bfloat16", 0.5)
 
 
 def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does():
