@@ -36,6 +36,8 @@ class Chain:
       a: activation bytes, index 0..L.
       memory: M, bytes per processor.
       bandwidth: beta, bytes/s of every link.
+      stored: bytes each layer keeps per microbatch for its backward, index 1..L (stored[0] = 0);
+        MadPipe's a_{l-1} unless the profile gives ``stored_bytes``.
     """
 
     u: np.ndarray
@@ -44,6 +46,7 @@ class Chain:
     a: np.ndarray
     memory: float
     bandwidth: float
+    stored: np.ndarray
 
     @classmethod
     def from_profile(cls, profile: Profile, memory: float, bandwidth: float) -> "Chain":
@@ -52,7 +55,9 @@ class Chain:
         uB = np.array([0.0] + [lc.backward_s for lc in profile.layers])
         W = np.array([0.0] + [lc.weight_bytes for lc in profile.layers])
         a = np.array([profile.input_bytes] + [lc.activation_bytes for lc in profile.layers])
-        return cls(uF + uB, uF, W, a, float(memory), float(bandwidth))
+        stored = np.array([0.0] + [a[i] if lc.stored_bytes is None else lc.stored_bytes
+                                   for i, lc in enumerate(profile.layers)])
+        return cls(uF + uB, uF, W, a, float(memory), float(bandwidth), stored)
 
     @property
     def L(self) -> int:
@@ -70,15 +75,16 @@ class Chain:
         return np.where((k >= 1) & (k < self.L), c, 0.0)
 
     def mem(self, k, l, g):
-        """MadPipe's M(k, l, g): 3 W_i + g a_{i-1} over the stage, plus 2 (a_{k-1} + a_l) of buffers.
+        """MadPipe's M(k, l, g): 3 W_i + g a_{i-1} over the stage (a_{i-1}: ``stored[i]``), plus
+        2 (a_{k-1} + a_l) of buffers.
 
         Buffers are omitted at the chain's ends. Vectorised over broadcastable k, l, g.
         """
         k, l = np.asarray(k), np.asarray(l)
         sw = np.cumsum(self.W)
-        sa = np.concatenate([[0.0], np.cumsum(self.a)])  # sa[j] = a_0 + ... + a_{j-1}
+        ss = np.cumsum(self.stored)
         weights = 3 * (sw[l] - sw[k - 1])
-        acts = sa[l] - sa[k - 1]  # a_{k-1} + ... + a_{l-1}
+        acts = ss[l] - ss[k - 1]  # stored_k + ... + stored_l (MadPipe: a_{k-1} + ... + a_{l-1})
         buf = 2 * (np.where(k > 1, self.a[k - 1], 0.0) + np.where(l < self.L, self.a[l], 0.0))
         return weights + np.asarray(g) * acts + buf
 

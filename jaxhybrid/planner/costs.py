@@ -1,9 +1,12 @@
 """Per-layer costs of a chain (MadPipe Sec. 3 notation): u_F, u_B (= u_BI + u_BW), W_l, a_l.
 
 Profiles are JSON ``{"input_bytes": a0, "layers": [{"name", "forward_s", "backward_s", "weight_bytes",
-"activation_bytes"[, "backward_input_s", "backward_weight_s"]}, ...]}``: ``activation_bytes`` is a_l, the
-output of layer l (sent to the next stage, and its gradient b_l back; also what a stage stashes for the
-next layer's backward), ``input_bytes`` is a_0. They come from a cluster, another framework, or from the
+"activation_bytes"[, "backward_input_s", "backward_weight_s", "stored_bytes"]}, ...]}``: ``activation_bytes``
+is a_l, the output of layer l (sent to the next stage, and its gradient b_l back), ``input_bytes`` is a_0.
+``stored_bytes`` is what layer l keeps per microbatch from its forward to its backward; MadPipe's model
+(Sec. 4.3, ā_s = sum of a_{i-1}) assumes a layer keeps only its input, a_{l-1}, the default. A transformer
+block keeps far more (16-100x its input: the stage kernels' residuals), so profiles of this framework's
+stages carry it. They come from a cluster, another framework, or from the
 analytic builders here (flop counts over a hardware file's peak).
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 
 _REQUIRED = ("name", "forward_s", "backward_s", "weight_bytes", "activation_bytes")
-_OPTIONAL = ("backward_input_s", "backward_weight_s")
+_OPTIONAL = ("backward_input_s", "backward_weight_s", "stored_bytes")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class LayerCost:
     activation_bytes: float  # a_l: the layer's output
     backward_input_s: float | None = None  # 2BP split, when known
     backward_weight_s: float | None = None
+    stored_bytes: float | None = None  # kept from forward to backward; None: a_{l-1} (MadPipe's count)
 
 
 @dataclass(frozen=True)

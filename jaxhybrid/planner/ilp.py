@@ -83,8 +83,8 @@ def processor_constants(chain: Chain, stages: list[Stage]) -> dict[int, float]:
 
 
 def stored_bytes(chain: Chain, s: Stage) -> float:
-    """ā_s = sum of a_{i-1} over the stage's layers (MadPipe Sec. 4.3)."""
-    return float(chain.a[s.first - 1:s.last].sum())
+    """ā_s = sum of a_{i-1} over the stage's layers (MadPipe Sec. 4.3), or of the profile's stored bytes."""
+    return float(chain.stored[s.first:s.last + 1].sum())
 
 
 def solve_pattern(chain: Chain, stages: list[Stage], period: float, time_limit: float = 5.0) -> Pattern | None:

@@ -3,7 +3,8 @@
 One chain layer per transformer block (the embedding joins the first block, the head and loss the last,
 as in the pipeline's stages). Blocks in the middle are identical, so one middle block is timed and
 reused. Each figure is the median of ``repeats`` ``block_until_ready`` timings after a warm-up call.
-``activation_bytes`` is the block's output (MadPipe's a_l: what crosses a stage boundary).
+``activation_bytes`` is the block's output (MadPipe's a_l: what crosses a stage boundary); ``stored_bytes``
+what its forward keeps for its backward (``Stage.residual_bytes``), where MadPipe would count its input.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _time_stage(model, lo: int, hi: int, mb: int, seq: int, repeats: int) -> Lay
     bwi = _median_time(stage.backward_input, res, dy, repeats=repeats)
     bww = _median_time(stage.backward_weight, params, wr, repeats=repeats)
     out_bytes = 0 if stage.is_last else mb * seq * cfg.d_model * np.dtype(model.dtype).itemsize
-    return LayerCost(f"blocks[{lo}:{hi})", fwd, bwd, float(tree_bytes(params)), float(out_bytes), bwi, bww)
+    return LayerCost(f"blocks[{lo}:{hi})", fwd, bwd, float(tree_bytes(params)), float(out_bytes), bwi, bww,
+                     float(stage.residual_bytes(res)))
 
 
 def profile_model(model_cfg, microbatch: int, seq: int, dtype: str = "float32", repeats: int = 3) -> Profile:
@@ -68,5 +70,5 @@ def profile_model(model_cfg, microbatch: int, seq: int, dtype: str = "float32", 
         middle = [_time_stage(model, 1, 2, microbatch, seq, repeats)] if n > 2 else []
         layers = [first] + [LayerCost(f"blocks[{i}:{i + 1})", *[getattr(middle[0], f) for f in
                             ("forward_s", "backward_s", "weight_bytes", "activation_bytes", "backward_input_s",
-                             "backward_weight_s")]) for i in range(1, n - 1)] + [last]
+                             "backward_weight_s", "stored_bytes")]) for i in range(1, n - 1)] + [last]
     return Profile(float(microbatch * seq * 4), tuple(layers))

@@ -1,4 +1,5 @@
 """MadPipe (1F1B* groups, PipeDream DP, MadPipe-DP + Algorithm 1, ILP patterns) and profile validation."""
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 from jaxhybrid.planner.chain import Chain, Stage
 from jaxhybrid.planner.costs import LayerCost, Profile, load_profile, profile_from_json, resnet50_chain, \
     save_profile
-from jaxhybrid.planner.ilp import load_bound, schedule_allocation
+from jaxhybrid.planner.ilp import load_bound, schedule_allocation, stored_bytes
 from jaxhybrid.planner.madpipe import Grid, madpipe, madpipe_dp
 from jaxhybrid.planner.pattern import pattern_to_schedule, validate_pattern
 from jaxhybrid.planner.pipedream import group_numbers, one_f_one_b_star_period, pipedream, pipedream_dp, \
@@ -54,6 +55,25 @@ def test_1f1b_star_period_is_the_smallest_that_fits():
     assert T > max(chain.U(s.first, s.last) for s in stages)  # memory, not load, sets this period
     smaller = T * (1 - 1e-6)
     assert max(stage_memory(chain, stages, stage_groups(chain, stages, smaller))) > chain.memory
+
+
+def test_stored_bytes_replace_the_layer_input_in_the_memory_model():
+    """A profile's ``stored_bytes`` (what a layer keeps for its backward) takes the place of MadPipe's
+    a_{l-1} in M(k, l, g) and in the ILP's ā_s; without it the chain is MadPipe's."""
+    prof = random_profile(3, L=6)
+    plain = Chain.from_profile(prof, memory=10.0, bandwidth=2.0)
+    np.testing.assert_array_equal(plain.stored[1:], plain.a[:-1])
+    heavy = [dataclasses.replace(lc, stored_bytes=5 * prof.layers[i - 1].activation_bytes if i else 5 * prof.input_bytes)
+             for i, lc in enumerate(prof.layers)]
+    chain = Chain.from_profile(dataclasses.replace(prof, layers=tuple(heavy)), memory=10.0, bandwidth=2.0)
+    k, l, g = 2, 5, 3
+    weights_and_buffers = plain.mem(k, l, 0)
+    assert chain.mem(k, l, 0) == pytest.approx(weights_and_buffers)
+    assert chain.mem(k, l, g) - weights_and_buffers == pytest.approx(5 * (plain.mem(k, l, g) - weights_and_buffers))
+    assert stored_bytes(chain, Stage(k, l, 0)) == pytest.approx(5 * stored_bytes(plain, Stage(k, l, 0)))
+    with pytest.raises(ValueError, match=r"layers\[0\].stored_bytes=-1"):
+        profile_from_json({"input_bytes": 1, "layers": [{"name": "x", "forward_s": 1, "backward_s": 1,
+                                                         "weight_bytes": 1, "activation_bytes": 1, "stored_bytes": -1}]})
 
 
 def test_pipedream_dp_matches_brute_force():

@@ -36,7 +36,16 @@ def test_partition_profile_model_alone_works_and_profile_is_its_optional_output(
     assert len(json.loads(capsys.readouterr().out)["stages"]) >= 1
     out = tmp_path / "written.json"
     assert _run("partition", "--profile-model", "gpt-tiny", "--profile", str(out), *common) == 0
-    assert len(json.loads(out.read_text())["layers"]) == 4  # gpt-tiny's blocks, saved to reuse
+    layers = json.loads(out.read_text())["layers"]
+    assert len(layers) == 4  # gpt-tiny's blocks, saved to reuse
+    # Each block's stored bytes are what its forward keeps (Stage.activation_bytes), not MadPipe's input a_{l-1}.
+    from jaxhybrid.model import Model
+    from jaxhybrid.model.config import resolve_model
+    from jaxhybrid.model.stage import Stage
+
+    model = Model(resolve_model("gpt-tiny"))
+    assert [lc["stored_bytes"] for lc in layers] == [Stage(model, i, i + 1).activation_bytes(1, 16) for i in range(4)]
+    assert layers[1]["stored_bytes"] > 10 * layers[0]["activation_bytes"]
     with pytest.raises(ValueError, match="--profile FILE.*--profile-model CFG"):
         _run("partition", "--processors", "2", "--memory", "1e9", "--bandwidth", "1e10")
 
