@@ -117,8 +117,10 @@ class Tape:
         weights = self.per_sample(x, weights)
         return x if self.mode == "replay" else fn(x, *weights)  # replay: downstream is dead code
 
-    def linear(self, fn: Callable[[Any, Any], Array], x: Any, kernel: Array, bias: Array | None) -> Array:
-        """A site ``fn(x, bias) = x @ kernel (+ bias)`` of the reference ops; its bias goes through
+    def linear(self, fn: Callable[[Any, Any], Array], x: Any, kernel: Array, bias: Array | None,
+               out_major: bool = False) -> Array:
+        """A site ``fn(x, bias) = x @ kernel (+ bias)`` (``out_major``: ``x @ kernel.T``, the kernel stored
+        ``[out, in]``, as a tied embedding table) of the reference ops; its bias goes through
         :meth:`per_sample`. In replay mode the kernel gradient is formed directly, ``dW = sum_tokens
         x^T dy`` (2BP Sec. 3), and enters the scalar as ``sum(kernel * dW)`` with dW a constant, so that
         ``jax.grad`` of the scalar still returns it (through the compute-dtype cast) next to the others.
@@ -135,7 +137,9 @@ class Tape:
         lead = tuple(range(r.ndim - 1))
         # c in the compute dtype, as the fused backward's cotangent reaching the matmul (logits: f32 -> dtype).
         cr = c.astype(r.dtype)
-        if r.shape[-1] > c.shape[-1] and not self.cots_in_program:
+        if out_major:  # dW is [out, in]: dy^T x, the dot in the order the kernel is stored
+            dw = jnp.tensordot(cr, r, axes=(lead, lead))
+        elif r.shape[-1] > c.shape[-1] and not self.cots_in_program:
             # The token dims lead in both operands, so one of them is transposed for the matmul: transpose
             # the narrower one (dy of mlp.down, not its 4x wider input) and the small [out, in] result.
             # The barrier stops XLA from folding the transpose back into the dot (measured: -0.3 to -1 ms).
@@ -212,10 +216,10 @@ class TapOps(Ops):
             return self.tape.norm(lambda v, s: self.inner.rms_norm(v, s, eps), x, (scale,))
         return self.tape.site(lambda v: self.inner.rms_norm(v, scale, eps), x)
 
-    def logits(self, h, kernel):
+    def logits(self, h, kernel, table: bool = False):
         if self.reference:
-            return self.tape.linear(lambda v, _: self.inner.logits(v, kernel), h, kernel, None)
-        return self.tape.site(lambda v: self.inner.logits(v, kernel), h)
+            return self.tape.linear(lambda v, _: self.inner.logits(v, kernel, table), h, kernel, None, table)
+        return self.tape.site(lambda v: self.inner.logits(v, kernel, table), h)
 
     def attention(self, q, k, v, kernel="auto"):
         if self.tape.mode == "replay":  # no parameters: its output is dead in the weight pass

@@ -54,9 +54,12 @@ class Ops:
     def rms_norm(self, x: Array, scale: Array, eps: float) -> Array:
         return rms_norm(x, scale, eps, feature_mean)
 
-    def logits(self, h: Array, kernel: Array) -> Array:
-        """h: [B, T, d], kernel: [d, V] -> float32 logits [B, T, V]."""
-        return jnp.einsum("btd,dv->btv", h, kernel).astype(jnp.float32)
+    def logits(self, h: Array, kernel: Array, table: bool = False) -> Array:
+        """h: [B, T, d], kernel: [d, V] (or, ``table``, a tied embedding table [V, d]) -> float32 logits
+        [B, T, V]. Why contract the table as it is rather than its transpose: the backward needs the
+        operand, and a transpose made in the forward would be kept per microbatch as a copy of the table
+        (a ``[V, d]`` residual; the table itself is the stage's parameter, not stored)."""
+        return jnp.einsum("btd,vd->btv" if table else "btd,dv->btv", h, kernel).astype(jnp.float32)
 
     def cross_entropy(self, logits: Array, targets: Array) -> Array:
         """Mean next-token cross-entropy over all positions (float32)."""

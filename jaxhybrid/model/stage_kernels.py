@@ -98,12 +98,20 @@ class StageKernels(StageChecks):
         y, vjp, records = jax.vjp(f, *primals, has_aux=True)
         return y, vjp, records, tuple(index)
 
-    @staticmethod
-    def _split_cts(cts, tokens_in: bool):
+    def _split_cts(self, cts, tokens_in: bool):
         """The vjp's cotangents as (dx, site cotangents, per-sample weight gradients ``[mb, d]``); dx None
         for tokens. The taps were ``[mb, 1, d]``; their size-1 token axis is dropped here because XLA:CPU
-        otherwise adds a layout copy per output (its reductions emit ``[mb, 1, d]`` in another layout)."""
+        otherwise adds a layout copy per output (its reductions emit ``[mb, 1, d]`` in another layout).
+
+        A site cotangent wider than the compute dtype (the float32 loss's logits gradient) is stored in
+        the compute dtype: under the reference ops the weight pass casts it so before its matmul
+        (``Tape.linear``), so the gradients are the same bits, and the last stage keeps half the bytes of
+        its largest weight residual (``[mb, T, V]``) per microbatch until its weight pass."""
         dx, cots, parts = (None, *cts) if tokens_in else cts
+        if bp.TapOps(self.model.ops).reference:
+            dt = jnp.dtype(self.model.dtype)
+            cots = [c.astype(dt) if jnp.issubdtype(c.dtype, jnp.floating) and jnp.dtype(c.dtype).itemsize > dt.itemsize
+                    else c for c in cots]
         return dx, cots, [p.reshape(p.shape[0], *p.shape[p.ndim - 1:]) for p in parts]
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------

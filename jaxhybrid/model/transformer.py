@@ -87,10 +87,10 @@ class Head(nn.Module):
         h = (LayerNorm(self.ops, c.norm_eps, name="ln_f") if c.kind == "gpt2"
              else RMSNorm(self.ops, c.norm_eps, name="ln_f"))(h)
         if c.tie_embeddings:
-            kernel = wte.T
+            kernel = wte
         else:
             kernel = self.param("kernel", _init(c.init_std), (c.d_model, c.vocab_size), jnp.float32)
-        logits = self.ops.logits(h.astype(self.dtype), kernel.astype(self.dtype))
+        logits = self.ops.logits(h.astype(self.dtype), kernel.astype(self.dtype), table=c.tie_embeddings)
         return self.ops.cross_entropy(logits, targets)
 
 

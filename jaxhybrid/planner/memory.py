@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxhybrid.config import optimal_checkpoint_interval
 
 __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_interval",
-           "stashed_microbatches", "block_residual_bytes", "boundary_bytes"]
+           "stashed_microbatches", "block_residual_bytes", "head_residual_bytes", "boundary_bytes"]
 
 
 def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0, tensor_size: int = 1) -> float:
@@ -102,6 +102,25 @@ def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, r
     vectors = 2 * d if llama else 4 * d  # norm scales (and biases): float32
     biases = 0 if llama else c * (5 * d + f)
     wres = tokens * (records + sites) + microbatch * (4 * vectors + biases)
+    return float(act), float(wres)
+
+
+def head_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2) -> tuple[float, float]:
+    """What the last stage's head (final norm, logits, loss) keeps per microbatch beyond its blocks:
+    ``(activations, weight_residuals)`` as :func:`block_residual_bytes` counts them.
+
+    Per token: the float32 softmax of the ``V`` logits, the norm's input and output (``2 c d``), its
+    statistics, the loss mask, weight and target index (9 bytes); the weight pass keeps the norm output
+    and the logits' cotangent in the compute dtype (``c d + c V``; tensor-parallel stages keep the latter
+    in float32). Per sample: the norm's float32 weight copies.
+    With ``V`` in the tens of thousands this is several blocks' worth, held for every microbatch the last
+    stage stashes (all M of them under GPipe).
+    """
+    c, d, v = dtype_bytes, cfg.d_model, cfg.vocab_size
+    llama = cfg.kind == "llama"
+    tokens = seq * microbatch
+    act = tokens * (4 * v + 2 * c * d + (4 if llama else 8) + 9) + microbatch * 4 * d
+    wres = tokens * c * (d + v) + microbatch * 4 * (d if llama else 2 * d)
     return float(act), float(wres)
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
-from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, optimal_checkpoint_interval, \
-    param_state_bytes
+from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
+    optimal_checkpoint_interval, param_state_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -93,8 +93,9 @@ def _schedule(schedule: str, p: int, m: int, split: bool):
 
 @functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
-                      ) -> tuple[float, float, float]:
-    """(makespan, peak stashed microbatches, peak residual microbatches) with F = 1 (scale-free).
+                      ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """(makespan, peak stashed microbatches per rank, peak residual microbatches per rank) with F = 1
+    (scale-free); rank r runs stage r.
 
     Uses the schedule simulator (one run; the two peaks are read from it with unit activation bytes and
     with unit residual bytes); very long schedules fall back to the closed forms (m + p - 1)(F + B) for
@@ -110,13 +111,13 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
 
         core = run_order(_schedule(schedule, p, m, split), costs(1.0, 0.0))
         makespan = max(r.end for r in core.records)
-        act = max(peak_bytes(core, costs(1.0, 0.0)))
-        res = max(peak_bytes(core, costs(0.0, 1.0))) if split else 0.0
+        act = tuple(peak_bytes(core, costs(1.0, 0.0)))
+        res = tuple(peak_bytes(core, costs(0.0, 1.0))) if split else (0.0,) * p
         return makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
     span = (1 + bi + bw)
     make = m * span + (p - 1) * ((1 + bi) if split else span) + 2 * (p - 1) * msg
-    live = m if schedule == "gpipe" else min(m, p)
-    return make, float(live), float(m - live) if split else 0.0
+    live = [float(m if schedule == "gpipe" else min(m, p - r)) for r in range(p)]
+    return make, tuple(live), tuple(m - x if split else 0.0 for x in live)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # and backward of each in turn, one microbatch's activations live) whatever the config's schedule;
     # GPipe's order would hold all M.
     if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
-        makespan, act_mb, res_mb = lay.microbatches * (F + BI + BW), 1.0, 0.0
+        makespan, act_mb, res_mb = lay.microbatches * (F + BI + BW), (1.0,), (0.0,)
     else:
         make, act_mb, res_mb = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches,
                                                  lay.split_backward, _sig2(BI / F), _sig2(BW / F), _sig2(msg / F))
@@ -200,18 +201,21 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     blk_kept = block_residual_bytes(cfg, seq, b, db, "dots", flash)[0] / act_shard if lay.remat == "dots" \
         else blk_none
     bnd = boundary_bytes(seq, b, d, db) / act_shard
+    head_act, head_res = (v / act_shard for v in head_residual_bytes(cfg, seq, b, db))  # dots: as none
     mem = 0.0
     for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
+        last = s == len(parts) - 1
         state = param_state_bytes(phi, lay.offload, bucket_size, ts)
-        if recompute:
+        if recompute:  # the head is in the last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             stash = math.ceil(n_ / ac) * bnd
-            transient = min(ac, n_) * blk_none
+            transient = min(ac, n_) * blk_none + (head_act if last else 0.0)
         else:
-            stash, transient = n_ * blk_kept, 0.0
-        if s == len(parts) - 1:
-            transient += tokens * cfg.vocab_size * 4 / ts  # fp32 logits for the loss
-        mem = max(mem, state + act_mb * stash + res_mb * n_ * residual + transient)
+            stash, transient = n_ * blk_kept + (head_act if last else 0.0), 0.0
+        wres = n_ * residual + (head_res if last else 0.0)
+        if last:
+            transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient
+        mem = max(mem, state + act_mb[s] * stash + res_mb[s] * wres + transient)
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,

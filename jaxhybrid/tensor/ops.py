@@ -131,8 +131,10 @@ class TensorOps(Ops):
 
         return self._smap(f, (P(BATCH, None), EMBED_SPEC), P(BATCH, None, STREAM))(ids, table)
 
-    def logits(self, h, kernel):
-        """The vocabulary projection as a normal 3D layer: [B, T, d] x [d, V] -> [B, T, V] over column."""
+    def logits(self, h, kernel, table: bool = False):
+        """The vocabulary projection as a normal 3D layer: [B, T, d] x [d, V] -> [B, T, V] over column
+        (``table``: a tied [V, d] embedding table, transposed here)."""
+        kernel = kernel.T if table else kernel
         with jax.named_scope("axonn_head.logits"):
             return Linear3D(self.mesh, NORMAL, self.switches)(h, kernel).astype(jnp.float32)
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from jaxhybrid.model.config import PRESETS
-from jaxhybrid.planner.memory import block_residual_bytes, myelin_activation_units, optimal_checkpoint_interval, \
+from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes, myelin_activation_units, optimal_checkpoint_interval, \
     param_state_bytes, stashed_microbatches
 
 
@@ -47,25 +47,34 @@ def test_stash_counts_per_schedule():
         stashed_microbatches("nope", 2, 2)
 
 
-@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "llama-tiny-gqa"])
+@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "llama-tiny-gqa", "gpt-tiny-tied"])
 def test_block_residuals_are_what_the_stage_keeps(name):
-    """The planner's activation and 2BP weight-residual bytes per block equal the stage's own count
-    (``Stage.activation_bytes`` / ``weight_residual_bytes_estimate``, from the kernels' abstract
-    outputs) for both model kinds, both dtypes, remat none and dots, and several microbatch shapes."""
+    """The planner's activation and 2BP weight-residual bytes per block, and the head's, equal the
+    stage's own count (``Stage.activation_bytes`` / ``weight_residual_bytes_estimate``, from the kernels'
+    abstract outputs) for both model kinds, both dtypes, remat none and dots, several microbatch shapes."""
     import dataclasses
 
     from jaxhybrid.model.stage import Stage
     from jaxhybrid.model.transformer import Model
 
-    base = PRESETS[name.removesuffix("-gqa")]
-    cfg = dataclasses.replace(base, attention="xla", **({"n_kv_heads": 2} if name.endswith("-gqa") else {}))
+    base, _, variant = name.rpartition("-")
+    extra = {"gqa": {"n_kv_heads": 2}, "tied": {"tie_embeddings": True}}.get(variant)
+    cfg = dataclasses.replace(PRESETS[base if extra else name], attention="xla", **(extra or {}))
+    n = cfg.n_layers
     for dtype, c in (("float32", 4), ("bfloat16", 2)):
+        model = Model(cfg, compute_dtype=dtype)
         for remat in ("none", "dots"):
-            stage = Stage(Model(cfg, compute_dtype=dtype), 1, 3, remat=remat)  # two middle blocks
+            middle = Stage(model, 1, 3, remat=remat)  # two middle blocks
             for mb, seq in ((1, 16), (3, 32)):
                 got = block_residual_bytes(cfg, seq, mb, c, remat)
-                want = (stage.activation_bytes(mb, seq) / 2, stage.weight_residual_bytes_estimate(mb, seq) / 2)
+                want = (middle.activation_bytes(mb, seq) / 2, middle.weight_residual_bytes_estimate(mb, seq) / 2)
                 assert got == want, f"{name} {dtype} remat={remat} mb={mb} seq={seq}: planner {got}, stage {want}"
+        last = Stage(model, n - 2, n)  # two blocks and the head
+        for mb, seq in ((1, 16), (3, 32)):
+            blk, head = block_residual_bytes(cfg, seq, mb, c), head_residual_bytes(cfg, seq, mb, c)
+            got = tuple(2 * b + h for b, h in zip(blk, head))
+            want = (last.activation_bytes(mb, seq), last.weight_residual_bytes_estimate(mb, seq))
+            assert got == want, f"{name} {dtype} last stage mb={mb} seq={seq}: planner {got}, stage {want}"
 
 
 def test_block_residuals_flash_attention_and_dots_drop_the_quadratic_term():
