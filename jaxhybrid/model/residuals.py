@@ -46,6 +46,30 @@ def fill_params(tree: Any, params: Any) -> Any:
                         is_leaf=lambda v: isinstance(v, ParamSlot))
 
 
+@dataclasses.dataclass(frozen=True)
+class VjpRef:
+    """Placeholder for a record (site input) that is also a residual of the forward's vjp: leaf ``index``
+    of the stripped vjp. Why: a jit output made twice is stored twice; under the tensor-parallel ops every
+    site input is a vjp residual too (``Linear3D`` keeps X for dW), so each was kept twice per microbatch."""
+
+    index: int
+
+
+jax.tree_util.register_dataclass(VjpRef, data_fields=[], meta_fields=["index"])
+
+
+def share_records(records: list, vjp: Any) -> list:
+    """Records that ARE (by identity, at trace time) leaves of ``vjp`` become :class:`VjpRef`."""
+    ids = {id(v): i for i, v in enumerate(jax.tree.leaves(vjp))}
+    return [VjpRef(ids[id(r)]) if id(r) in ids else r for r in records]
+
+
+def resolve_records(records: list, vjp: Any) -> list:
+    """Inverse of :func:`share_records` on the forward's outputs: the arrays themselves (no copy)."""
+    leaves = jax.tree.leaves(vjp)
+    return [leaves[r.index] if isinstance(r, VjpRef) else r for r in records]
+
+
 def remat_save_policy(remat: str):
     """The jax.checkpoint policy that decides what the forward keeps for the input pass; None (remat
     "none"): no checkpoint, plain ``jax.vjp``, which keeps every intermediate the input pass reads.

@@ -120,7 +120,8 @@ class StageKernels(StageChecks):
         self.trace_counts["forward"] += 1
         pc = self.model.cast_matrices(params)
         y, vjp, records, index = self._tapped_vjp(0, pc, x, targets, rs.remat_save_policy(self.remat))
-        return y, rs.strip_params(vjp, pc), records, Static(index)
+        vjp = rs.strip_params(vjp, pc)
+        return y, vjp, rs.share_records(records, vjp), Static(index)
 
     def _bi_saved(self, params, vjp, dy):
         self.trace_counts["backward_input"] += 1
@@ -188,7 +189,7 @@ class StageKernels(StageChecks):
             dx, wr = self._bi_segments(res.params, res.seg_inputs, res.targets, dy)
         else:
             dx, cots, parts = self._bi_saved(res.params, res.vjp, dy)
-            wr = WeightResiduals(res.records, cots, parts, res.site_index)
+            wr = WeightResiduals(rs.resolve_records(res.records, res.vjp), cots, parts, res.site_index)
         return dx, _plus(acc, self._weight_grads(res.params, wr, cots_in_program=True))
 
     # ---- public API -------------------------------------------------------------------------------------
@@ -223,7 +224,8 @@ class StageKernels(StageChecks):
         if self.remat == "full":
             return out
         dx, cots, parts = out
-        return dx, WeightResiduals(residuals.records, cots, parts, residuals.site_index)
+        return dx, WeightResiduals(rs.resolve_records(residuals.records, residuals.vjp), cots, parts,
+                                   residuals.site_index)
 
     def backward_weight(self, params, weight_residuals, acc=None):
         """2BP backward-p2: the parameter gradients (the stage's param dict structure). Several

@@ -203,6 +203,11 @@ def _linear(layer: Linear3D, x, w, b):
 
 def _linear_fwd(layer, x, w, b):
     y, wg = layer.forward(x, w, b)
+    if layer.mesh.shape[DEPTH] == 1:
+        # Nothing to gather: keep W itself, not the shard_map's copy of it. Why: a residual that IS the
+        # parameter is not stored per microbatch (a 2BP stage swaps it for a slot, residuals.strip_params);
+        # the copy was one more weight shard per microbatch a pipeline stage stashes.
+        wg = w
     # Alg. 1 line 13: cache X and the gathered W (the bias only marks that a bias gradient is due).
     return y, (x, wg) if b is None else (x, wg, jnp.zeros((), b.dtype))
 
