@@ -83,6 +83,27 @@ def _sig2(x: float) -> float:
     return float(f"{x:.2g}")
 
 
+def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes: int, flash: bool) -> dict:
+    """Bytes one block keeps per microbatch on one device of the layout's tensor grid: its activations
+    with remat none (``none``) and with the layout's remat (``kept``), its 2BP weight residuals, and the
+    all-gathered weights it keeps for its backward (``gathered_w``).
+
+    The stage's count (:func:`~jaxhybrid.planner.memory.block_residual_bytes`) divided by G_d x min(G_r,
+    G_c): the batch is split over depth, and a layer's input or output features over row or column. With
+    a depth axis each layer also keeps its all-gathered W (``k / G_r x n / G_c``, AxoNN Alg. 1 line 13).
+    ``tests/unit/test_hybrid_local.py`` holds this to a sharded stage's own bytes per device: equal where
+    G_r = G_c, above them otherwise (a row- or column-only grid shards fewer arrays than the other).
+    """
+    b = lay.microbatch_size
+    act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
+    none, wres = (v / act_shard for v in block_residual_bytes(cfg, seq, b, dtype_bytes, "none", flash))
+    kept = block_residual_bytes(cfg, seq, b, dtype_bytes, "dots", flash)[0] / act_shard if lay.remat == "dots" \
+        else none
+    gathered = sum(k * n for k, n, _ in block_matmuls(cfg)) * dtype_bytes / (lay.tensor_row * lay.tensor_col) \
+        if lay.tensor_depth > 1 else 0.0
+    return {"none": none, "kept": kept, "weight_residuals": wres, "gathered_w": gathered}
+
+
 @functools.lru_cache(maxsize=4096)
 def _schedule(schedule: str, p: int, m: int, split: bool):
     """Schedules are data and depend on no cost: one per shape serves every ratio of a search."""
@@ -196,10 +217,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm)
     comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
+    blk = block_bytes_per_device(cfg, lay, seq, db, flash)
+    blk_none, blk_kept, residual, blk_gathered = blk["none"], blk["kept"], blk["weight_residuals"], blk["gathered_w"]
     act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
-    blk_none, residual = (v / act_shard for v in block_residual_bytes(cfg, seq, b, db, "none", flash))
-    blk_kept = block_residual_bytes(cfg, seq, b, db, "dots", flash)[0] / act_shard if lay.remat == "dots" \
-        else blk_none
     bnd = boundary_bytes(seq, b, d, db) / act_shard
     head_act, head_res = (v / act_shard for v in head_residual_bytes(cfg, seq, b, db))  # dots: as none
     mem = 0.0
@@ -209,9 +229,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
         if recompute:  # the head is in the last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             stash = math.ceil(n_ / ac) * bnd
-            transient = min(ac, n_) * blk_none + (head_act if last else 0.0)
+            transient = min(ac, n_) * (blk_none + blk_gathered) + (head_act if last else 0.0)
         else:
-            stash, transient = n_ * blk_kept + (head_act if last else 0.0), 0.0
+            stash, transient = n_ * (blk_kept + blk_gathered) + (head_act if last else 0.0), 0.0
         wres = n_ * residual + (head_res if last else 0.0)
         if last:
             transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient

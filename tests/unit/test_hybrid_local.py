@@ -104,3 +104,28 @@ def test_sharded_stage_stores_each_residual_once():
         dx, wr = st.backward_input(r, dy)
         got.append(jax.tree.map(np.asarray, (dx, st.backward_weight(p, wr), st.backward(r, dy)[1])))
     assert_tree_close(got[1], got[0], "fp32_parity", "sharded stage with shared records")
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 2), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 4)])
+def test_planner_block_bytes_match_a_sharded_stage(mesh):
+    """The planner's per-device bytes of a block (step_model.block_bytes_per_device: activations and
+    gathered weights) against a sharded stage's own forward residuals per device: equal where G_r = G_c
+    (or both 1), an upper bound where one of them is alone or larger."""
+    from jaxhybrid.planner.step_model import Layout, block_bytes_per_device
+
+    depth, row, col = mesh
+    cfg = _cfg(f"parallel.tensor_depth={depth}", f"parallel.tensor_row={row}", f"parallel.tensor_col={col}",
+               "model.n_layers=4", "data.seq_len=32", "train.global_batch=8")
+    local = LocalTensor.from_config(cfg, devices=jax.devices()[:depth * row * col])
+    stage = Stage(Model(cfg.model, local.ops), 1, 2)
+    params = stage.init_params(jax.random.key(0), local.param_shardings)
+    x = np.random.default_rng(0).standard_normal((4, 32, cfg.model.d_model)).astype(np.float32)
+    _, res = stage.forward(params, x, None)
+    measured = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((res.vjp, res.records)))
+    lay = Layout(2, 1, col, row, depth, 4, 2, "1f1b", False, False, "none")
+    blk = block_bytes_per_device(cfg.model, lay, 32, 4, flash=False)
+    predicted = blk["kept"] + blk["gathered_w"]
+    if row == col:
+        assert predicted == pytest.approx(measured, rel=0.01), (mesh, predicted, measured)
+    else:
+        assert measured <= predicted, (mesh, predicted, measured)
