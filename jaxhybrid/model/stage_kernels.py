@@ -110,8 +110,7 @@ class StageKernels(StageChecks):
         dx, cots, parts = (None, *cts) if tokens_in else cts
         if bp.TapOps(self.model.ops).reference:
             dt = jnp.dtype(self.model.dtype)
-            cots = [c.astype(dt) if jnp.issubdtype(c.dtype, jnp.floating) and jnp.dtype(c.dtype).itemsize > dt.itemsize
-                    else c for c in cots]
+            cots = [c.astype(dt) if jnp.dtype(c.dtype).itemsize > dt.itemsize else c for c in cots]
         return dx, cots, [p.reshape(p.shape[0], *p.shape[p.ndim - 1:]) for p in parts]
 
     # ---- saved mode (remat none / dots) ------------------------------------------------------------------

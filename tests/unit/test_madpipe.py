@@ -63,8 +63,8 @@ def test_stored_bytes_replace_the_layer_input_in_the_memory_model():
     prof = random_profile(3, L=6)
     plain = Chain.from_profile(prof, memory=10.0, bandwidth=2.0)
     np.testing.assert_array_equal(plain.stored[1:], plain.a[:-1])
-    heavy = [dataclasses.replace(lc, stored_bytes=5 * prof.layers[i - 1].activation_bytes if i else 5 * prof.input_bytes)
-             for i, lc in enumerate(prof.layers)]
+    inputs = [prof.input_bytes] + [lc.activation_bytes for lc in prof.layers]
+    heavy = [dataclasses.replace(lc, stored_bytes=5 * inputs[i]) for i, lc in enumerate(prof.layers)]
     chain = Chain.from_profile(dataclasses.replace(prof, layers=tuple(heavy)), memory=10.0, bandwidth=2.0)
     k, l, g = 2, 5, 3
     weights_and_buffers = plain.mem(k, l, 0)
@@ -72,8 +72,8 @@ def test_stored_bytes_replace_the_layer_input_in_the_memory_model():
     assert chain.mem(k, l, g) - weights_and_buffers == pytest.approx(5 * (plain.mem(k, l, g) - weights_and_buffers))
     assert stored_bytes(chain, Stage(k, l, 0)) == pytest.approx(5 * stored_bytes(plain, Stage(k, l, 0)))
     with pytest.raises(ValueError, match=r"layers\[0\].stored_bytes=-1"):
-        profile_from_json({"input_bytes": 1, "layers": [{"name": "x", "forward_s": 1, "backward_s": 1,
-                                                         "weight_bytes": 1, "activation_bytes": 1, "stored_bytes": -1}]})
+        layer = {"name": "x", "forward_s": 1, "backward_s": 1, "weight_bytes": 1, "activation_bytes": 1}
+        profile_from_json({"input_bytes": 1, "layers": [{**layer, "stored_bytes": -1}]})
 
 
 def test_pipedream_dp_matches_brute_force():

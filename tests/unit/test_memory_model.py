@@ -4,8 +4,8 @@ import math
 import pytest
 
 from jaxhybrid.model.config import PRESETS
-from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes, myelin_activation_units, optimal_checkpoint_interval, \
-    param_state_bytes, stashed_microbatches
+from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes, myelin_activation_units, \
+    optimal_checkpoint_interval, param_state_bytes, stashed_microbatches
 
 
 def test_twenty_phi_without_offload():
