@@ -16,7 +16,8 @@ the taps split of :mod:`jaxhybrid.model.backprop` (2BP Sec. 3):
 
 Tied embeddings: a last stage that is not also the first gets the token table as its own parameter
 ``TIED_KEY = "embed_wte_copy"`` (Megatron's copy); :func:`assemble_grads` adds its gradient to
-``embed.wte``. Kernel construction and the whole-model ``custom_vjp`` live in ``stage_kernels.py``.
+``embed.wte``. Kernel construction and the whole-model ``custom_vjp`` live in ``stage_kernels.py``, what the
+kernels compute in ``stage_passes.py``.
 """
 from __future__ import annotations
 

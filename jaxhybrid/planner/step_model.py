@@ -4,17 +4,17 @@ Compute: flop counts over ``peak x efficiency``, divided over the tensor grid. C
 4-9 for every matmul of a block (optimization A: the attention output and MLP down projections are
 transposed), synchronous (AxoNN Assumption 4), plus the pipeline's point-to-point messages and the
 data-parallel all-reduce (eq. 8). The pipeline makespan and stashed microbatches come from the schedule
-simulator; memory from Myelin's model (:mod:`jaxhybrid.planner.memory`) with the activations the stage
-kernels keep (:func:`~jaxhybrid.planner.memory.block_residual_bytes`).
+simulator (:mod:`jaxhybrid.planner.makespan`); memory from Myelin's model (:mod:`jaxhybrid.planner.memory`)
+with the activations the stage kernels keep (:func:`~jaxhybrid.planner.memory.block_residual_bytes`).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
+from jaxhybrid.planner.makespan import pipeline_makespan, sig2
 from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
     optimal_checkpoint_interval, param_state_bytes
 
@@ -79,10 +79,6 @@ def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple
     return tuple([q + 1] * r + [q] * (stages - 1 - r) + [last])
 
 
-def _sig2(x: float) -> float:
-    return float(f"{x:.2g}")
-
-
 def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes: int, flash: bool) -> dict:
     """Bytes one block keeps per microbatch on one device of the layout's tensor grid: its activations
     with remat none (``none``) and with the layout's remat (``kept``), its 2BP weight residuals, and the
@@ -102,43 +98,6 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
     gathered = sum(k * n for k, n, _ in block_matmuls(cfg)) * dtype_bytes / (lay.tensor_row * lay.tensor_col) \
         if lay.tensor_depth > 1 else 0.0
     return {"none": none, "kept": kept, "weight_residuals": wres, "gathered_w": gathered}
-
-
-@functools.lru_cache(maxsize=4096)
-def _schedule(schedule: str, p: int, m: int, split: bool):
-    """Schedules are data and depend on no cost: one per shape serves every ratio of a search."""
-    from jaxhybrid.pipeline.schedule import make_schedule
-
-    return make_schedule(schedule, p, m, split)
-
-
-@functools.lru_cache(maxsize=65536)
-def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
-                      ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
-    """(makespan, peak stashed microbatches per rank, peak residual microbatches per rank) with F = 1
-    (scale-free); rank r runs stage r.
-
-    Uses the schedule simulator (one run; the two peaks are read from it with unit activation bytes and
-    with unit residual bytes); very long schedules fall back to the closed forms (m + p - 1)(F + B) for
-    GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
-    """
-    if p * m <= 2048:
-        from jaxhybrid.pipeline.simulate import Costs, peak_bytes, run_order
-
-        def costs(act, res):
-            return Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
-                         activation_bytes=(act,) * p, residual_bytes=(res,) * p,
-                         message_bytes=(msg,) * p, bandwidth=1.0)
-
-        core = run_order(_schedule(schedule, p, m, split), costs(1.0, 0.0))
-        makespan = max(r.end for r in core.records)
-        act = tuple(peak_bytes(core, costs(1.0, 0.0)))
-        res = tuple(peak_bytes(core, costs(0.0, 1.0))) if split else (0.0,) * p
-        return makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
-    span = (1 + bi + bw)
-    make = m * span + (p - 1) * ((1 + bi) if split else span) + 2 * (p - 1) * msg
-    live = [float(m if schedule == "gpipe" else min(m, p - r)) for r in range(p)]
-    return make, tuple(live), tuple(m - x if split else 0.0 for x in live)
 
 
 @dataclass(frozen=True)
@@ -203,7 +162,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
         makespan, act_mb, res_mb = lay.microbatches * (F + BI + BW), (1.0,), (0.0,)
     else:
         make, act_mb, res_mb = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches,
-                                                 lay.split_backward, _sig2(BI / F), _sig2(BW / F), _sig2(msg / F))
+                                                 lay.split_backward, sig2(BI / F), sig2(BW / F), sig2(msg / F))
         makespan = make * F
     phi_blk = block_params(cfg)
     stage_phi = [n_ * phi_blk for n_ in parts]
