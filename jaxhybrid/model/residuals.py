@@ -66,6 +66,8 @@ def share_records(records: list, vjp: Any) -> list:
 
 def resolve_records(records: list, vjp: Any) -> list:
     """Inverse of :func:`share_records` on the forward's outputs: the arrays themselves (no copy)."""
+    if not any(isinstance(r, VjpRef) for r in records):  # reference ops: nothing shared, no flatten per call
+        return records
     leaves = jax.tree.leaves(vjp)
     return [leaves[r.index] if isinstance(r, VjpRef) else r for r in records]
 
