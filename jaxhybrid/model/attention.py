@@ -77,15 +77,21 @@ def _causal_attention_bwd(res, do):
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
+def cudnn_unmet(dtype, head_dim: int) -> list[str]:
+    """What keeps cuDNN's fused flash attention from q/k/v of ``dtype`` and ``head_dim`` (jax's cuDNN
+    checks: 16-bit, a head dim that is a multiple of 8 and at most 128), one phrase each; empty when
+    it can run on an NVIDIA GPU. Pure, so the planner applies the same rule to a model it only sizes."""
+    return [w for ok, w in ((jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16), f"dtype {jnp.dtype(dtype)}"),
+                            (head_dim % 8 == 0 and head_dim <= 128, f"head_dim {head_dim}")) if not ok]
+
+
 def attention_kernel(kernel: str, q: Array) -> str:
-    """Resolve ``model.attention`` for queries ``q``: cuDNN flash attention needs an NVIDIA GPU, 16-bit
-    q/k/v and a head dim that is a multiple of 8 and at most 128 (jax's cuDNN checks); ``auto`` takes it
-    when all hold (MaxText's autoselection does the same), else the XLA path."""
+    """Resolve ``model.attention`` for queries ``q``: cuDNN flash attention needs an NVIDIA GPU and
+    :func:`cudnn_unmet`'s conditions; ``auto`` takes it when all hold (MaxText's autoselection does the
+    same), else the XLA path."""
     dev = jax.devices()[0]
-    why = [w for ok, w in (
-        (dev.platform == "gpu" and "nvidia" in dev.device_kind.lower(), f"device {dev.device_kind!r}"),
-        (q.dtype in (jnp.bfloat16, jnp.float16), f"dtype {q.dtype}"),
-        (q.shape[-1] % 8 == 0 and q.shape[-1] <= 128, f"head_dim {q.shape[-1]}")) if not ok]
+    on_nvidia = dev.platform == "gpu" and "nvidia" in dev.device_kind.lower()
+    why = ([] if on_nvidia else [f"device {dev.device_kind!r}"]) + cudnn_unmet(q.dtype, q.shape[-1])
     if kernel == "cudnn" and why:
         raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, bfloat16/float16 and head_dim a "
                          f"multiple of 8 <= 128; got {', '.join(why)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.makespan import pipeline_makespan, sig2
@@ -138,9 +139,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     fwd_comm = nb * (per_blk["all_gather"] + per_blk["all_reduce_fwd"])
     bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
     recompute = lay.remat == "full"
-    # The stage's attention kernel (jaxhybrid.model.attention.attention_kernel's rule).
-    flash = machine.flash_attention and db == 2 and cfg.attention != "xla" and cfg.head_dim % 8 == 0 \
-        and cfg.head_dim <= 128
+    # The stage's attention kernel, by attention_kernel's own rule (a 2-byte dtype: bf16 or fp16).
+    flash = machine.flash_attention and cfg.attention != "xla" and \
+        not cudnn_unmet("bfloat16" if db == 2 else "float32", cfg.head_dim)
     F = nb * f_blk + last_extra + fwd_comm
     f_attn = attn_flops / (machine.flops_per_s * ts)  # attention core: no weights, backward = 2 x forward
     BI = nb * (f_blk + f_attn) + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)

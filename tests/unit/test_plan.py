@@ -67,6 +67,9 @@ def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time()
     assert mem["none", "plain"] - mem["dots", "plain"] == pytest.approx(probs)
     assert mem["dots", "plain"] == mem["dots", "flash"]
     assert ev["dots", "flash"]["predicted_step_s"] > ev["none", "flash"]["predicted_step_s"]
+    wide = dataclasses.replace(cfg, n_heads=8)  # head_dim 256: cuDNN's rule (attention.cudnn_unmet) says no
+    assert [evaluate(wide, lay["none"], m, 1024)["memory_per_device_bytes"] for m in (flash, plain)] == \
+        [mem["none", "plain"] - probs / 2] * 2
     with pytest.raises(ValueError, match="flash_attention='yes' must be true or false"):
         machine_from_hardware({**load_hardware("h100-node"), "flash_attention": "yes"}, 8, "bfloat16", 0.5)
 
