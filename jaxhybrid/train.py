@@ -93,11 +93,13 @@ class TrainState:
 class Trainer:
     """Runs ``cfg.train.steps`` optimizer steps and writes the run directory (writer rank only)."""
 
-    def __init__(self, cfg: Config, world_size: int | None = None):
+    def __init__(self, cfg: Config, world_size: int | None = None, writes_run_dir: bool = True):
+        """``writes_run_dir`` False (benchmarks, which only call :meth:`step`): run.dir is not checked."""
         validate(cfg, world_size)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        check_run_dir(cfg)  # writable, and no earlier run's checkpoints unless resuming (same layout)
+        if writes_run_dir:
+            check_run_dir(cfg)  # writable, and no earlier run's checkpoints unless resuming (same layout)
         self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
         self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.val_batches = validation_batches(cfg) if cfg.train.eval_every else []

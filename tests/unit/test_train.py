@@ -151,10 +151,16 @@ def test_cli_version_and_unknown_command(capsys):
 
 
 def test_bench_step_prints_ratio(tmp_path, capsys):
+    """Side by side in one run; the plain baseline compiles once (its inputs committed as the trainer's:
+    else its first timed round compiled again). A run.dir with an earlier run's checkpoints does not stop
+    it: the benchmark writes nothing there."""
+    (tmp_path / "b" / "checkpoints" / "rank_0" / "200").mkdir(parents=True)
     rc = main(["bench", "step", "--rounds", "1", "--steps", "2", "--set", f"run.dir={tmp_path / 'b'}"]
               + [a for kv in FAST for a in ("--set", kv)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ratio"] > 0 and out["trainer_step_s"] > 0 and out["plain_step_s"] > 0
+    assert out["plain_compiles"] == 1
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["checkpoints"]
     lo, hi = out["ratio_rounds"]  # one round: its ratio is the median's
     assert lo == hi == pytest.approx(out["ratio"])
 
