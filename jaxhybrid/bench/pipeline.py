@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,12 +108,33 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def activation_bytes(cfg) -> float:
+    """What the busiest rank stashes under the 2BP run (every microbatch until its weight pass): the
+    planner's per-block count (:func:`~jaxhybrid.planner.memory.block_residual_bytes`, float32, XLA
+    attention) times the largest stage's blocks, plus the head's on the last stage."""
+    from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes, stashed_microbatches
+
+    pl, mb, seq = cfg.pipeline, cfg.microbatch_size, cfg.data.seq_len
+    stash = max(stashed_microbatches(pl.schedule, cfg.parallel.pipeline, pl.microbatches, split_backward=True))
+    blocks = -(-cfg.model.n_layers // cfg.parallel.pipeline)
+    per_mb = blocks * sum(block_residual_bytes(cfg.model, seq, mb, 4)) + sum(head_residual_bytes(cfg.model, seq, mb, 4))
+    return stash * per_mb
+
+
 def run(args: argparse.Namespace) -> int:
     m = args.microbatches or default_microbatches(args.schedule, args.stages)
     from jaxhybrid.pipeline.schedule import make_schedule
 
     make_schedule(args.schedule, args.stages, m)  # bad input fails here, before any launch
+    cfg = _cfg(args, m, args.transport)  # so do the model, its layers and the batch (validated)
     if not args.worker:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        need = activation_bytes(cfg) * args.stages
+        if need > ram:  # would end in an out-of-memory abort on some rank, after the launch
+            raise ValueError(f"--stages {args.stages} --microbatch-size {args.microbatch_size} --seq {args.seq} "
+                             f"(model {args.model}, {cfg.model.n_layers} layers, {m} microbatches): the ranks "
+                             f"would stash about {need / 2**30:.1f} GiB of activations, more than this "
+                             f"machine's {ram / 2**30:.1f} GiB")
         argv = [a for a in sys.argv[sys.argv.index("pipeline") + 1:]] if "pipeline" in sys.argv else []
         return _launch(args, argv)
     return _worker(args, m)

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
 from jaxhybrid.host_alloc import default_cpu_devices
 
 LADDER = ("", "A", "AB", "ABC", "ABCD", "ABCDE")
+
+
+def grid_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """``"D,d,r,c;..."``: one or more G_data,G_d,G_r,G_c grids of whole numbers >= 1 (argparse type)."""
+    out = []
+    for part in text.split(";"):
+        vals = part.split(",")
+        if len(vals) != 4 or not all(v.strip().isdigit() and int(v) >= 1 for v in vals):
+            raise argparse.ArgumentTypeError(f"{part!r} is not G_data,G_d,G_r,G_c (four whole numbers >= 1, "
+                                             f"e.g. 1,2,2,2; several separated by ';')")
+        out.append(tuple(int(v) for v in vals))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,8 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices when JAX is not started yet")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ladder-shape", default="1,2,2,2", help="G_data,G_d,G_r,G_c for the A-E ladder")
-    p.add_argument("--only", default="", help="semicolon-separated factorizations to run (default: all)")
+    p.add_argument("--ladder-shape", default=[(1, 2, 2, 2)], type=grid_shapes,
+                   help="G_data,G_d,G_r,G_c for the A-E ladder (default 1,2,2,2)")
+    p.add_argument("--only", default=None, type=grid_shapes,
+                   help="G_data,G_d,G_r,G_c grids to run, ';'-separated (default: every factorization)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -115,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.tensor.mesh import factorizations
 
     n = len(jax.devices())
-    shapes = ([tuple(int(v) for v in s.split(",")) for s in args.only.split(";")] if args.only
-              else factorizations(n))
+    shapes = args.only or factorizations(n)
+    if len(args.ladder_shape) != 1:
+        raise ValueError(f"--ladder-shape takes one grid, got {len(args.ladder_shape)}")
+    ladder_shape = args.ladder_shape[0]
+    # Every grid is checked (device count, the model's divisibility) before the first one compiles.
+    for shape in [*shapes, ladder_shape]:
+        if math.prod(shape) != n:
+            raise ValueError(f"grid {','.join(map(str, shape))} has {math.prod(shape)} devices, not the {n} "
+                             f"JAX has (--devices sets the fake CPU devices)")
+        _cfg(args, shape, "ABCDE")
     rows = []
     for shape in shapes:
         cfg, eng, text, step = _engine(args, shape, "ABCDE")
@@ -125,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
                      **_bytes_report(eng, cfg, shape, text)})
         if not args.json:
             print(json.dumps(rows[-1]), flush=True)
-    ladder_shape = tuple(int(v) for v in args.ladder_shape.split(","))
     fns, overlap = {}, {}
     for letters in LADDER:
         _, _, text, step = _engine(args, ladder_shape, letters, remat="full")

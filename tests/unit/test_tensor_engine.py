@@ -157,3 +157,22 @@ def test_tensor_norms_match_reference_and_reduce_nothing_again(kind, row_psums):
     assert_tree_close((y, vjp(dy)), (y_r, vjp_r(dy)), "fp32_kernel", kind)
     row = lambda jaxpr: len(re.findall(r"psum\w*\[axes=\('row',\)", str(jaxpr)))  # noqa: E731
     assert (row(jax.make_jaxpr(fn(tops))(*args)), row(jax.make_jaxpr(vjp)(dy))) == row_psums
+
+
+def test_bench_tensor_checks_every_grid_before_compiling(monkeypatch):
+    """``bench tensor``: a malformed --only / --ladder-shape is an argparse error naming it, and a grid
+    that does not cover JAX's devices fails before the first factorization compiles (not minutes later)."""
+    import argparse
+
+    from jaxhybrid.bench import tensor as bt
+
+    assert bt.grid_shapes("1,2,2,2;2,1,2,2") == [(1, 2, 2, 2), (2, 1, 2, 2)]
+    for bad in ("abc", "1,1", "1,0,2,2", "1,2,2,2;"):
+        with pytest.raises(argparse.ArgumentTypeError, match="G_data,G_d,G_r,G_c"):
+            bt.grid_shapes(bad)
+    monkeypatch.setattr(bt, "_engine", lambda *a, **k: pytest.fail("compiled"))
+    p = argparse.ArgumentParser()
+    bt.add_arguments(p)
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"grid 1,1,1,{n + 1} has {n + 1} devices, not the {n} JAX has"):
+        bt.run(p.parse_args(["--only", f"1,1,1,{n};1,1,1,{n + 1}"]))

@@ -117,6 +117,25 @@ def test_bench_expected_gain_uses_the_measured_kernels():
         measured_costs([rank0], 2)
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--layers", "1"], "parallel.pipeline=2 stages exceed model.n_layers=1"),
+    (["--seq", "100000"], r"--seq 100000 .* would stash about \d+\.\d GiB of activations, more than"),
+])
+def test_bench_pipeline_checks_its_arguments_before_launching(monkeypatch, argv, match):
+    """Bad arguments fail once, in the launching process, not on every rank after mpiexec started (an
+    out-of-memory abort there, for a sequence whose activations no machine holds)."""
+    import argparse
+
+    from jaxhybrid.bench import pipeline as bp
+
+    monkeypatch.setattr(bp, "_launch", lambda *a: pytest.fail("launched"))
+    p = argparse.ArgumentParser()
+    bp.add_arguments(p)
+    with pytest.raises(ValueError, match=match):
+        bp.run(p.parse_args(["--stages", "2", *argv]))
+
+
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
     """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
     it; too few GPUs for the rank's block is an error naming the counts."""
