@@ -1,8 +1,9 @@
 """Typed, frozen run configuration: defaults in dataclasses, overrides from YAML and ``--set``.
 
 A config is built in three layers, later ones winning: dataclass defaults, a YAML file of overrides,
-then ``--set section.key=value`` pairs. Unknown keys are errors; every cross-field rule is checked in
-:func:`validate` before any compilation or communication, with a message that shows the numbers.
+then ``--set section.key=value`` pairs. Unknown keys are errors; every range and cross-field rule is checked
+in :func:`validate` (:mod:`jaxhybrid.config_checks`) before any compilation or communication, with a message
+that shows the numbers.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from jaxhybrid.config_checks import validate  # re-exported: callers import it from here
 from jaxhybrid.config_parse import ConfigError, apply_updates, load_yaml, merge, parse_overrides, to_plain
 from jaxhybrid.model.config import ModelConfig
 
@@ -104,7 +106,7 @@ class TensorConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2  # checkpoints kept
+    keep: int = 2  # newest checkpoints kept, >= 1 (orbax max_to_keep: 0 would delete the final one too)
     at_end: bool = True
 
 
@@ -177,8 +179,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         # A plan from `jaxhybrid plan --out` sits between the YAML file and the command line.
         from jaxhybrid.planner.plan import load_plan_overrides
 
+        # The plan's layout and memory were modelled for one model: a run of another must not take it.
+        plan = load_plan_overrides(cfg.plan.file, model=cfg.model.name)
         base = load_yaml(path) if path else {}
-        cfg = apply_updates(Config(), merge(merge(base, load_plan_overrides(cfg.plan.file)), cli))
+        cfg = apply_updates(Config(), merge(merge(base, plan), cli))
     if check:
         validate(cfg)
     return cfg
@@ -193,83 +197,6 @@ def config_from_dict(tree: dict[str, Any], *, check: bool = True) -> Config:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Check every cross-field rule; raise :class:`ConfigError` naming the values and the fix."""
-    m, t, p, pl, o, pr = cfg.model, cfg.train, cfg.parallel, cfg.pipeline, cfg.optim, cfg.precision
-    m.validate()
-    errors = []
-    for name, val in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
-                      ("data.seq_len", cfg.data.seq_len), ("parallel.pipeline", p.pipeline),
-                      ("parallel.data", p.data), ("parallel.tensor_col", p.tensor_col),
-                      ("parallel.tensor_row", p.tensor_row), ("parallel.tensor_depth", p.tensor_depth),
-                      ("pipeline.microbatches", pl.microbatches), ("train.eval_batches", t.eval_batches)):
-        if val < 1:
-            errors.append(f"{name}={val} must be >= 1")
-    if t.eval_every < 0:
-        errors.append(f"train.eval_every={t.eval_every} must be >= 0 (0 turns evaluation off)")
-    if t.eval_every and not cfg.data.path and cfg.data.val_fraction <= 0:
-        errors.append(f"train.eval_every={t.eval_every} needs a validation split, but data.val_fraction="
-                      f"{cfg.data.val_fraction} holds none out of the built-in corpus: set it > 0 or eval_every=0")
-    if errors:
-        raise ConfigError("; ".join(errors))
-    if cfg.data.seq_len > m.max_seq_len:
-        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    per = p.data * pl.microbatches
-    if t.global_batch % per:
-        errors.append(
-            f"train.global_batch={t.global_batch} is not divisible by parallel.data({p.data}) x "
-            f"pipeline.microbatches({pl.microbatches}) = {per}; use a multiple of {per}")
-    if pr.compute_dtype not in _DTYPES:
-        errors.append(f"precision.compute_dtype={pr.compute_dtype!r}; choose one of {', '.join(_DTYPES)}")
-    if pr.param_dtype != "float32":
-        errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
-    if t.remat not in ("none", "dots", "full"):
-        errors.append(f"train.remat={t.remat!r}; choose none, dots or full")
-    # The schedule module is the one source of its rules (names, microbatches per stage, 2BP needs).
-    from jaxhybrid.pipeline.schedule import make_schedule
-
-    try:
-        make_schedule(pl.schedule, p.pipeline, pl.microbatches, split_backward=pl.split_backward,
-                      pipeline_limit=pl.pipeline_limit)
-    except ValueError as e:
-        errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
-                      f"pipeline.microbatches={pl.microbatches}: {e}")
-    if pl.transport not in ("mpi4jax", "mpi4py"):
-        errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
-    if pl.weight_join not in ("auto", "sum", "concat"):
-        errors.append(f"pipeline.weight_join={pl.weight_join!r}; choose auto, sum or concat")
-    if p.pipeline > m.n_layers:
-        errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
-    if p.partition:
-        if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
-            errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
-                          f"positive entries summing to model.n_layers={m.n_layers}")
-    if o.bucket_size <= 0:
-        errors.append(f"optim.bucket_size={o.bucket_size} must be > 0")
-    if o.allreduce_coarsening < 1:
-        errors.append(f"optim.allreduce_coarsening={o.allreduce_coarsening} must be >= 1")
-    if not 0 < o.lr < 1:
-        errors.append(f"optim.lr={o.lr} must be in (0, 1)")
-    errors += [f"optim.{k}={getattr(o, k)} must be >= 0" for k in ("warmup_steps", "grad_clip") if getattr(o, k) < 0]
-    if cfg.checkpoint.every < 0:
-        errors.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
-    ts = cfg.tensor_size
-    if ts > 1:
-        for dim_name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
-            for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
-                if dim % ax:
-                    errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
-    if world_size is not None and world_size != cfg.world_size:
-        errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
-                      f"!= world size {world_size}; start {cfg.world_size} ranks (jaxhybrid launch -n "
-                      f"{cfg.world_size}) or change the grid")
-    if errors:
-        raise ConfigError("; ".join(errors))
 
 
 def optimal_checkpoint_interval(n_layers: int, pipeline: int) -> int:

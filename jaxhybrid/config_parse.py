@@ -121,10 +121,28 @@ def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return tree
 
 
-def merge(a: dict, b: dict) -> dict:
+def merge(a: dict, b: dict, prefix: str = "") -> dict:
+    """``b`` over ``a``, section by section. A section of ``a`` that is not a mapping is an error here even
+    when ``b`` adds keys to it: replacing it would hide the error :func:`apply_updates` gives it alone.
+    A model preset name (``model: llama-tiny``) is a section too: it is the mapping ``{name: llama-tiny}``."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, dict) and k in out:
+            old = out[k]
+            if k == "model" and not prefix and isinstance(old, str):
+                old = {"name": old}
+            if not isinstance(old, dict):
+                raise ConfigError(f"{prefix}{k}: expected a mapping of keys, got {old!r}")
+            v = merge(old, v, f"{prefix}{k}.")
+        out[k] = v
+    return out
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the dotted keys a nested override tree sets."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 

@@ -101,6 +101,32 @@ def check_metrics(cfg) -> None:
                          "scripts/setup.sh installs it); install it or --set metrics.tensorboard=false")
 
 
+def plan_line(cfg, overrides: list[str]) -> str | None:
+    """The keys a plan file set, with the values the run trains with: besides the layout a plan sets the
+    compute dtype, global batch, remat and offload, which the user must not miss. A key the command line
+    sets too is the command line's (it sits above the plan), so it is not listed."""
+    if not cfg.plan.file:
+        return None
+    from functools import reduce
+
+    from jaxhybrid.config_parse import flatten, parse_overrides, to_plain
+    from jaxhybrid.planner.plan import load_plan_overrides
+
+    cli = flatten(parse_overrides(overrides))
+    keys = [k for k in flatten(load_plan_overrides(cfg.plan.file)) if k not in cli]
+    sets = ", ".join(f"{k}={to_plain(reduce(getattr, k.split('.'), cfg))}" for k in keys)
+    return f"jaxhybrid: plan {cfg.plan.file} sets: {sets}"
+
+
+def nothing_to_train_line(cfg, summary: dict) -> str | None:
+    """A resume whose checkpoint already reached ``train.steps`` trains no step; say so (exit 0 still: the
+    run is complete), instead of a bare summary with ``first_loss: null``."""
+    if summary["first_loss"] is not None:
+        return None
+    return (f"jaxhybrid: run.dir={cfg.run.dir} is already at step {summary['steps']} >= train.steps="
+            f"{cfg.train.steps}; nothing to train (raise train.steps to continue)")
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid import launch_env
 
@@ -122,7 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
+    writer = trainer.engine.is_writer
+    if writer and (line := plan_line(cfg, args.overrides)):
+        print(line, file=sys.stderr, flush=True)
     summary = trainer.run()
-    if trainer.engine.is_writer:
+    if writer:
+        if line := nothing_to_train_line(cfg, summary):
+            print(line, file=sys.stderr, flush=True)
         print(json.dumps({"run_dir": str(cfg.run.dir), **summary}), file=sys.stdout)
     return 0

@@ -43,6 +43,9 @@ class ModelConfig:
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, k) < 1:
                 errs.append(f"model.{k}={getattr(self, k)} must be >= 1")
+        for k in ("norm_eps", "rope_theta", "init_std"):  # they feed sqrt, log and init directly
+            if not getattr(self, k) > 0:  # NaN fails too
+                errs.append(f"model.{k}={getattr(self, k)} must be > 0")
         if self.attention not in ("auto", "xla", "cudnn"):
             errs.append(f"model.attention={self.attention!r}; choose auto, xla or cudnn")
         if not errs and self.d_model % self.n_heads:

@@ -189,12 +189,20 @@ def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
     Path(path).write_text(json.dumps({**meta, "plan": plan, "config": config}, indent=1))
 
 
-def load_plan_overrides(path: str | Path) -> dict:
-    """Read a plan file from ``jaxhybrid plan --out`` and return its nested config overrides."""
+def load_plan_overrides(path: str | Path, model: str | None = None) -> dict:
+    """Read a plan file from ``jaxhybrid plan --out`` and return its nested config overrides. With ``model``
+    (the run's ``model.name``), a plan made for another model is a ConfigError naming both: its layout,
+    partition and memory were modelled for that one. A plan without a "model" entry is not checked."""
+    from jaxhybrid.config_parse import ConfigError
+
     p = Path(path)
     data = read_json(p, "plan file")
     cfg = data.get("config") if isinstance(data, dict) else None
     if not isinstance(cfg, dict) or not {"parallel", "pipeline", "optim"} <= set(cfg):
         raise ValueError(f"plan file {p} has no 'config' with parallel/pipeline/optim overrides; "
                          f"write it with `jaxhybrid plan ... --out {p.name}`")
+    planned = data.get("model")
+    if model is not None and planned is not None and planned != model:
+        raise ConfigError(f"plan.file={p} was made for model {planned!r}, but this run trains model.name="
+                          f"{model!r}; write a plan for it (jaxhybrid plan --model {model} ... --out {p.name})")
     return cfg

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxhybrid.config_checks import check_optimizations
 from jaxhybrid.model.layers import Ops, layer_norm, rms_norm
 from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
 from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW
@@ -55,10 +56,7 @@ class TensorOps(Ops):
 
     @classmethod
     def build(cls, mesh: Mesh, n_heads: int, kv_heads: int, letters: str = "ABCDE") -> "TensorOps":
-        bad = set(letters) - set("ABCDE")
-        if bad:
-            raise ValueError(f"tensor.optimizations={letters!r} has unknown letters {sorted(bad)}; use a "
-                             f"subset of ABCDE")
+        check_optimizations(letters)  # built without a config too (tests, benchmarks)
         ax = COL if "A" in letters else ROW  # where attn.qkv's output features live
         g = mesh.shape[ax]
         head_axis = ax if (g > 1 and n_heads % g == 0 and kv_heads % g == 0) else None

@@ -40,10 +40,36 @@ BAD = [
     (["train.steps=abc"], ["train.steps", "abc"]),
     (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
     (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
+    # Single-field ranges (jaxhybrid.config_checks.RANGES): key, value and the allowed range.
+    (["run.dir="], ["run.dir='' must not be empty"]),
+    (["run.dir=' '"], ["run.dir=' ' must not be empty"]),
+    (["optim.beta1=1"], ["optim.beta1=1.0 must be in [0, 1)"]),
+    (["optim.beta2=-0.1"], ["optim.beta2=-0.1 must be in [0, 1)"]),
+    (["optim.eps=0"], ["optim.eps=0.0 must be > 0"]),
+    (["optim.eps=nan"], ["optim.eps=nan must be > 0"]),
+    (["optim.weight_decay=-0.01"], ["optim.weight_decay=-0.01 must be >= 0"]),
+    (["optim.min_lr_ratio=1.5"], ["optim.min_lr_ratio=1.5 must be in [0, 1]"]),
+    (["optim.warmup_steps=-1"], ["optim.warmup_steps=-1 must be >= 0"]),
+    (["optim.allreduce_coarsening=0"], ["optim.allreduce_coarsening=0 must be >= 1"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0 must be >= 1"]),
+    (["checkpoint.every=-1"], ["checkpoint.every=-1 must be >= 0"]),
+    (["train.log_every=0"], ["train.log_every=0 must be >= 1"]),
+    (["train.log_every=-1"], ["train.log_every=-1 must be >= 1"]),
+    (["train.checkpoint_interval=-2"], ["train.checkpoint_interval=-2 must be >= 0"]),
+    (["precision.loss_scale_window=0"], ["precision.loss_scale_window=0 must be >= 1"]),
+    (["precision.loss_scale_init=0"], ["precision.loss_scale_init=0.0 must be > 0"]),
+    (["pipeline.watchdog_s=0"], ["pipeline.watchdog_s=0.0 must be > 0"]),
+    (["pipeline.watchdog_s=-5"], ["pipeline.watchdog_s=-5.0 must be > 0"]),
+    (["pipeline.pipeline_limit=-3"], ["pipeline.pipeline_limit=-3 must be >= 0"]),
+    (["model.norm_eps=0"], ["model.norm_eps=0.0 must be > 0"]),
+    # Without a tensor grid too (the tensor engine's own check only runs when it is built).
+    (["tensor.optimizations=XYZ"], ["tensor.optimizations='XYZ' has unknown letters ['X', 'Y', 'Z']", "ABCDE"]),
+    (["data.val_fraction=1.5"], ["data.val_fraction=1.5 must be in [0, 1)"]),
+    (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
 ]
 
 
-@pytest.mark.parametrize("overrides,needles", BAD, ids=[b[0][0] for b in BAD])
+@pytest.mark.parametrize("overrides,needles", BAD, ids=[" ".join(b[0]) for b in BAD])
 def test_impossible_settings_name_values(overrides, needles):
     with pytest.raises(ValueError) as e:
         load_config(None, overrides)
@@ -67,6 +93,44 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         load_config(f)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_range_error_comes_before_the_rules_it_would_break():
+    """val_fraction=-0.1 with evaluation on is out of its range, not "a split that holds none"."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.val_fraction=-0.1", "train.eval_every=5"])
+    assert str(e.value) == "data.val_fraction=-0.1 must be in [0, 1)"
+
+
+def test_zero_keeps_its_documented_meanings():
+    cfg = load_config(None, ["train.checkpoint_interval=0", "pipeline.pipeline_limit=0", "checkpoint.every=0",
+                             "optim.grad_clip=0", "optim.beta1=0", "optim.min_lr_ratio=1", "train.eval_every=0",
+                             "data.val_fraction=0", "tensor.optimizations=", "checkpoint.keep=1"])
+    assert (cfg.pipeline.pipeline_limit, cfg.tensor.optimizations, cfg.checkpoint.keep) == (0, "", 1)
+
+
+def test_validate_is_importable_from_config_and_config_checks():
+    from jaxhybrid import config, config_checks
+
+    assert config.validate is config_checks.validate
+
+
+def test_wrong_type_section_is_an_error_with_overrides_too(tmp_path):
+    """A YAML section that is not a mapping errs alone; a --set into it must not replace it silently."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train: [1, 2]\n")
+    for sets in ([], ["train.steps=3"]):
+        with pytest.raises(ConfigError, match=r"train: expected a mapping of keys, got \[1, 2\]"):
+            load_config(f, sets)
+    # A model preset by name is a section: --set model.x keeps the preset.
+    f.write_text("model: llama-tiny\n")
+    cfg = load_config(f, ["model.n_layers=2"])
+    assert (cfg.model.name, cfg.model.kind, cfg.model.n_layers) == ("llama-tiny", "llama", 2)
+    # An include's wrong-type section is not replaced by the including file's mapping either.
+    (tmp_path / "base.yaml").write_text("optim: 3\n")
+    f.write_text("include: base.yaml\noptim: {lr: 0.01}\n")
+    with pytest.raises(ConfigError, match="optim: expected a mapping of keys, got 3"):
+        load_config(f)
 
 
 def test_one_broken_rule_one_message():
@@ -121,3 +185,16 @@ def test_plan_file_sits_between_yaml_and_command_line(tmp_path):
     cfg = load_config(f, [f"plan.file={plan}", "pipeline.microbatches=8"])
     assert (cfg.parallel.pipeline, cfg.parallel.partition, cfg.pipeline.schedule) == (2, (1, 3), "gpipe")
     assert cfg.train.global_batch == 8 and cfg.train.steps == 3 and cfg.pipeline.microbatches == 8
+
+
+def test_plan_for_another_model_is_refused(tmp_path):
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "gpt-tiny", "config": {
+        "parallel": {"pipeline": 1, "data": 1}, "pipeline": {"microbatches": 1}, "optim": {"offload": False}}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name=llama-tiny", f"plan.file={plan}"])
+    assert f"plan.file={plan} was made for model 'gpt-tiny'" in str(e.value)
+    assert "model.name='llama-tiny'" in str(e.value)
+    assert load_config(None, ["model.name=gpt-tiny", f"plan.file={plan}"]).model.name == "gpt-tiny"

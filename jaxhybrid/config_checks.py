@@ -1,0 +1,154 @@
+"""Every rule a run config must meet, checked by :func:`validate` before any compilation or communication.
+
+Single-field ranges come first, from one table (:data:`RANGES`), so a value out of its range is named as
+such rather than as a symptom in some later rule (e.g. ``data.val_fraction=-0.1`` with evaluation on is
+out of [0, 1), not "a split that holds none"). The cross-field rules then see only in-range values.
+:mod:`jaxhybrid.config` re-exports :func:`validate`; this module imports no config classes at run time,
+so the two do not import each other in a cycle.
+"""
+from __future__ import annotations
+
+from functools import reduce
+from typing import TYPE_CHECKING, Any, Callable
+
+from jaxhybrid.config_parse import ConfigError
+
+if TYPE_CHECKING:
+    from jaxhybrid.config import Config
+
+DTYPES = ("float32", "bfloat16", "float16")
+TENSOR_OPTIMIZATIONS = "ABCDE"  # AxoNN Sec. IV's optimizations A-E
+
+
+def _ge(lo: float, why: str = "") -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= lo), f"must be >= {lo}{why}"
+
+
+def _gt(lo: float, why: str = "") -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > lo), f"must be > {lo}{why}"
+
+
+def _in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True) -> tuple[Callable[[Any], bool], str]:
+    def ok(v):
+        return (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+
+    return ok, f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+_COUNTS = ("train.steps", "train.global_batch", "train.eval_batches", "train.log_every", "data.seq_len",
+           "parallel.pipeline", "parallel.data", "parallel.tensor_col", "parallel.tensor_row",
+           "parallel.tensor_depth", "pipeline.microbatches", "optim.allreduce_coarsening",
+           "precision.loss_scale_window")
+
+# (dotted key, predicate, what the value must be). A predicate that is False (NaN included) is an error.
+# Where 0 is allowed because it means something, the phrase says what, so the user sees it is not a typo.
+RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("run.dir", lambda v: bool(v.strip()), "must not be empty (it would put config.yaml, metrics and "
+     "checkpoints in the current directory)"),
+    *((k, *_ge(1)) for k in _COUNTS),
+    ("data.val_fraction", *_in(0, 1)),
+    ("train.seed", *_ge(0, " (it keys numpy's SeedSequence)")),
+    ("train.eval_every", *_ge(0, " (0 turns evaluation off)")),
+    ("train.checkpoint_interval", *_ge(0, " (0 = Myelin's optimal interval)")),
+    ("optim.lr", *_in(0, 1, lo_open=True)),
+    ("optim.beta1", *_in(0, 1)),
+    ("optim.beta2", *_in(0, 1)),
+    ("optim.eps", *_gt(0)),
+    ("optim.weight_decay", *_ge(0)),
+    ("optim.warmup_steps", *_ge(0)),
+    ("optim.min_lr_ratio", *_in(0, 1, hi_open=False)),
+    ("optim.grad_clip", *_ge(0, " (0 disables clipping)")),
+    ("optim.bucket_size", *_gt(0)),
+    ("precision.loss_scale_init", *_gt(0)),
+    ("pipeline.pipeline_limit", *_ge(0, " (0 = the number of stages)")),
+    ("pipeline.watchdog_s", *_gt(0)),
+    ("checkpoint.every", *_ge(0, " (0 = only at the end)")),
+    # orbax's max_to_keep: 0 would delete every checkpoint, the final one included, as it is written.
+    ("checkpoint.keep", *_ge(1)),
+)
+
+
+def check_optimizations(letters: str) -> None:
+    """The one check of ``tensor.optimizations``' letters, for :func:`validate` (which sees them whether or not
+    the run has a tensor grid) and for :class:`~jaxhybrid.tensor.ops.TensorOps` built without a config."""
+    bad = set(letters) - set(TENSOR_OPTIMIZATIONS)
+    if bad:
+        raise ConfigError(f"tensor.optimizations={letters!r} has unknown letters {sorted(bad)}; use a "
+                          f"subset of {TENSOR_OPTIMIZATIONS}")
+
+
+def range_errors(cfg: Config) -> list[str]:
+    """One message per field of :data:`RANGES` (and ``tensor.optimizations``) out of its range."""
+    errors = []
+    for key, ok, phrase in RANGES:
+        v = reduce(getattr, key.split("."), cfg)
+        if not ok(v):
+            errors.append(f"{key}={v!r} {phrase}" if isinstance(v, str) else f"{key}={v} {phrase}")
+    try:
+        check_optimizations(cfg.tensor.optimizations)
+    except ConfigError as e:
+        errors.append(str(e))
+    return errors
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every rule; raise :class:`ConfigError` naming the values and the fix. Ranges first: a rule
+    across fields would only report a symptom of a value out of its range."""
+    cfg.model.validate()
+    errors = range_errors(cfg)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    errors = _cross_field_errors(cfg)
+    p = cfg.parallel
+    if world_size is not None and world_size != cfg.world_size:
+        errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
+                      f"!= world size {world_size}; start {cfg.world_size} ranks (jaxhybrid launch -n "
+                      f"{cfg.world_size}) or change the grid")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def _cross_field_errors(cfg: Config) -> list[str]:
+    m, t, p, pl, pr = cfg.model, cfg.train, cfg.parallel, cfg.pipeline, cfg.precision
+    errors = []
+    if t.eval_every and not cfg.data.path and cfg.data.val_fraction <= 0:
+        errors.append(f"train.eval_every={t.eval_every} needs a validation split, but data.val_fraction="
+                      f"{cfg.data.val_fraction} holds none out of the built-in corpus: set it > 0 or eval_every=0")
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    per = p.data * pl.microbatches
+    if t.global_batch % per:
+        errors.append(
+            f"train.global_batch={t.global_batch} is not divisible by parallel.data({p.data}) x "
+            f"pipeline.microbatches({pl.microbatches}) = {per}; use a multiple of {per}")
+    if pr.compute_dtype not in DTYPES:
+        errors.append(f"precision.compute_dtype={pr.compute_dtype!r}; choose one of {', '.join(DTYPES)}")
+    if pr.param_dtype != "float32":
+        errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
+    if t.remat not in ("none", "dots", "full"):
+        errors.append(f"train.remat={t.remat!r}; choose none, dots or full")
+    # The schedule module is the one source of its rules (names, microbatches per stage, 2BP needs).
+    from jaxhybrid.pipeline.schedule import make_schedule
+
+    try:
+        make_schedule(pl.schedule, p.pipeline, pl.microbatches, split_backward=pl.split_backward,
+                      pipeline_limit=pl.pipeline_limit)
+    except ValueError as e:
+        errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
+                      f"pipeline.microbatches={pl.microbatches}: {e}")
+    if pl.transport not in ("mpi4jax", "mpi4py"):
+        errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
+    if pl.weight_join not in ("auto", "sum", "concat"):
+        errors.append(f"pipeline.weight_join={pl.weight_join!r}; choose auto, sum or concat")
+    if p.pipeline > m.n_layers:
+        errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
+    if p.partition:
+        if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
+            errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
+                          f"positive entries summing to model.n_layers={m.n_layers}")
+    if cfg.tensor_size > 1:
+        for dim_name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
+            for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
+                if dim % ax:
+                    errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
+    return errors
