@@ -120,19 +120,14 @@ def check_run_dir(cfg) -> None:
     ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
     after the model was initialised), and it holds no earlier run's checkpoints unless resuming, when
     they must have this run's layout. Needs no peer: the trainer checks it, and ``jaxhybrid launch`` once for all its ranks."""
-    import tempfile
-
+    from jaxhybrid.commands.argtypes import check_writable
     from jaxhybrid.config import ConfigError
 
     run_dir = Path(cfg.run.dir)
-    near = next(d for d in (run_dir, *run_dir.absolute().parents) if d.exists())
     try:
-        if not near.is_dir():
-            raise NotADirectoryError(f"{near} is not a directory")
-        tempfile.TemporaryFile(dir=near).close()
-    except OSError as e:
-        raise ConfigError(f"run.dir={cfg.run.dir} cannot be written: {near} takes no new file "
-                          f"({e.strerror or e}); pick another --set run.dir=...") from None
+        check_writable(run_dir, "run.dir=", directory=True, hint="; pick another --set run.dir=...")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     found = {} if cfg.run.resume else committed_steps(run_dir)
     if found:
         # orbax skips saving a step at or below the newest one present, so a new run here would keep

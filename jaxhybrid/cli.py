@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         if argv:
             parser.parse_args(argv)  # --help, --version (exit 0); an unknown command or option (exit 2)
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)  # no command is a usage error, as argparse treats a missing one
+        return 2
     try:
         args._prepare(args)  # e.g. the fake CPU devices a benchmark needs, which the malloc tuning reads
         configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         # land in between ("...nope.jsonjaxhybrid train: error: ...").
         sys.stderr.write(f"jaxhybrid {argv[0]}: error: {e}\n")
         return 2
+    except BrokenPipeError:
+        # `jaxhybrid plan ... | head`: the reader left. Python's documented recipe: point stdout at devnull
+        # so the interpreter's final flush raises nothing either, and exit 1 without a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

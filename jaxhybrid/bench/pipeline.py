@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from jaxhybrid.commands.argtypes import positive_int
+
 WORKER_FLAG = "--worker"
 
 
@@ -44,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline.weight_join: how a deferred weight pass takes several microbatches")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cores", type=int, default=0, help="cores shared by the ranks (default: all)")
+    p.add_argument("--cores", type=positive_int, default=None, help="cores shared by the ranks (default: all)")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -101,7 +103,7 @@ def measured_costs(per_step: list[dict], stages: int):
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
 
-    cpus = job_cpus(args.cores)  # each rank pinned to its share, as `jaxhybrid launch` runs them
+    cpus = job_cpus(args.cores or 0)  # each rank pinned to its share, as `jaxhybrid launch` runs them
     env = rank_environment(args.stages, cpus, args.timeout)
     cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
            "pipeline", *argv, WORKER_FLAG]

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
 from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, RankWatch, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks (G_inter x G_data)")
     p.add_argument("--timeout", type=int, default=0, help="MPIEXEC_TIMEOUT in seconds (0: none)")
     p.add_argument("--mpiexec", default="", help="mpiexec to use (default: the one next to this Python)")
-    p.add_argument("--cores", type=int, default=0, help="cores to share among the ranks (default: all)")
+    p.add_argument("--cores", type=positive_int, default=None, help="how many of the CPUs this process may use "
+                   "(its affinity) to share among the ranks, the first ones (default: all)")
     p.add_argument("--no-bind", action="store_true", help="do not pin each rank to its share of the cores")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run")
     p.add_argument("--script", default="", help="run this Python file on every rank instead of `jaxhybrid "
@@ -77,10 +79,11 @@ def train_arguments(args: argparse.Namespace) -> list[str]:
 
 def job_cpus(cores: int = 0) -> list[int]:
     """The CPUs a job may use: this process's affinity (all CPUs where it has none), the first ``cores``
-    of them when given."""
+    of them when given (0: all; `jaxhybrid launch --cores` is >= 1 where typed)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if cores < 0 or cores > len(cpus):
-        raise ValueError(f"--cores {cores}: this process may use {len(cpus)} CPUs ({cpus})")
+        raise ValueError(f"--cores {cores} must be in [1, {len(cpus)}]: this process may use {len(cpus)} CPUs "
+                         f"({cpus})")
     return cpus[:cores] if cores else cpus
 
 
@@ -156,7 +159,7 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args.n, args.timeout)
-    cpus = job_cpus(args.cores)
+    cpus = job_cpus(args.cores or 0)  # None: all (a typed --cores is >= 1)
     train_args = train_arguments(args)
     job = None if args.script else train_config(train_args)  # a --script's arguments are its own
     per_rank = check_job(*job, args.n) if job else 1

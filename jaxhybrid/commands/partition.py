@@ -1,8 +1,12 @@
 """``jaxhybrid partition``: MadPipe or PipeDream (+ 1F1B*) partitioning of a profiled layer chain.
 
 The chain comes from a profile JSON (``--profile FILE``) or from profiling a model's stage kernels on
-this device (``--profile-model CFG``; with ``--profile FILE`` too, that profile is also written there to
-reuse). Prints the stages (layer ranges, numbered from 0 as in the profile, and the processor of each), the
+this device (``--profile-model CFG``, a preset or a run config as ``plan --model`` takes; with ``--profile
+FILE`` too, that profile is also written there to reuse). The microbatch, sequence and dtype flags shape
+the profiling only, so they are refused without ``--profile-model``: a profile file was measured at its
+own sizes, and silently ignoring them would partition costs the user did not ask for.
+
+Prints the stages (layer ranges, numbered from 0 as in the profile, and the processor of each), the
 partitioning DP's period and the period of the valid schedule; ``--json`` prints
 ``{"algorithm", "period_s", "valid_period_s", "stages": [{"layers": [first, last], "processor": p}]}``.
 """
@@ -12,6 +16,7 @@ import argparse
 import json
 import math
 
+from jaxhybrid.commands.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.planner.chain import Chain, check_platform, check_processors
 from jaxhybrid.planner.costs import load_profile
 from jaxhybrid.planner.madpipe import Grid, madpipe
@@ -26,13 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=float, required=True, help="beta, bytes/s between GPUs")
     p.add_argument("--algorithm", choices=("madpipe", "pipedream"), default="madpipe")
     p.add_argument("--grid", default="101,11,51", help="MadPipe grid sizes of t_P, m_P, V")
-    p.add_argument("--iterations", type=int, default=10, help="K of MadPipe's Algorithm 1")
-    p.add_argument("--profile-model", default="", metavar="CFG", help="instead of reading --profile, profile this "
-                   "model preset's stage kernels on the current device (and write them to --profile if given)")
-    p.add_argument("--microbatch-size", type=int, default=1, help="with --profile-model")
-    p.add_argument("--seq-len", type=int, default=0, help="with --profile-model (default: max_seq_len)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="with --profile-model")
+    p.add_argument("--iterations", type=positive_int, default=10, help="K of MadPipe's Algorithm 1 (>= 1)")
+    p.add_argument("--profile-model", default="", metavar="CFG", help="instead of reading --profile, profile the "
+                   "stage kernels of this model (a preset, or a run config's model) on the current device (and "
+                   "write them to --profile if given)")
+    only = "; only with --profile-model (an error with a --profile FILE alone, which has its own)"
+    p.add_argument("--microbatch-size", type=positive_int, default=None, help="sequences per microbatch "
+                   f"(default: a run config's microbatch size, or 1 for a preset){only}")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence, at most the model's "
+                   f"max_seq_len (default: a run config's data.seq_len, or max_seq_len for a preset){only}")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help=f"compute dtype (default: a run config's precision.compute_dtype, or float32){only}")
     p.add_argument("--json", action="store_true")
 
 
@@ -56,22 +65,37 @@ def smallest_fit(profile, args) -> str:
     return f"about --memory={hi:.4g} bytes would fit with {args.processors} processors"
 
 
+_PROFILING_FLAGS = (("--microbatch-size", "microbatch_size"), ("--seq-len", "seq_len"), ("--dtype", "dtype"))
+
+
 def _profile(args: argparse.Namespace):
     """The profile to partition; every argument is checked before a model is profiled (the slow part)."""
     if not args.profile_model:
         if not args.profile:
             raise ValueError("give --profile FILE (a profile JSON) or --profile-model CFG (profile a model "
-                             "preset on this device)")
+                             "preset or run config on this device)")
+        given = [f"{flag} {getattr(args, key)}" for flag, key in _PROFILING_FLAGS if getattr(args, key) is not None]
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{', '.join(given)} {'applies' if one else 'apply'} only with --profile-model (to "
+                             f"shape its profiling); --profile {args.profile} was measured at its own sizes: drop "
+                             f"{'it' if one else 'them'}, or profile anew with --profile-model")
         profile = load_profile(args.profile)
         check_processors(args.processors, len(profile.layers), "--processors")
         return profile
-    from jaxhybrid.model.config import resolve_model
+    from jaxhybrid.commands.plan import model_and_config
     from jaxhybrid.planner.costs import save_profile
     from jaxhybrid.planner.profile import profile_model
 
-    cfg = resolve_model(args.profile_model)
-    check_processors(args.processors, cfg.n_layers, "--processors")  # one chain layer per block
-    profile = profile_model(cfg, args.microbatch_size, args.seq_len or cfg.max_seq_len, args.dtype)
+    model, cfg = model_and_config(args.profile_model, "--profile-model")
+    check_processors(args.processors, model.n_layers, "--processors")  # one chain layer per block
+    check_seq_len(args.seq_len, model)
+    if args.profile:
+        check_writable(args.profile, "--profile")
+    mb = args.microbatch_size if args.microbatch_size is not None else (cfg.microbatch_size if cfg else 1)
+    seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
+    dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "float32")
+    profile = profile_model(model, mb, seq, dtype)
     if args.profile:
         save_profile(profile, args.profile)
     return profile
@@ -79,8 +103,6 @@ def _profile(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     check_platform(args.memory, args.bandwidth, ("--memory", "--bandwidth"))
-    if args.iterations < 1:
-        raise ValueError(f"--iterations={args.iterations} must be >= 1")
     try:
         t, m, v = (int(x) for x in args.grid.split(","))
         grid = Grid(t, m, v)

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from jaxhybrid.commands.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.model.config import PRESETS, resolve_model
 from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
 from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, config_layout, latency_notes, machine_from_hardware, \
@@ -28,13 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "hardware file's gpus_per_node)")
     p.add_argument("--hardware", required=True, help=f"configs/hardware name ({', '.join(planner_hardware_names())})"
                    " or a YAML path with the same keys")
-    p.add_argument("--top", type=int, default=10, help="plans to print")
+    p.add_argument("--top", type=positive_int, default=10, help="plans to print (>= 1)")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="force Myelin's optimizer offload on/off (default: try both)")
     p.add_argument("--no-tensor", action="store_true", help="only G_c = G_r = G_d = 1")
-    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, "
-                   "or 512 for a preset)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: model.max_seq_len)")
+    p.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default: the "
+                   "config's, or 512 for a preset)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence, at most the model's "
+                   "max_seq_len (default: the config's data.seq_len, or max_seq_len for a preset)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the config's precision.compute_dtype, or bfloat16 for a preset)")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak flop/s the matmuls reach")
@@ -42,16 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
 
 
-def _config(spec: str):
-    """The run config of ``--model`` (None for a preset), validated as train validates it."""
+def model_and_config(spec: str, flag: str = "--model"):
+    """``(model config, run config)`` of a preset name (run config None) or of a run config file, validated
+    as train validates it: what ``plan --model`` and ``partition --profile-model`` accept."""
     if spec in PRESETS:
-        return None
+        return resolve_model(spec), None
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+        raise ValueError(f"{flag} {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
     from jaxhybrid.config import load_config
 
-    return load_config(path)
+    cfg = load_config(path)
+    return cfg.model, cfg
 
 
 def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
@@ -75,17 +79,19 @@ def _row(label: str, p: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     check_gpus(args.gpus, args.gpus_per_node)
     hw = load_hardware(args.hardware)
-    cfg = _config(args.model)
-    model = cfg.model if cfg else resolve_model(args.model)
+    model, cfg = model_and_config(args.model)
+    check_seq_len(args.seq_len, model)
+    if args.out:
+        check_writable(args.out, "--out")  # before the ranking, not after it
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "bfloat16")
     machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency)
-    gb = args.global_batch or (cfg.train.global_batch if cfg else 512)
-    seq = args.seq_len or (cfg.data.seq_len if cfg else model.max_seq_len)
+    gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
+    seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
     ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload)  # all
     plans = ranked[:args.top]
     notes, own = latency_notes(plans), None
     if cfg is not None:
-        if cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (0, 0):
+        if cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (None, None):
             notes.append(f"{args.model}'s own layout ({cfg.num_devices} devices, global batch "
                          f"{cfg.train.global_batch} x {cfg.data.seq_len}) is scored only with --gpus "
                          f"{cfg.num_devices} and the config's own batch and sequence")

@@ -18,9 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.commands.argtypes import check_writable
     from jaxhybrid.data import prepare_data
     from jaxhybrid.data.dataset import TokenDataset
 
+    check_writable(args.out, "--out", directory=True)  # before the corpus is read and tokenized (BPE: trained)
     out = prepare_data(args.out, args.input or None, args.tokenizer, args.vocab_size, args.val_fraction)
     meta = TokenDataset(out).meta
     s = meta["splits"]

@@ -11,6 +11,8 @@ import json
 import math
 import re
 
+from jaxhybrid.commands.argtypes import positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxhybrid.pipeline.schedule import SCHEDULE_NAMES
@@ -27,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=float, default=0.0, help="seconds per point-to-point message")
     p.add_argument("--bandwidth", type=float, default=math.inf, help="bytes/s of a point-to-point link")
     p.add_argument("--message-bytes", type=float, default=0.0, help="bytes of one activation message")
-    p.add_argument("--pipeline-limit", type=int, default=0,
-                   help="myelin: microbatches in flight (default: stages)")
+    p.add_argument("--pipeline-limit", type=positive_int, default=None,
+                   help="myelin only: microbatches in flight (default: stages)")
     p.add_argument("--period", type=float, default=None, help="1f1b-star: MadPipe period T")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--table", action="store_true", help="also print the per-rank task order")
@@ -48,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     key = args.schedule.lower()  # an unknown name is left to make_schedule, which lists the valid ones
     if args.microbatches is None and key in SCHEDULE_NAMES and not re.fullmatch(r"1f1b-\d+", key):
         raise ValueError(f"--schedule {args.schedule} needs --microbatches M (only 1f1b-K defaults, to K x stages)")
+    # A flag of one schedule given with another is refused, not ignored: the result would not be what was asked.
+    if args.pipeline_limit is not None and key != "myelin":
+        raise ValueError(f"--pipeline-limit applies to --schedule myelin only, not {args.schedule}")
     if args.memory_saving and not args.split_backward:
         raise ValueError("--memory-saving needs --split-backward (2BP Fig. 5 runs the delayed weight gradients "
                          "half-way)")
@@ -57,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_saving:
         opts["memory_saving"] = True
     if args.period is not None:
-        if args.schedule != "1f1b-star":
-            raise ValueError("--period applies to --schedule 1f1b-star only")
+        if key != "1f1b-star":
+            raise ValueError(f"--period applies to --schedule 1f1b-star only, not {args.schedule}")
         f, bi, bw = (float(x) for x in args.costs.split(","))
         opts.update(stage_costs=[(f, bi + bw)] * args.stages, period=args.period)
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.split_backward,
-                             pipeline_limit=args.pipeline_limit, **opts)
+                             pipeline_limit=args.pipeline_limit or 0, **opts)
     validate_schedule(schedule, costs=costs)
     result = simulate(schedule, costs)
     if args.trace:

@@ -228,3 +228,15 @@ def test_cli_prepare_data(tmp_path, capsys):
     rc = main(["prepare-data", "--out", str(tmp_path / "bad"), "--input", str(tmp_path / "missing.txt")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "missing.txt" in err and len(err.splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
+    """--out naming an existing file (or a path under one) is one error line naming it, before the corpus is
+    read; it used to be a FileExistsError traceback after the tokenizing."""
+    monkeypatch.setattr("jaxhybrid.data.prepare_data", lambda *a, **k: pytest.fail("prepared anyway"))
+    (tmp_path / "c1.yaml").write_text("")
+    for out, says in ((tmp_path / "c1.yaml", f"--out {tmp_path}/c1.yaml is a file; give a directory"),
+                      (tmp_path / "c1.yaml" / "sub", f"--out {tmp_path}/c1.yaml/sub cannot be written: "
+                                                     f"{tmp_path}/c1.yaml is not a directory")):
+        assert main(["prepare-data", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"jaxhybrid prepare-data: error: {says}\n"

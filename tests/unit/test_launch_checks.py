@@ -32,7 +32,8 @@ def test_run_dir_is_checked_once_before_the_ranks_start(tmp_path):
         check_job(*_job(run, "parallel.data=1", flags=("--resume",)), 2)
     check_job(*_job(run, flags=("--resume",)), 4)  # the same layout resumes
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=rf"run.dir={tmp_path}/file/x cannot be written: {tmp_path}/file takes no"):
+    with pytest.raises(ConfigError, match=rf"run.dir={tmp_path}/file/x cannot be written: {tmp_path}/file is not a "
+                                          r"directory; pick another --set run.dir="):
         check_job(*_job(tmp_path / "file" / "x"), 4)
     if Path("/proc/self").exists():  # a read-only place that os.access calls writable for root
         with pytest.raises(ConfigError, match="run.dir=/proc/nope cannot be written"):
@@ -74,6 +75,28 @@ def test_rank_count_is_checked_first(tmp_path):
     _, args = build_parser(["launch", "-n", "0", "--config", str(RUNS / "pipeline_2x2.yaml")])
     with pytest.raises(ValueError, match=r"^-n 0: need at least one rank$"):
         launch.run(args)
+
+
+@pytest.mark.parametrize("cores", ["0", "-3"])
+def test_cores_must_be_at_least_one(cores, capsys):
+    """--cores 0 used to mean all cores (JAXHYBRID_RANK_CPUS listed every CPU) and -3 got "this process
+    may use N CPUs"; both are argparse errors naming the flag, the value and the bound."""
+    with pytest.raises(SystemExit) as e:
+        build_parser(["launch", "-n", "1", "--cores", cores, "--dry-run", "--config", str(RUNS / "tiny.yaml")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"jaxhybrid launch: error: argument --cores: must be an integer >= 1 (got '{cores}')" in err
+
+
+def test_cores_picks_the_first_allowed_cpus(tmp_path, capsys):
+    first = launch.job_cpus()[0]
+    for extra, want in ((["--cores", "1"], str(first)), ([], ",".join(map(str, launch.job_cpus())))):
+        _, args = build_parser(["launch", "-n", "1", *extra, "--mpiexec", "mpiexec", "--dry-run", "--config",
+                                str(RUNS / "tiny.yaml"), "--set", f"run.dir={tmp_path}"])
+        assert launch.run(args) == 0
+        assert f"JAXHYBRID_RANK_CPUS='{want}'" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"^--cores 99999 must be in \[1, "):
+        launch.job_cpus(99999)
 
 
 @pytest.mark.parametrize("argv,expected", [

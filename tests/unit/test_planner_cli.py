@@ -3,6 +3,7 @@ counts and latency note, simulate's flag errors. Commands run in-process (no JAX
 profile a model."""
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from jaxhybrid.planner.costs import LayerCost, Profile, load_hardware, save_prof
 from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.pipedream import pipedream
 from jaxhybrid.planner.plan import machine_from_hardware, rank_plans
+
+RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
 
 
 def _run(*argv: str) -> int:
@@ -66,6 +69,76 @@ def test_partition_refuses_more_processors_than_layers_before_profiling(tmp_path
              "--bandwidth", "1e10", "--algorithm", algorithm)
 
 
+def _usage_error(capsys, *argv: str) -> str:
+    """argparse's error line for a flag's value (exit code 2, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+PARTITION = ("partition", "--processors", "2", "--memory", "1e9", "--bandwidth", "1e10")
+
+
+@pytest.mark.parametrize("flag", ["--microbatch-size", "--seq-len", "--iterations"])
+def test_partition_counts_must_be_at_least_one(capsys, flag):
+    """--microbatch-size 0 used to reach the profiler ("microbatch=0, repeats=3 must be >= 1"), --seq-len 0
+    to mean max_seq_len."""
+    assert _usage_error(capsys, *PARTITION, "--profile-model", "gpt-tiny", flag, "0") == \
+        f"jaxhybrid partition: error: argument {flag}: must be an integer >= 1 (got '0')"
+
+
+def test_partition_checks_the_profile_output_and_sequence_before_profiling(tmp_path, monkeypatch):
+    """An unwritable --profile failed with a bare "[Errno 2]" after profiling; a --seq-len beyond the model's
+    positions was named as the profiler's internal ``seq``."""
+    monkeypatch.setattr("jaxhybrid.planner.profile.profile_model", lambda *a, **k: pytest.fail("profiled first"))
+    with pytest.raises(ValueError, match=f"^--profile {tmp_path}/no/p.json cannot be written: {tmp_path}/no "
+                                         "does not exist$"):
+        _run(*PARTITION, "--profile-model", "gpt-tiny", "--profile", str(tmp_path / "no" / "p.json"))
+    with pytest.raises(ValueError, match=f"^--profile {tmp_path} is a directory; give a file$"):
+        _run(*PARTITION, "--profile-model", "gpt-tiny", "--profile", str(tmp_path))
+    if Path("/proc/self").exists():  # a read-only place that os.access calls writable for root
+        with pytest.raises(ValueError, match="^--profile /proc/p.json cannot be written: /proc takes no new file"):
+            _run(*PARTITION, "--profile-model", "gpt-tiny", "--profile", "/proc/p.json")
+    with pytest.raises(ValueError, match="^--seq-len 1000 must be at most gpt-tiny's max_seq_len=128$"):
+        _run(*PARTITION, "--profile-model", "gpt-tiny", "--seq-len", "1000")
+
+
+def test_partition_profiling_flags_are_refused_with_a_profile_file(tmp_path):
+    """They shape the profiling only; a given profile was measured at its own sizes (they used to be ignored)."""
+    _, path = _profile(tmp_path)
+    with pytest.raises(ValueError, match=r"^--microbatch-size 4 applies only with --profile-model"):
+        _run(*PARTITION, "--profile", path, "--microbatch-size", "4")
+    with pytest.raises(ValueError, match=r"^--seq-len 16, --dtype bfloat16 apply only with --profile-model .*them"):
+        _run(*PARTITION, "--profile", path, "--seq-len", "16", "--dtype", "bfloat16")
+    assert _run(*PARTITION, "--profile", path, "--json") == 0
+
+
+def test_partition_profiles_a_run_config_as_plan_reads_it(monkeypatch, capsys):
+    """--profile-model CFG takes a run config as `plan --model` does (the same resolver): its model, microbatch
+    size, sequence and compute dtype, each flag overriding; it used to fail with "unknown model"."""
+    from jaxhybrid.config import load_config
+
+    seen = []
+
+    def fake_profile(model, microbatch, seq, dtype):
+        seen.append((model, microbatch, seq, dtype))
+        return Profile(1.0, tuple(LayerCost(f"l{i}", 1.0, 2.0, 0.1, 0.5) for i in range(model.n_layers)))
+
+    monkeypatch.setattr("jaxhybrid.planner.profile.profile_model", fake_profile)
+    cfg = load_config(RUNS / "tiny.yaml")
+    assert _run(*PARTITION, "--profile-model", str(RUNS / "tiny.yaml"), "--json") == 0
+    assert seen.pop() == (cfg.model, cfg.microbatch_size, cfg.data.seq_len, cfg.precision.compute_dtype)
+    assert _run(*PARTITION, "--profile-model", str(RUNS / "tiny.yaml"), "--microbatch-size", "2", "--seq-len", "8",
+                "--dtype", "bfloat16", "--json") == 0
+    assert seen.pop() == (cfg.model, 2, 8, "bfloat16")
+    assert _run(*PARTITION, "--profile-model", "gpt-tiny", "--json") == 0
+    assert seen.pop()[1:] == (1, 128, "float32")  # a preset's defaults
+    assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["stages"]) >= 1
+    with pytest.raises(ValueError, match="^--profile-model 'nope.yaml' is neither a preset"):
+        _run(*PARTITION, "--profile-model", "nope.yaml")
+
+
 def test_madpipe_and_pipedream_agree_on_the_processor_limit(tmp_path):
     prof, _ = _profile(tmp_path, layers=3)
     chain = Chain.from_profile(prof, memory=100.0, bandwidth=1.0)
@@ -98,6 +171,31 @@ def test_plan_rejects_partial_nodes_and_oversized_nodes_before_ranking(monkeypat
     monkeypatch.setattr("jaxhybrid.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
     with pytest.raises(ValueError, match=match):
         _run("plan", "--model", "gpt-tiny", "--gpus", gpus, "--gpus-per-node", gpn, "--hardware", "h100-node")
+
+
+PLAN = ("plan", "--gpus", "2", "--gpus-per-node", "8", "--hardware", "h100-node")
+
+
+@pytest.mark.parametrize("flag,value", [("--global-batch", "0"), ("--seq-len", "0"), ("--top", "0"),
+                                        ("--top", "-1"), ("--global-batch", "x")])
+def test_plan_counts_must_be_at_least_one(capsys, flag, value):
+    """--global-batch 0 and --seq-len 0 used to fall back to the defaults, --top -1 to print all plans but
+    the last and --top 0 an empty table."""
+    assert _usage_error(capsys, *PLAN, "--model", "gpt-tiny", flag, value) == \
+        f"jaxhybrid plan: error: argument {flag}: must be an integer >= 1 (got '{value}')"
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", str(RUNS / "tiny.yaml")])
+def test_plan_refuses_a_sequence_beyond_the_models_positions_before_ranking(monkeypatch, model):
+    """train rejects data.seq_len > model.max_seq_len; plan used to rank layouts for it."""
+    monkeypatch.setattr("jaxhybrid.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
+    with pytest.raises(ValueError, match="^--seq-len 100000 must be at most gpt-tiny's max_seq_len=128$"):
+        _run(*PLAN, "--model", model, "--seq-len", "100000")
+
+
+def test_plan_top_one_prints_one_plan(capsys):
+    assert _run(*PLAN, "--model", "gpt-tiny", "--top", "1", "--seq-len", "128", "--json") == 0
+    assert len(json.loads(capsys.readouterr().out)["plans"]) == 1
 
 
 def test_whole_nodes_or_a_divisor_of_one_are_accepted_and_suggested():
@@ -146,3 +244,16 @@ def test_simulate_errors_name_the_flags(capsys):
         _run("simulate", "--schedule", "bogus", "--stages", "4")
     assert _run("simulate", "--schedule", "1f1b-2", "--stages", "4", "--json") == 0  # 1f1b-K: M = K x stages
     assert json.loads(capsys.readouterr().out)["microbatches"] == 8
+
+
+def test_simulate_pipeline_limit_is_for_myelin_only(capsys):
+    """Like --period for 1f1b-star: a flag of another schedule is an error, not silently ignored."""
+    with pytest.raises(ValueError, match="^--pipeline-limit applies to --schedule myelin only, not 1f1b$"):
+        _run("simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--pipeline-limit", "2")
+    assert _usage_error(capsys, "simulate", "--schedule", "myelin", "--stages", "4", "--microbatches", "8",
+                        "--pipeline-limit", "0") == \
+        "jaxhybrid simulate: error: argument --pipeline-limit: must be an integer >= 1 (got '0')"
+    assert _run("simulate", "--schedule", "Myelin", "--stages", "4", "--microbatches", "8", "--pipeline-limit", "1",
+                "--json") == 0  # schedule names are case-blind, for both flags
+    assert json.loads(capsys.readouterr().out)["per_rank"][0]["peak_stashed"] == 1
+    assert _run("simulate", "--schedule", "1F1B-STAR", "--stages", "3", "--microbatches", "6", "--period", "9") == 0

@@ -130,6 +130,10 @@ def test_overflow_skips_step_and_halves_scale(tmp_path):
     (["--set", "train.eval_every=-5"], "train.eval_every=-5"),
     (["--set", "train.eval_every=10", "--set", "data.val_fraction=0"], "data.val_fraction=0"),
     (["--set", "train.eval_every=10", "--set", "train.eval_batches=0"], "train.eval_batches=0"),
+    (["--set", "train.eval_every=10", "--set", "data.val_fraction=-0.1"], "data.val_fraction=-0.1 must be in [0, 1)"),
+    (["--set", "data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
+    (["--set", "train.seed=-1"], "train.seed=-1 must be >= 0"),
+    (["--set", "checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     bad = tmp_path / "bad.yaml"
@@ -139,6 +143,35 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing written half-way
+
+
+def _train_cli(tmp_path, *sets, flags=()):
+    return main(["train", *flags] + [a for kv in FAST + [f"run.dir={tmp_path / 'run'}", *sets] for a in ("--set", kv)])
+
+
+def test_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
+    assert _train_cli(tmp_path, "train.steps=2") == 0
+    capsys.readouterr()
+    assert _train_cli(tmp_path, "train.steps=2", flags=("--resume",)) == 0  # complete, not an error
+    out = capsys.readouterr()
+    assert (f"run.dir={tmp_path / 'run'} is already at step 2 >= train.steps=2; nothing to train "
+            f"(raise train.steps to continue)") in out.err
+    assert json.loads(out.out.strip().splitlines()[-1])["first_loss"] is None
+
+
+def test_plan_file_settings_are_printed_once(tmp_path, capsys):
+    """A plan sets more than the layout (dtype, batch, remat, offload): the writer lists what it set,
+    not the keys the command line sets itself."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "gpt-tiny", "config": {
+        "parallel": {"pipeline": 1, "data": 1, "partition": []}, "pipeline": {"microbatches": 2},
+        "optim": {"offload": False}, "train": {"global_batch": 8, "remat": "dots"},
+        "precision": {"compute_dtype": "float32"}}}))
+    assert _train_cli(tmp_path, "train.steps=1", f"plan.file={plan}") == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if "sets:" in l]
+    assert lines == [f"jaxhybrid: plan {plan} sets: parallel.pipeline=1, parallel.data=1, parallel.partition=[], "
+                     f"pipeline.microbatches=2, optim.offload=False, train.remat=dots, "
+                     f"precision.compute_dtype=float32"]  # train.global_batch is FAST's --set, not the plan's
 
 
 def test_cli_version_and_unknown_command(capsys):
@@ -212,3 +245,22 @@ def test_compilation_cache_serves_a_rerun(tmp_path):
     assert "Writing jit_step to persistent compilation cache" in first and any(cache.iterdir())
     second = train("b")
     assert "Persistent compilation cache hit for 'jit_step'" in second, second[-3000:]
+
+
+def test_bare_command_is_a_usage_error(capsys):
+    """No command: the help on stderr and argparse's usage-error status, not a silent success."""
+    assert main([]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "COMMAND" in out.err
+
+
+def test_a_closed_output_pipe_ends_quietly(monkeypatch, capfd):
+    """`jaxhybrid plan ... | head`: the reader leaving ends the command with status 1 and no traceback."""
+    import jaxhybrid.commands.simulate as sim
+
+    def run(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sim, "run", run)
+    assert main(["simulate", "--stages", "2", "--schedule", "gpipe", "--microbatches", "2"]) == 1
+    assert "Traceback" not in capfd.readouterr().err

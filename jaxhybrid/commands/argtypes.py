@@ -1,0 +1,54 @@
+"""Argument checks shared by the commands, made before any slow work (profiling, compiling, tokenizing,
+starting MPI), so a mistyped flag fails at once with a line naming the flag, the value and what it may be.
+
+``positive_int`` is an argparse ``type=``: argparse then reports ``jaxhybrid CMD: error: argument --flag:
+...`` with its usage line and exit code 2, as it does for a value that is no integer at all. A flag whose
+default means "derive it" (the config's batch, the model's sequence length, all cores) defaults to None
+rather than 0, so a typed 0 is rejected instead of silently meaning the default. The other checks depend on
+more than one value and raise ValueError, which ``jaxhybrid.cli.main`` prints as ``jaxhybrid CMD: error:``.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of a count that must be >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
+    return value
+
+
+def check_seq_len(seq_len: int | None, model, flag: str = "--seq-len") -> None:
+    """A given sequence length fits the model's position table (``train`` rejects a longer
+    ``data.seq_len``; the planner and the profiler would otherwise cost a model that cannot run)."""
+    if seq_len is not None and seq_len > model.max_seq_len:
+        raise ValueError(f"{flag} {seq_len} must be at most {model.name}'s max_seq_len={model.max_seq_len}")
+
+
+def check_writable(path: str | Path, flag: str, directory: bool = False, hint: str = "") -> None:
+    """``path`` can be written where the command will write it after its slow part: a file (its folder
+    must exist, nothing makes it) or, with ``directory``, a folder (made with its parents if missing).
+    The folder that would take the new entry is probed with a temporary file, since as root ``os.access``
+    calls even /proc writable. Errors name ``flag`` and the path (``flag`` ending in ``=``: a config key,
+    as ``run.dir=``), then ``hint``."""
+    p = Path(path)
+    what = f"{flag}{path}" if flag.endswith("=") else f"{flag} {path}"
+    if p.is_dir() != directory and p.exists():
+        want = "a directory" if directory else "a file"
+        raise ValueError(f"{what} is {'a directory' if p.is_dir() else 'a file'}; give {want}{hint}")
+    where = p.absolute()
+    near = next(d for d in (where, *where.parents) if d.exists()) if directory else where.parent
+    if not near.is_dir():
+        why = "is not a directory" if near.exists() else "does not exist"
+        raise ValueError(f"{what} cannot be written: {near} {why}{hint}")
+    try:
+        tempfile.TemporaryFile(dir=near).close()
+    except OSError as e:
+        raise ValueError(f"{what} cannot be written: {near} takes no new file ({e.strerror or e}){hint}") from None
