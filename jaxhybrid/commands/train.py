@@ -149,8 +149,12 @@ def run(args: argparse.Namespace) -> int:
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer
-    if writer and (line := plan_line(cfg, args.overrides)):
-        print(line, file=sys.stderr, flush=True)
+    if writer:
+        from jaxhybrid.data.splits import repetition_notes
+
+        for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in
+                                                                     repetition_notes(cfg))]):
+            print(line, file=sys.stderr, flush=True)
     summary = trainer.run()
     if writer:
         if line := nothing_to_train_line(cfg, summary):

@@ -52,3 +52,27 @@ def validation_batches(cfg) -> list[np.ndarray]:
                           f"prepare the data with a larger val_fraction, or set train.eval_every=0")
     sampler = Sampler(ds, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
     return [sampler.batch(i) for i in range(cfg.train.eval_batches)]
+
+
+def repetition_notes(cfg) -> list[str]:
+    """What a run would read more than once within one batch or one evaluation, which training gives no
+    sign of (the loss just looks good): a train split with fewer windows of ``data.seq_len + 1`` tokens
+    than ``train.global_batch``, and ``train.eval_batches`` asking for more sequences than the val split
+    has windows (the sampler wraps around; the loss is no better measured, the evaluation only longer)."""
+    notes = []
+    train = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+    if train.n_windows < cfg.train.global_batch:
+        notes.append(f"the train split of {train.dataset.dir} holds {len(train.dataset)} tokens, "
+                     f"{train.n_windows} windows of data.seq_len + 1 = {cfg.data.seq_len + 1}: fewer than "
+                     f"train.global_batch={cfg.train.global_batch}, so every batch repeats windows")
+    if cfg.train.eval_every:
+        val = Sampler(open_dataset(cfg, "val"), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+        asked = cfg.train.eval_batches * cfg.train.global_batch
+        if asked > val.n_windows:
+            enough = -(-val.n_windows // cfg.train.global_batch)
+            fix = f"eval_batches={enough} reads them all" if cfg.train.eval_batches > enough else \
+                "fewer than one batch: prepare the data with a larger val_fraction"
+            notes.append(f"train.eval_batches={cfg.train.eval_batches} x train.global_batch="
+                         f"{cfg.train.global_batch} = {asked} sequences, but the val split holds {val.n_windows} "
+                         f"windows: each evaluation repeats them ({fix})")
+    return notes

@@ -240,3 +240,26 @@ def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
                                                      f"{tmp_path}/c1.yaml is not a directory")):
         assert main(["prepare-data", "--out", str(out)]) == 2
         assert capsys.readouterr().err == f"jaxhybrid prepare-data: error: {says}\n"
+
+
+def test_repetition_notes_name_a_split_too_small_for_a_batch_or_the_evaluation(tmp_path):
+    """A batch wider than the train split, or more evaluation sequences than the val split holds, reads
+    windows twice; the trainer's writer prints these notes (commands/train.py), since the loss shows nothing."""
+    from jaxhybrid.config import load_config
+    from jaxhybrid.data.splits import repetition_notes
+
+    src = _write(tmp_path, "in.txt", "abcdefghij" * 40)  # 401 bytes (a newline ends it): 201 train, 200 val
+    out = prepare_data(tmp_path / "d", [src], "byte", val_fraction=0.5)
+
+    def notes(batch, evals, every=5):
+        return repetition_notes(load_config(None, [f"data.path={out}", "model.name=gpt-tiny", "data.seq_len=8",
+                                                   f"train.global_batch={batch}", f"train.eval_batches={evals}",
+                                                   f"train.eval_every={every}"]))
+
+    assert notes(8, 2) == []
+    assert notes(8, 4) == ["train.eval_batches=4 x train.global_batch=8 = 32 sequences, but the val split holds "
+                           "23 windows: each evaluation repeats them (eval_batches=3 reads them all)"]
+    wide, evals = notes(32, 1)
+    assert "holds 201 tokens, 24 windows of data.seq_len + 1 = 9: fewer than train.global_batch=32" in wide
+    assert evals.endswith("(fewer than one batch: prepare the data with a larger val_fraction)")
+    assert len(notes(32, 1, every=0)) == 1  # no evaluation, no evaluation note
