@@ -57,24 +57,61 @@ def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
     return out
 
 
-def check_resume_layout(run_dir: str | Path, cfg) -> None:
-    """Before a resume: the settings that shape the checkpointed state (model, parallel layout, offloaded
-    optimizer buckets) must equal those of the run that wrote ``run_dir`` (its ``config.yaml``); else a
-    ConfigError listing each change, instead of orbax's tree-structure mismatch at restore."""
-    from jaxhybrid.config import ConfigError, config_from_dict, load_yaml
+def saved_config(run_dir: str | Path):
+    """The config a run in ``run_dir`` wrote (its ``config.yaml``), unchecked; None when there is none."""
+    from jaxhybrid.config import config_from_dict, load_yaml
 
     saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        return
-    old = config_from_dict(load_yaml(saved), check=False)
-    keys = [f"{sec}.{f.name}" for sec in ("model", "parallel") for f in dataclasses.fields(getattr(cfg, sec))]
-    keys += ["optim.offload"] + (["optim.bucket_size"] if cfg.optim.offload else [])
+    return config_from_dict(load_yaml(saved), check=False) if saved.is_file() else None
 
+
+def config_changes(old, new, keys=None) -> list[str]:
+    """``"key: old -> new"`` for each dotted key (default: every field but ``run.resume``) that differs."""
     def get(c, key):
         sec, name = key.split(".")
         return getattr(getattr(c, sec), name)
 
-    changed = [f"{k}: {get(old, k)} -> {get(cfg, k)}" for k in keys if get(old, k) != get(cfg, k)]
+    if keys is None:
+        sections = [f.name for f in dataclasses.fields(new) if dataclasses.is_dataclass(getattr(new, f.name))]
+        keys = [f"{sec}.{f.name}" for sec in sections for f in dataclasses.fields(getattr(new, sec))
+                if (sec, f.name) != ("run", "resume")]
+    return [f"{k}: {get(old, k)} -> {get(new, k)}" for k in keys if get(old, k) != get(new, k)]
+
+
+def write_run_config(run_dir: Path, cfg, step: int) -> None:
+    """``config.yaml``: the config this run trains with, ``run.resume`` false so that the file starts a run
+    as it is (``--config run/config.yaml`` with another run.dir). A resume that changed settings (those a
+    checkpoint allows: schedule, steps, evaluation, ...) says which, and keeps the file it replaces as
+    ``config.step<N>.yaml``: what steps 1-N trained with."""
+    import sys
+
+    from jaxhybrid.config import dump_config
+
+    saved = run_dir / "config.yaml"
+    old = saved_config(run_dir) if cfg.run.resume else None
+    changes = config_changes(old, cfg) if old is not None else []
+    if changes:
+        saved.replace(run_dir / f"config.step{step}.yaml")
+        print(f"jaxhybrid: resuming at step {step} with changed settings: {'; '.join(changes)} (the earlier "
+              f"config is kept as config.step{step}.yaml)", file=sys.stderr, flush=True)
+    tmp = saved.with_name(".config.yaml.tmp")  # replaced whole: a crash leaves the old file or the new one
+    tmp.write_text(dump_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=False))))
+    tmp.replace(saved)
+
+
+def check_resume_layout(run_dir: str | Path, cfg) -> None:
+    """Before a resume: the settings that shape the checkpointed state (model, parallel layout, offloaded
+    optimizer buckets) must equal those of the run that wrote ``run_dir`` (its ``config.yaml``); else a
+    ConfigError listing each change, instead of orbax's tree-structure mismatch at restore."""
+    from jaxhybrid.config import ConfigError
+
+    old = saved_config(run_dir)
+    if old is None:
+        return
+    saved = Path(run_dir) / "config.yaml"
+    keys = [f"{sec}.{f.name}" for sec in ("model", "parallel") for f in dataclasses.fields(getattr(cfg, sec))]
+    keys += ["optim.offload"] + (["optim.bucket_size"] if cfg.optim.offload else [])
+    changed = config_changes(old, cfg, keys)
     if changed:
         raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout "
                           f"({'; '.join(changed)}); resume with the settings of {saved}, or train into another run.dir")
@@ -102,6 +139,16 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_host(state)),
                                                          meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete this rank's checkpoints newer than ``step`` (the newest one every rank has), returning
+        their steps. Why: a job that died mid-save leaves some ranks a step ahead; kept, that step would
+        stay the old run's on those ranks (orbax does not save a step it holds) while the others write the
+        resumed run's, and a later resume would load one checkpoint made of two trajectories."""
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.manager.delete(s)
+        return newer
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical; leaves spanning other

@@ -44,7 +44,7 @@ class TrainConfig:
     log_every: int = 10  # progress line / tensorboard flush interval
     remat: str = "none"  # activation checkpointing policy: none | dots | full
     checkpoint_interval: int = 0  # Myelin's ac (blocks per checkpoint segment); 0 = optimal (Sec. V-A)
-    inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite
+    inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (its number as logged, from 1)
     eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
-from jaxhybrid.checkpoint import Checkpointer, check_run_dir
-from jaxhybrid.config import Config, ConfigError, dump_config, optimal_checkpoint_interval, validate
+from jaxhybrid.checkpoint import Checkpointer, check_run_dir, write_run_config
+from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
@@ -134,6 +134,10 @@ class Trainer:
         step = int(-self.engine.global_max(jnp.float32(-mine)))
         if step < 0:
             raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
+        dropped = ckpt.discard_after(step)
+        if dropped:
+            print(f"jaxhybrid: rank {self.rank} resumes from step {step}, the newest every rank saved; deleted "
+                  f"its newer checkpoints {dropped} (an unfinished save of the last run)", file=sys.stderr, flush=True)
         like = {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}
         state, meta = ckpt.restore(step, like)
         params = place_like(st.params, state["params"])
@@ -145,7 +149,7 @@ class Trainer:
     def step(self, st: TrainState) -> tuple[TrainState, dict]:
         cfg = self.cfg
         scale = st.loss_scale.scale
-        if st.step == cfg.train.inject_overflow_step:
+        if st.step + 1 == cfg.train.inject_overflow_step:  # the step as logged (1-based)
             scale = math.inf  # an injected overflow travels the real path: non-finite grads
         batch = self.sampler.batch(st.step)
         if self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
@@ -181,12 +185,15 @@ class Trainer:
         ckpt = self._checkpointer()
         if cfg.run.resume:
             st = self.restore(ckpt, st)
-        from jaxhybrid.optim.memory_report import params_per_device, report_from_config, summary_line, write_report
+        from jaxhybrid.optim.memory_report import gather_entries, rank_entry, report_over_ranks, summary_line, \
+            write_report
 
-        mem = report_from_config(cfg, params_per_device(st.params))  # with and without offload
+        # Collective: every rank's phi on the writer, which reports the fullest rank (with and without offload).
+        entries = gather_entries(self.engine, rank_entry(self.engine, st.params))
+        mem = report_over_ranks(cfg, entries) if writer else None
         if writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_run_config(self.run_dir, cfg, st.step)
             write_report(self.run_dir, mem)
             print(summary_line(mem), file=sys.stderr, flush=True)
             print(f"jaxhybrid: {peak_note}", file=sys.stderr, flush=True)
@@ -195,9 +202,10 @@ class Trainer:
                                        progress=cfg.metrics.progress, is_writer=writer,
                                        log_every=cfg.train.log_every, start_step=st.step)
         tokens = cfg.train.global_batch * cfg.data.seq_len
-        m = cfg.model
-        flops = metrics_lib.flops_per_step(cfg.train.global_batch, cfg.data.seq_len, m.n_layers, m.d_model,
-                                           m.vocab_size, recompute=cfg.train.remat != "none")
+        # Model flops (mfu) count no recomputation; hardware flops (hfu) add what train.remat recomputes.
+        flops = metrics_lib.model_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len)
+        hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len,
+                                                       cfg.train.remat)
         losses, times, last_val = [], [], None
         try:
             while st.step < cfg.train.steps:
@@ -207,8 +215,8 @@ class Trainer:
                 losses.append(info["loss"])
                 times.append(dt)
                 rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                       "tflops_per_device": flops / dt / n_dev / 1e12,
-                       "mfu": flops / dt / n_dev / peak if peak else None,  # null: no peak for this device
+                       # mfu/hfu null: no peak for this device
+                       **metrics_lib.step_flop_rates(flops, hw_flops, dt, n_dev, peak),
                        "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
                 ev = cfg.train.eval_every
                 if ev and (st.step % ev == 0 or st.step == cfg.train.steps):

@@ -2,6 +2,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -108,8 +109,32 @@ def test_reused_run_dir_is_refused_and_resume_checks_the_layout(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tmp_path, capsys):
+    """A job that died mid-save leaves ranks a step apart: the resume takes the newest step all have and
+    deletes the newer ones here (kept, they would stay the old run's while the other ranks save the resumed
+    run's). config.yaml records run.resume false, so it starts a fresh run as it is; a resume that changed
+    settings lists them and keeps the config the earlier steps trained with as config.step<N>.yaml."""
+    from jaxhybrid.checkpoint import committed_steps, saved_config
+
+    run = tmp_path / "run"
+    Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3")).run()
+    assert committed_steps(run) == {"rank_0": [2, 4]}
+    t = Trainer(_cfg(tmp_path, "train.steps=5", "checkpoint.every=2", "checkpoint.keep=3", "run.resume=true",
+                     "optim.lr=2e-3"))
+    t.engine.global_max = lambda v: jnp.maximum(v, -2.0)  # another rank's newest checkpoint is step 2
+    capsys.readouterr()
+    t.run()
+    err = capsys.readouterr().err
+    assert "rank 0 resumes from step 2, the newest every rank saved; deleted its newer checkpoints [4]" in err
+    assert "resuming at step 2 with changed settings: train.steps: 4 -> 5; optim.lr: 0.001 -> 0.002 (the " \
+           "earlier config is kept as config.step2.yaml)" in err
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    old, new = load_config(run / "config.step2.yaml"), load_config(run / "config.yaml")
+    assert (old.train.steps, new.train.steps, new.optim.lr, new.run.resume) == (4, 5, 2e-3, False)
+
+
 def test_overflow_skips_step_and_halves_scale(tmp_path):
-    t = Trainer(_cfg(tmp_path, "train.steps=4", "train.inject_overflow_step=2",
+    t = Trainer(_cfg(tmp_path, "train.steps=4", "train.inject_overflow_step=3",  # the third step, as logged
                      "precision.dynamic_loss_scale=true", "precision.loss_scale_init=1024"))
     st = t.init_state()
     st, _ = t.step(st)
