@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         # land in between ("...nope.jsonjaxhybrid train: error: ...").
         sys.stderr.write(f"jaxhybrid {argv[0]}: error: {e}\n")
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"jaxhybrid {argv[0]}: interrupted\n")  # what was kept is said where it was kept
+        return 130  # 128 + SIGINT, the shell's convention
     except BrokenPipeError:
         # `jaxhybrid plan ... | head`: the reader left. Python's documented recipe: point stdout at devnull
         # so the interpreter's final flush raises nothing either, and exit 1 without a traceback.

@@ -230,6 +230,14 @@ class Trainer:
                 self.save(ckpt, st)
             if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
                 self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
+        except KeyboardInterrupt:
+            # Ctrl-C (mpiexec forwards it to every rank): keep the last finished step, which st still is
+            # mid-step. Saving is this rank's alone; ranks that stopped a step apart are reconciled at resume.
+            if st.step > (ckpt.latest() or 0):
+                self.save(ckpt, st)
+            print(f"jaxhybrid: interrupted; rank {self.rank} saved step {st.step} in {ckpt.dir} (continue with "
+                  f"--resume)", file=sys.stderr, flush=True)
+            raise
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)

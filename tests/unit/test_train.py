@@ -133,6 +133,29 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     assert (old.train.steps, new.train.steps, new.optim.lr, new.run.resume) == (4, 5, 2e-3, False)
 
 
+def test_interrupt_keeps_the_last_finished_step(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-step: the state of the last finished step is saved (a resume continues from it) and the
+    command ends with one line and status 130, no traceback."""
+    from jaxhybrid.checkpoint import committed_steps
+
+    calls = {"n": 0}
+    real = Trainer.step
+
+    def step(self, st):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, st)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    args = ["train", "--set", f"run.dir={tmp_path / 'run'}", "--set", "train.steps=6", "--set", "checkpoint.every=2"]
+    assert main(args + [a for kv in FAST for a in ("--set", kv)]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted; rank 0 saved step 3 in {tmp_path / 'run'}" in err and "Traceback" not in err
+    assert err.rstrip().endswith("jaxhybrid train: interrupted")
+    assert committed_steps(tmp_path / "run") == {"rank_0": [2, 3]}
+
+
 def test_overflow_skips_step_and_halves_scale(tmp_path):
     t = Trainer(_cfg(tmp_path, "train.steps=4", "train.inject_overflow_step=3",  # the third step, as logged
                      "precision.dynamic_loss_scale=true", "precision.loss_scale_init=1024"))
