@@ -1,13 +1,23 @@
-"""Throughput metrics: Narayanan et al. flops, MFU, Myelin's time to train, and the hardware files.
+"""Throughput metrics: model and hardware flops, MFU/HFU, Myelin's time to train, and the hardware files.
 
-Formulas (Myelin Sec. VI-D, after Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters"), for batch ``B``, sequence ``s``, layers ``l``, hidden ``h``, vocabulary
-``V`` and step time ``t``:
+Flops are counted from the model's own matmul shapes (:func:`jaxhybrid.planner.step_model.block_matmuls`:
+``d_ff``, LLaMA's SwiGLU and grouped-query k/v widths included), for a batch of ``b`` sequences of ``s``
+tokens (``T = b s``), width ``d``, vocabulary ``V`` and ``l`` blocks:
 
-* flops per step with activation recomputation: ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``;
-  without recomputation: ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` (one forward pass fewer);
-* estimated time to train on 300 B tokens: ``3e11 * t / (B s)``;
-* MFU: achieved flop/s per device over the hardware file's peak for the compute dtype.
+* forward of one block: ``2 T sum(k n)`` over its matmuls ``(k, n)`` plus the attention core (``Q K^T``
+  and ``A V``) ``4 b s^2 d``, counted without the causal mask's saving (as Narayanan et al. and the
+  stage benchmark do); the head's logits: ``2 T d V``;
+* model flops per step (``tflops_per_device``, ``mfu``): forward + backward, ``3 x`` the forward, with no
+  recomputation, the PaLM / MaxText definition of MFU. For GPT-2 shapes (``d_ff = 4d``, full multi-head
+  attention) this is exactly Narayanan et al.'s ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``;
+* hardware flops per step (``hw_tflops_per_device``, ``hfu``): the model flops plus what ``train.remat``
+  recomputes: ``none`` nothing, ``dots`` the attention core's forward (``4 b s^2 d`` per block; the
+  matmul outputs are saved), ``full`` one more forward of the blocks (not the head; for GPT-2 shapes
+  Narayanan's ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``). Kernels' own recomputation (a flash
+  attention backward recomputing its scores) is not counted;
+* estimated time to train on 300 B tokens: ``3e11 * t / (B s)`` (Myelin Sec. VI-D), ``t`` the step time;
+* MFU and HFU: achieved model (hardware) flop/s per device over the hardware file's peak for the compute
+  dtype; with ``remat: none`` they are equal.
 
 The run's record of them is :class:`jaxhybrid.metrics_writer.MetricsWriter`.
 """
@@ -20,26 +30,59 @@ import yaml
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 GPT3_TOKENS = 300e9  # Myelin Sec. VI-D: the GPT-3 training regime, 300 billion tokens
+REMAT = ("none", "dots", "full")
 
 
-def flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
-    """Model flops of one training step (forward + backward [+ recomputed forward]), Narayanan et al.
-
-    Args:
-      batch: sequences per step (global batch ``B``).
-      seq: sequence length ``s``.
-      layers: transformer blocks ``l``.
-      hidden: model width ``h``.
-      vocab: vocabulary ``V`` (the logits matmul).
-      recompute: activation recomputation on (4 passes of the blocks: 96 = 4 x 24) or off (3: 72).
-    """
-    for name, v in (("batch", batch), ("seq", seq), ("layers", layers), ("hidden", hidden), ("vocab", vocab)):
+def _check(batch: int, seq: int) -> None:
+    for name, v in (("batch", batch), ("seq", seq)):
         if v < 1:
-            raise ValueError(f"flops_per_step: {name}={v} must be >= 1")
-    b, s, l, h, v = float(batch), float(seq), float(layers), float(hidden), float(vocab)
-    if recompute:
-        return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
-    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+            raise ValueError(f"flops: {name}={v} must be >= 1")
+
+
+def attention_core_flops(model, batch: int, seq: int) -> float:
+    """Forward flops of one block's attention core, ``Q K^T`` and ``A V``: ``4 b s^2 d`` (every head's
+    query width sums to ``d`` whatever the k/v heads; the causal mask's zeros are counted)."""
+    _check(batch, seq)
+    return 4.0 * batch * seq * seq * model.d_model
+
+
+def forward_flops(model, batch: int, seq: int, blocks: int | None = None, head: bool = True) -> float:
+    """Forward flops of ``blocks`` transformer blocks of ``model`` (a :class:`~jaxhybrid.model.ModelConfig`;
+    default all ``n_layers``), plus the head's logits matmul with ``head``, on ``batch`` sequences of
+    ``seq`` tokens: ``blocks (2 T sum(k n) + 4 b s^2 d) + 2 T d V``. A pipeline stage's count is
+    ``forward_flops(model, microbatch, seq, its_blocks, head=is_last)``."""
+    from jaxhybrid.planner.step_model import block_matmuls
+
+    _check(batch, seq)
+    blocks = model.n_layers if blocks is None else blocks
+    tokens = float(batch) * seq
+    per_block = 2.0 * tokens * sum(k * n for k, n, _ in block_matmuls(model)) + attention_core_flops(model, batch, seq)
+    return blocks * per_block + (2.0 * tokens * model.d_model * model.vocab_size if head else 0.0)
+
+
+def model_flops_per_step(model, batch: int, seq: int) -> float:
+    """Model flops of one training step of ``batch`` sequences: forward + backward (``3 x`` forward), no
+    recomputation. What ``tflops_per_device`` and ``mfu`` count."""
+    return 3.0 * forward_flops(model, batch, seq)
+
+
+def recompute_flops_per_step(model, batch: int, seq: int, remat: str) -> float:
+    """Flops that ``train.remat`` adds to a step by recomputing forward work in the backward: ``none`` 0,
+    ``dots`` the attention cores (``l x 4 b s^2 d``), ``full`` the blocks' forward (not the head)."""
+    if remat not in REMAT:
+        raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMAT)}")
+    if remat == "none":
+        _check(batch, seq)
+        return 0.0
+    if remat == "dots":
+        return model.n_layers * attention_core_flops(model, batch, seq)
+    return forward_flops(model, batch, seq, head=False)
+
+
+def hardware_flops_per_step(model, batch: int, seq: int, remat: str) -> float:
+    """Flops one training step executes: the model flops plus ``remat``'s recomputation. What
+    ``hw_tflops_per_device`` and ``hfu`` count."""
+    return model_flops_per_step(model, batch, seq) + recompute_flops_per_step(model, batch, seq, remat)
 
 
 def tokens_per_s(batch: int, seq: int, step_time_s: float) -> float:
@@ -56,6 +99,18 @@ def mfu(flops: float, step_time_s: float, n_devices: int, peak_tflops: float) ->
     if peak_tflops <= 0:
         raise ValueError(f"peak_tflops={peak_tflops} must be > 0")
     return tflops_per_device(flops, step_time_s, n_devices) / peak_tflops
+
+
+def step_flop_rates(model_flops: float, hardware_flops: float, step_time_s: float, n_devices: int,
+                    peak_flops: float | None) -> dict[str, float | None]:
+    """A step's flop columns (``metrics.jsonl``, TensorBoard ``train/...``): ``tflops_per_device`` and
+    ``mfu`` from the model flops, ``hw_tflops_per_device`` and ``hfu`` from the hardware flops, per
+    device over ``n_devices``; ``mfu`` and ``hfu`` are None when there is no ``peak_flops`` (flop/s per
+    device) for the run's device."""
+    model = tflops_per_device(model_flops, step_time_s, n_devices)
+    hw = tflops_per_device(hardware_flops, step_time_s, n_devices)
+    ratio = (lambda t: t * 1e12 / peak_flops) if peak_flops else (lambda t: None)
+    return {"tflops_per_device": model, "mfu": ratio(model), "hw_tflops_per_device": hw, "hfu": ratio(hw)}
 
 
 def time_to_train_s(step_time_s: float, batch: int, seq: int, tokens: float = GPT3_TOKENS) -> float:

@@ -1,15 +1,91 @@
 """The run's metric record: ``metrics.jsonl`` (one JSON object per step), TensorBoard scalars, a progress
 bar (plain lines when stderr is not a terminal) and ``loss_curve.png`` at the end. The formulas behind
 the throughput columns are in :mod:`jaxhybrid.metrics`.
+
+Names: every number of a ``metrics.jsonl`` line is a TensorBoard scalar of the same step, tagged
+``train/<key>`` (``train/loss``, ``train/tflops_per_device``, ``train/mfu``, ``train/hw_tflops_per_device``,
+``train/hfu``, ...), except the evaluation's, which go under ``val/`` without their prefix (``val_loss``
+-> ``val/loss``, ``val_ppl`` -> ``val/ppl``, ``eval_time_s`` -> ``val/time_s``). The console's line shows
+loss, val_loss, tok/s, TFLOP/s/dev (``tflops_per_device``), mfu, hfu, s/step and the loss scale.
+Both files are flushed at every step: a killed run keeps every step it logged, in both.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import socket
+import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
+
+
+def tb_tag(key: str) -> str:
+    """The TensorBoard tag of a ``metrics.jsonl`` key (module docstring)."""
+    for prefix in ("val_", "eval_"):
+        if key.startswith(prefix):
+            return f"val/{key[len(prefix):]}"
+    return f"train/{key}"
+
+
+class EventFile:
+    """A TensorBoard event file written in the caller's thread: a step's scalars are one record of the file
+    when :meth:`scalars` returns, and :meth:`flush` hands them to the OS (as ``metrics.jsonl``'s flush; no
+    fsync). Why not tensorboardX's ``SummaryWriter``: it queues events for a background thread that
+    flushes every 120 s, so a killed run lost its last steps, and even a ``flush()`` after each
+    ``add_scalar`` misses events still in the queue (the newest step, in a kill test). Records are
+    TFRecord-framed ``Event`` protos (tensorboardX's protos and checksum).
+
+    Args:
+      logdir: the folder (created); the file is ``events.out.tfevents.<time>.<host>[.n]``, never an
+        existing one.
+      purge_step: on a resumed run, TensorBoard hides the events of this step and later ones that an
+        earlier file holds (SummaryWriter's ``purge_step``: a session-start event at that step).
+    """
+
+    def __init__(self, logdir: str | Path, purge_step: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        logdir = Path(logdir)
+        logdir.mkdir(parents=True, exist_ok=True)
+        base = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        for n in itertools.count():
+            self.path = logdir / (f"{base}.{n}" if n else base)
+            try:
+                self._f = open(self.path, "xb")
+                break
+            except FileExistsError:
+                continue
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._write(Event(wall_time=time.time(), step=int(purge_step),
+                              session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """One event of ``step`` holding every ``tag -> value`` of ``values``."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()])
+        self._write(Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def _write(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", masked_crc32c(header)) + data +
+                      struct.pack("<I", masked_crc32c(data)))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _finite_or_none(x: Any) -> Any:
@@ -51,11 +127,9 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             # purge_step hides events of steps after the resume point left by an interrupted run.
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"),
-                                     purge_step=self.start_step + 1 if self.start_step else None)
+            self._tb = EventFile(self.run_dir / "tensorboard",
+                                 purge_step=self.start_step + 1 if self.start_step else None)
         self._bar = None
         self._plain = bool(progress) and not _isatty(self.stream)
         if progress and not self._plain:
@@ -84,7 +158,7 @@ class MetricsWriter:
         return series
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record ``metrics`` of ``step``: one JSON line (flushed), TensorBoard scalars, progress."""
+        """Record ``metrics`` of ``step``: one JSON line and its TensorBoard scalars (both flushed), progress."""
         if not self.enabled or self._closed:
             return
         rec = {"step": int(step), **{k: _finite_or_none(v) for k, v in metrics.items() if k != "step"}}
@@ -92,12 +166,9 @@ class MetricsWriter:
         self._file.flush()  # a crash loses at most the line being written
         _collect(self._series, rec)
         if self._tb is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    tag = f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"
-                    self._tb.add_scalar(tag, float(v), rec["step"])
-            if rec["step"] % self.log_every == 0:
-                self._tb.flush()
+            self._tb.scalars(rec["step"], {tb_tag(k): v for k, v in rec.items()
+                                           if k != "step" and isinstance(v, (int, float))})
+            self._tb.flush()  # with metrics.jsonl's line: a killed run loses neither
         if self._bar is not None:
             self._bar.n = rec["step"]
             self._bar.set_postfix_str(_summary(rec, short=True), refresh=True)
@@ -145,7 +216,8 @@ def _isatty(stream: TextIO) -> bool:
 
 def _summary(rec: dict[str, Any], short: bool = False) -> str:
     fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("tokens_per_s", "{:,.0f} tok/s"),
-              ("tflops_per_device", "{:.3g} TFLOP/s/dev"), ("mfu", "mfu {:.1%}"), ("step_time_s", "{:.3f} s/step"),
+              ("tflops_per_device", "{:.3g} TFLOP/s/dev"), ("mfu", "mfu {:.1%}"), ("hfu", "hfu {:.1%}"),
+              ("step_time_s", "{:.3f} s/step"),
               ("loss_scale", "scale {:g}")]
     if short:  # the progress bar's postfix
         fields = [f for f in fields if f[0] in ("loss", "val_loss", "tokens_per_s", "mfu")]

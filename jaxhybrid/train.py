@@ -31,6 +31,7 @@ from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.step import LocalEngine
+from jaxhybrid.stop import StopOnSignal
 
 
 def build_engine(cfg: Config, model: Model):
@@ -207,6 +208,7 @@ class Trainer:
         hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len,
                                                        cfg.train.remat)
         losses, times, last_val = [], [], None
+        stop = StopOnSignal().__enter__()  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
         try:
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -226,19 +228,19 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if every and st.step % every == 0 and st.step < cfg.train.steps:
                     self.save(ckpt, st)
+                # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
+                if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
+                    if st.step > (ckpt.latest() or 0):
+                        self.save(ckpt, st)
+                    print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
+                          f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
+                    raise KeyboardInterrupt(stop.requested)
             if cfg.checkpoint.at_end:
                 self.save(ckpt, st)
             if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
                 self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
-        except KeyboardInterrupt:
-            # Ctrl-C (mpiexec forwards it to every rank): keep the last finished step, which st still is
-            # mid-step. Saving is this rank's alone; ranks that stopped a step apart are reconciled at resume.
-            if st.step > (ckpt.latest() or 0):
-                self.save(ckpt, st)
-            print(f"jaxhybrid: interrupted; rank {self.rank} saved step {st.step} in {ckpt.dir} (continue with "
-                  f"--resume)", file=sys.stderr, flush=True)
-            raise
         finally:
+            stop.__exit__()
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)
         steady = times[1:] or times

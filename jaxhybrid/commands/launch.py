@@ -23,6 +23,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,16 @@ def run(args: argparse.Namespace) -> int:
         watch.start()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
+        # SIGTERM (Slurm's time limit, scancel, a supervisor) sent to the launcher alone: pass it on, so the
+        # ranks stop after their step with it saved (jaxhybrid/stop.py), and keep relaying until they end.
+        # Default handling would kill the launcher and leave the ranks to die with nothing saved.
+        stopped: list[str] = []
+
+        def forward(signum, frame):
+            stopped.append(signal.Signals(signum).name)
+            proc.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, forward)
         tail: list[str] = []
         assert proc.stdout is not None
         for chunk in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
@@ -187,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         rc = proc.wait()
         watch.stop()
-        if rc != 0:
+        if stopped:  # not a failure: each rank said what it saved
+            print(f"jaxhybrid launch: stopped by {stopped[0]} (exit code {rc})", file=sys.stderr, flush=True)
+        elif rc != 0:
             print(f"jaxhybrid launch: {failure_summary(watch, tail)}; the job was stopped (exit code {rc})",
                   file=sys.stderr, flush=True)
         return rc

@@ -5,6 +5,10 @@ Without offload a mixed-precision step holds ``20 phi`` bytes on the device (4 p
 compute copies of parameters and gradients stay (4 phi in half precision) plus the bucket working set:
 ``16 bsize`` (4 master + 8 moments + 4 fp32 descaled gradient) and ``12 bsize`` per prefetched bucket.
 :func:`live_device_bytes` measures what JAX actually holds, for the benchmark's side-by-side numbers.
+
+A run's ``memory.json`` is the report of its fullest rank (:func:`report_over_ranks`: under a pipeline the
+stages hold different parameters, and the largest decides an out-of-memory failure), naming it by
+``rank``, ``stage`` and ``replica``, with every rank's ``params`` and ``device_total`` under ``per_rank``.
 """
 from __future__ import annotations
 
@@ -90,9 +94,43 @@ def write_report(run_dir: str | Path, report: dict) -> Path:
     return path
 
 
+def rank_entry(engine, params) -> dict:
+    """This rank's line of the report: its rank, pipeline stage and replica (None outside a pipeline) and
+    :func:`params_per_device` of its ``params``."""
+    stage, replica = getattr(engine, "stage_index", None), getattr(engine, "replica", None)
+    return {"rank": int(getattr(engine, "rank", 0)), "stage": None if stage is None else int(stage),
+            "replica": None if replica is None else int(replica), "params": int(params_per_device(params))}
+
+
+def gather_entries(engine, entry: dict) -> list[dict] | None:
+    """Every rank's :func:`rank_entry` on the writer (rank 0), None on the other ranks; collective under
+    MPI: the pipeline engine's world communicator gathers, as its trace's events are gathered
+    (``PipelineEngine.gather_events``). One process (single device, tensor mesh): ``[entry]``."""
+    world = getattr(getattr(engine, "topo", None), "world", None)
+    return [entry] if world is None else world.gather(entry, root=0)
+
+
+def report_over_ranks(cfg, entries: list[dict]) -> dict:
+    """:func:`report_from_config` of the rank whose model state takes the most device bytes (the one that
+    runs out of memory first; the lowest such rank on a tie), named by ``rank``, ``stage`` and
+    ``replica``, with every rank's ``params`` and ``device_total`` under ``per_rank``."""
+    if not entries:
+        raise ValueError("report_over_ranks: no ranks")
+    reports = [report_from_config(cfg, e["params"]) for e in entries]
+    i = max(range(len(entries)), key=lambda k: (reports[k]["device_total"], -entries[k]["rank"]))
+    return {**reports[i], "rank": entries[i]["rank"], "stage": entries[i].get("stage"),
+            "replica": entries[i].get("replica"), "ranks": len(entries),
+            "per_rank": [{**e, "device_total": r["device_total"]} for e, r in zip(entries, reports)]}
+
+
 def summary_line(report: dict) -> str:
+    """The console's line; under several ranks it names the largest one (the report's rank)."""
     gib = 2.0**30
-    line = (f"model state per device: device {report['device_total'] / gib:.3f} GiB, host "
+    where = ""
+    if report.get("ranks", 1) > 1:
+        stage = f", pipeline stage {report['stage']}" if report.get("stage") is not None else ""
+        where = f" (largest of {report['ranks']} ranks: rank {report['rank']}{stage})"
+    line = (f"model state per device{where}: device {report['device_total'] / gib:.3f} GiB, host "
             f"{report['host_total'] / gib:.3f} GiB (phi={report['params']}, {report['compute_dtype']}, "
             f"offload={report['offload']})")
     # The note only when the run chose offload: otherwise it is about the alternative, in memory.json.

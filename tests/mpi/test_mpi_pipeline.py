@@ -115,6 +115,34 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
 
 
+def test_sigterm_to_the_launcher_stops_every_rank_after_a_saved_step(tmp_path):
+    """SIGTERM to `jaxhybrid launch` alone (a supervisor, Slurm's time limit): it passes it on, the ranks
+    agree to stop after one step, each saves that step, and the job ends with status 130 and one line."""
+    import signal
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "120", "--config",
+           str(ROOT / "configs" / "runs" / "tiny.yaml"), "--set", "parallel.pipeline=2",
+           "--set", "pipeline.microbatches=2", "--set", "train.steps=100000", "--set", f"run.dir={run}",
+           "--set", "train.eval_every=0", "--set", "metrics.tensorboard=false"]
+    p = subprocess.Popen(cmd, env=_env(120), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None and not (
+                (run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    steps = [sorted(int(d.name) for d in (run / "checkpoints" / f"rank_{r}").iterdir() if d.name.isdigit())
+             for r in (0, 1)]
+    assert p.returncode == 130 and steps[0] == steps[1] and steps[0], (steps, out[-2000:], err[-2000:])
+    assert err.strip().splitlines()[-1] == "jaxhybrid launch: stopped by SIGTERM (exit code 130)", err[-2000:]
+    for r in (0, 1):
+        assert f"stopped by SIGTERM; rank {r} saved step {steps[0][-1]}" in out, out[-2000:]
+
+
 def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
     """A setup error the launcher does not check itself (a CPU list of the user's that each rank parses
     when it pins itself) fails every rank before its topology exists, so no rank leaves a PID file: the

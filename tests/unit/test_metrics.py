@@ -1,5 +1,7 @@
-"""Metrics: Narayanan et al. flops against hand arithmetic, MFU / time to train, hardware files, and the
-run writer (metrics.jsonl lines, TensorBoard events, progress output, resume, loss-curve PNG)."""
+"""Metrics: model and hardware flops against hand arithmetic and Narayanan et al., MFU / HFU / time to
+train, hardware files, and the run writer (metrics.jsonl lines, TensorBoard events, progress output,
+resume, loss-curve PNG)."""
+import dataclasses
 import io
 import json
 
@@ -8,26 +10,95 @@ import pytest
 
 from jaxhybrid import metrics as M
 from jaxhybrid.metrics_writer import MetricsWriter
+from jaxhybrid.model.config import PRESETS, ModelConfig
 
 
-def test_flops_formula_hand_computed():
-    # B=2, s=8, l=2, h=16, V=32.  B s l h^2 = 2*8*2*256 = 8192.
-    # With recomputation: 96 * 8192 = 786432; s/(6h) = 8/96 = 1/12; V/(16 l h) = 32/512 = 1/16
-    #   -> 786432 * (1 + 1/12 + 1/16) = 786432 + 65536 + 49152 = 901120.
-    assert M.flops_per_step(2, 8, 2, 16, 32, recompute=True) == pytest.approx(901120.0, rel=1e-12)
-    # Without: 72 * 8192 = 589824; V/(12 l h) = 32/384 = 1/12
-    #   -> 589824 * (1 + 1/12 + 1/12) = 589824 + 49152 + 49152 = 688128.
-    assert M.flops_per_step(2, 8, 2, 16, 32, recompute=False) == pytest.approx(688128.0, rel=1e-12)
-    with pytest.raises(ValueError, match="hidden=0"):
-        M.flops_per_step(2, 8, 2, 0, 32)
+def _narayanan(b, s, l, h, v, recompute):
+    """Narayanan et al. (2021) eq. 3, the closed form the trainer used before: GPT shapes only."""
+    if recompute:
+        return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+def _gpt(d, layers, heads, vocab, d_ff=None, seq=1024):
+    return ModelConfig(name="t", kind="gpt2", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                       d_ff=4 * d if d_ff is None else d_ff, max_seq_len=seq)
+
+
+def test_flops_hand_computed_per_remat():
+    # B=2, s=8, l=2, h=16 (d_ff=64, 2 heads), V=32; T = 16 tokens.
+    # Block forward: 2 T (16*48 + 16*16 + 16*64 + 64*16) = 32 * 3072 = 98304, attention core 4*2*64*16 = 8192
+    #   -> 106496 per block, 212992 for both; head 2*16*16*32 = 16384; forward 229376.
+    cfg = _gpt(16, 2, 2, 32, seq=8)
+    assert M.forward_flops(cfg, 2, 8) == 229376.0
+    assert M.model_flops_per_step(cfg, 2, 8) == 3 * 229376.0 == 688128.0  # = Narayanan's 72x form
+    assert M.hardware_flops_per_step(cfg, 2, 8, "none") == 688128.0
+    assert M.hardware_flops_per_step(cfg, 2, 8, "dots") == 688128.0 + 2 * 8192  # the attention cores again
+    assert M.hardware_flops_per_step(cfg, 2, 8, "full") == 688128.0 + 212992  # the blocks' forward again
+    assert 688128.0 + 212992 == 901120.0  # = Narayanan's 96x form (4 passes of the blocks, 3 of the head)
+    with pytest.raises(ValueError, match="remat='selective'"):
+        M.hardware_flops_per_step(cfg, 2, 8, "selective")
+    with pytest.raises(ValueError, match="batch=0"):
+        M.model_flops_per_step(cfg, 0, 8)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "myelin-12b", "axonn-gpt-80b"])
+def test_gpt2_shapes_give_narayanan_exactly(name):
+    """d_ff = 4d and full multi-head attention: the count from the matmul shapes is Narayanan's closed form,
+    72x without recomputation and 96x with full recomputation, to float rounding (relative 1e-12)."""
+    cfg = PRESETS[name]
+    assert cfg.d_ff == 4 * cfg.d_model and cfg.kv_heads == cfg.n_heads
+    b, s, l, h, v = 3, cfg.max_seq_len, cfg.n_layers, cfg.d_model, cfg.vocab_size
+    assert M.model_flops_per_step(cfg, b, s) == pytest.approx(_narayanan(b, s, l, h, v, False), rel=1e-12)
+    assert M.hardware_flops_per_step(cfg, b, s, "full") == pytest.approx(_narayanan(b, s, l, h, v, True), rel=1e-12)
+
+
+def test_flops_follow_d_ff_and_llama_gqa_swiglu():
+    # The audit's case: gpt-tiny (d=64, 4 blocks, V=256) with d_ff=1024 at 16 x 128 tokens (T=2048).
+    # Block: 2T (4*64^2 + 2*64*1024) = 603979776, attention 4*16*128^2*64 = 67108864; x4 = 2684354560;
+    # head 2T*64*256 = 67108864; 3 x 2751463424 = 8254390272, 2.41x the 72x form's 3422552064 (d_ff=4d).
+    wide = dataclasses.replace(PRESETS["gpt-tiny"], d_ff=1024)
+    assert M.model_flops_per_step(wide, 16, 128) == 8254390272.0
+    assert _narayanan(16, 128, 4, 64, 256, False) == pytest.approx(3422552064.0, rel=1e-12)
+    # llama-tiny: d=64, 4 heads of 16, 2 k/v heads (width 32), SwiGLU d_ff=192, V=256; B=2, s=8, T=16.
+    # Matmuls: 64*(64+2*32) + 64*64 + 64*(2*192) + 192*64 = 8192 + 4096 + 24576 + 12288 = 49152.
+    # Block 2*16*49152 + 4*2*64*64 = 1572864 + 32768 = 1605632; x4 = 6422528; head 2*16*64*256 = 524288;
+    # 3 x 6946816 = 20840448. (Its shapes sum to 12 d^2, GPT's, so this equals the 72x form by coincidence.)
+    llama = PRESETS["llama-tiny"]
+    assert M.model_flops_per_step(llama, 2, 8) == 20840448.0
+    assert M.model_flops_per_step(llama, 2, 8) == pytest.approx(_narayanan(2, 8, 4, 64, 256, False), rel=1e-12)
+    # One k/v head (width 16) and d_ff=256: 64*96 + 4096 + 64*512 + 256*64 = 59392 per token and block;
+    # 2*16*59392 + 32768 = 1933312, x4 = 7733248, + 524288 = 8257536; x3 = 24772608 (the 72x form: 20840448).
+    mqa = dataclasses.replace(llama, n_kv_heads=1, d_ff=256)
+    assert M.model_flops_per_step(mqa, 2, 8) == 24772608.0
+    # dots recomputes the attention cores only, whatever the k/v heads: 4 x 4*2*64*64.
+    assert M.hardware_flops_per_step(mqa, 2, 8, "dots") - 24772608.0 == 4 * 32768
+
+
+@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "2bp-transformer-7b"])
+def test_stage_benchmark_counts_the_same_flops(name):
+    """``jaxhybrid bench stage``'s forward count (its own formula until it calls forward_flops) is this one."""
+    from jaxhybrid.bench.stage import _stage_flops
+
+    cfg = PRESETS[name]
+    for blocks, last in ((1, False), (3, True)):
+        assert _stage_flops(cfg, blocks, 4, 128, last) == M.forward_flops(cfg, 4, 128, blocks, head=last)
 
 
 def test_flops_gpt3_scale_matches_6nd_rule():
-    # Sanity at scale: without recomputation the formula is ~ 6 * params * tokens (+ attention), so for
-    # GPT-3 175B (l=96, h=12288, s=2048, V=51200; 12 l h^2 = 174.0e9 params) it lies within 5% of 6 N D.
+    # Sanity at scale: the model flops are ~ 6 * params * tokens (+ attention), so for GPT-3 175B
+    # (l=96, h=12288, s=2048, V=51200; 12 l h^2 = 174.0e9 params) they lie within 5% of 6 N D.
     b, s, l, h, v = 1, 2048, 96, 12288, 51200
     six_nd = 6 * 12 * l * h * h * b * s
-    assert 1.0 < M.flops_per_step(b, s, l, h, v, recompute=False) / six_nd < 1.05
+    assert 1.0 < M.model_flops_per_step(_gpt(h, l, 96, v, seq=s), b, s) / six_nd < 1.05
+
+
+def test_step_flop_rates():
+    # 4e12 model and 5e12 hardware flops in 0.5 s over 2 devices: 4 and 5 TFLOP/s per device; peak 10.
+    r = M.step_flop_rates(4e12, 5e12, 0.5, 2, 10e12)
+    assert r == pytest.approx({"tflops_per_device": 4.0, "mfu": 0.4, "hw_tflops_per_device": 5.0, "hfu": 0.5})
+    r = M.step_flop_rates(4e12, 5e12, 0.5, 2, None)  # no peak for the device: null ratios
+    assert r["mfu"] is None and r["hfu"] is None and r["hw_tflops_per_device"] == pytest.approx(5.0)
 
 
 def test_rates_and_time_to_train():
@@ -101,6 +172,52 @@ def test_writer_jsonl_tensorboard_plain_progress_and_plot(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     png = (tmp_path / "run" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _tb_events(logdir):
+    """(file, step, {tag: value}, session_start) of every record of the event files in ``logdir``."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    out = []
+    for f in sorted(logdir.glob("events.out.tfevents.*")):
+        b, i = f.read_bytes(), 0
+        while i + 12 <= len(b):
+            (n,) = struct.unpack("<Q", b[i:i + 8])
+            e = Event()
+            e.ParseFromString(b[i + 12:i + 12 + n])
+            out.append((f.name, e.step, {v.tag: v.simple_value for v in e.summary.value},
+                        e.session_log.status == SessionLog.START))
+            i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_holds_every_logged_step_before_close_and_tags_eval_under_val(tmp_path):
+    """A killed run (no close) keeps in TensorBoard every step metrics.jsonl has (they were flushed only
+    every log_every steps, and tensorboardX's queue held the newest even then); the evaluation's figures,
+    eval_time_s included, are under val/; hfu is on the console line."""
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, total_steps=7, tensorboard=True, progress=True, log_every=3, stream=out)
+    for step, rec in _records(7):
+        rec = {**rec, "hw_tflops_per_device": 0.02, "hfu": 0.1}
+        w.log(step, {**rec, "val_loss": 4.5, "val_ppl": 90.0, "eval_time_s": 0.25} if step == 5 else rec)
+    events = _tb_events(tmp_path / "tensorboard")  # before close: as a SIGKILL would leave it
+    steps = {step: tags for _, step, tags, _ in events if tags}
+    assert sorted(steps) == list(range(1, 8))
+    assert steps[5]["val/loss"] == 4.5 and steps[5]["val/ppl"] == 90.0 and steps[5]["val/time_s"] == 0.25
+    assert not any(t.startswith("train/val") or t == "train/eval_time_s" for tags in steps.values() for t in tags)
+    assert steps[7]["train/hfu"] == pytest.approx(0.1) and steps[7]["train/mfu"] == pytest.approx(0.05)
+    assert "mfu 5.0%  hfu 10.0%" in out.getvalue().splitlines()[-1]
+    w.close(plot=False)
+    # A resumed run writes a new file (the old one kept) that starts a session at its first step, so
+    # TensorBoard hides the first run's events of steps 5 to 7.
+    w = MetricsWriter(tmp_path, total_steps=7, tensorboard=True, progress=False, start_step=4)
+    w.log(5, dict(next(_records(1, start=5))[1]))
+    events = _tb_events(tmp_path / "tensorboard")
+    assert len({f for f, *_ in events}) == 2
+    assert [(step, bool(tags)) for _, step, tags, start in events if start] == [(5, False)]
+    w.close(plot=False)
 
 
 def test_writer_resume_drops_lines_after_the_checkpoint(tmp_path):

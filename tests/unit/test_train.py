@@ -67,6 +67,68 @@ def test_mfu_over_the_devices_peak_or_null(tmp_path, monkeypatch, capsys):
     assert rec["mfu"] is None and rec["tflops_per_device"] > 0
 
 
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_mfu_counts_model_flops_and_hfu_what_remat_recomputes(tmp_path, remat):
+    """tflops_per_device and mfu count the model's flops from its matmul shapes (here d_ff=96, not 4d),
+    whatever the remat: a dots run that recomputes more no longer reports a higher mfu for a slower step.
+    hw_tflops_per_device and hfu add the recomputation: dots the attention cores, full the blocks' forward."""
+    from jaxhybrid import metrics as metrics_lib
+
+    cfg = _cfg(tmp_path, "train.steps=1", "model.d_ff=96", f"train.remat={remat}")
+    Trainer(cfg).run()
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    m, b, s = cfg.model, cfg.train.global_batch, cfg.data.seq_len  # gpt-tiny, 2 blocks, 4 x 32 tokens
+    flops = rec["step_time_s"] * 1e12  # TFLOP/s per device (one device) -> flops of the step
+    # Block: 2*128*(64*192 + 64*64 + 64*96 + 96*64) + 4*4*32^2*64 = 7340032 + 1048576; head 2*128*64*256.
+    fwd = 2 * (7340032 + 1048576) + 4194304
+    assert metrics_lib.model_flops_per_step(m, b, s) == 3 * fwd
+    assert rec["tflops_per_device"] * flops == pytest.approx(3 * fwd, rel=1e-9)
+    extra = {"none": 0, "dots": 2 * 1048576, "full": 2 * (7340032 + 1048576)}[remat]
+    assert rec["hw_tflops_per_device"] * flops == pytest.approx(3 * fwd + extra, rel=1e-9)
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] / 0.1)  # cpu.yaml: 0.1 TFLOP/s
+    assert rec["hfu"] == pytest.approx(rec["hw_tflops_per_device"] / 0.1)
+
+
+class _World:
+    """A stand-in for the pipeline engine's MPI world communicator: rank 0 gathers its own entry and
+    another rank's (pipeline stage 1, holding more parameters)."""
+
+    def __init__(self, other):
+        self.other, self.calls = other, 0
+
+    def gather(self, obj, root=0):
+        self.calls += 1
+        assert root == 0 and obj["rank"] == 0
+        return [obj, self.other]
+
+
+def test_memory_report_is_the_fullest_ranks(tmp_path, capsys):
+    """memory.json and the console line report the rank holding the most model state (what runs out of
+    memory first), named, not rank 0's: the trainer gathers every rank's phi over the engine's world."""
+    from types import SimpleNamespace
+
+    from jaxhybrid.optim.memory_report import report_from_config, report_over_ranks, summary_line
+
+    t = Trainer(_cfg(tmp_path, "train.steps=1"))
+    mine = t.model.cfg.param_count()
+    world = _World({"rank": 1, "stage": 1, "replica": 0, "params": 3 * mine})
+    t.engine.topo = SimpleNamespace(world=world)
+    t.run()
+    rep = json.loads((tmp_path / "run" / "memory.json").read_text())
+    assert world.calls == 1
+    assert (rep["params"], rep["rank"], rep["stage"], rep["ranks"]) == (3 * mine, 1, 1, 2)
+    assert rep["device_total"] == report_from_config(t.cfg, 3 * mine)["device_total"]
+    assert [(r["rank"], r["params"]) for r in rep["per_rank"]] == [(0, mine), (1, 3 * mine)]
+    err = capsys.readouterr().err
+    assert "model state per device (largest of 2 ranks: rank 1, pipeline stage 1): device" in err
+    assert f"phi={3 * mine}" in err
+    # One process: the line reads as before; ties go to the lowest rank.
+    one = report_over_ranks(t.cfg, [{"rank": 0, "stage": None, "replica": None, "params": mine}])
+    assert summary_line(one).startswith("model state per device: device ") and one["rank"] == 0
+    tie = report_over_ranks(t.cfg, [{"rank": r, "stage": r % 2, "replica": r // 2, "params": 5} for r in range(4)])
+    assert (tie["rank"], tie["stage"]) == (0, 0)
+
+
 @pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
                                            "precision.compute_dtype=bfloat16"),
                                    ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2"),
@@ -133,9 +195,12 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     assert (old.train.steps, new.train.steps, new.optim.lr, new.run.resume) == (4, 5, 2e-3, False)
 
 
-def test_interrupt_keeps_the_last_finished_step(tmp_path, monkeypatch, capsys):
-    """Ctrl-C mid-step: the state of the last finished step is saved (a resume continues from it) and the
-    command ends with one line and status 130, no traceback."""
+def test_interrupt_stops_after_the_step_with_it_saved(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-step: the step finishes (it donated the state before it, which can no longer be saved),
+    is saved, and the command ends with one line and status 130, no traceback."""
+    import os
+    import signal
+
     from jaxhybrid.checkpoint import committed_steps
 
     calls = {"n": 0}
@@ -143,17 +208,18 @@ def test_interrupt_keeps_the_last_finished_step(tmp_path, monkeypatch, capsys):
 
     def step(self, st):
         calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the third step runs
         return real(self, st)
 
     monkeypatch.setattr(Trainer, "step", step)
     args = ["train", "--set", f"run.dir={tmp_path / 'run'}", "--set", "train.steps=6", "--set", "checkpoint.every=2"]
     assert main(args + [a for kv in FAST for a in ("--set", kv)]) == 130
     err = capsys.readouterr().err
-    assert f"interrupted; rank 0 saved step 3 in {tmp_path / 'run'}" in err and "Traceback" not in err
+    assert f"stopped by SIGINT; rank 0 saved step 3 in {tmp_path / 'run'}" in err and "Traceback" not in err
     assert err.rstrip().endswith("jaxhybrid train: interrupted")
     assert committed_steps(tmp_path / "run") == {"rank_0": [2, 3]}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
 
 
 def test_overflow_skips_step_and_halves_scale(tmp_path):
@@ -312,3 +378,31 @@ def test_a_closed_output_pipe_ends_quietly(monkeypatch, capfd):
     monkeypatch.setattr(sim, "run", run)
     assert main(["simulate", "--stages", "2", "--schedule", "gpipe", "--microbatches", "2"]) == 1
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_sigterm_keeps_the_last_finished_step(tmp_path):
+    """Slurm's time limit sends SIGTERM before SIGKILL: train ends as on Ctrl-C, its last step saved."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    args = ["--set", f"run.dir={run}", "--set", "train.steps=100000", "--set", "train.eval_every=0"]
+    p = subprocess.Popen([sys.executable, "-m", "jaxhybrid", "train", *args, *[a for kv in FAST for a in ("--set", kv)]],
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and
+                                              len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "jaxhybrid: stopped by SIGTERM; rank 0 saved step" in err and "Traceback" not in err
+    from jaxhybrid.checkpoint import committed_steps
+
+    assert committed_steps(run)["rank_0"][-1] >= 2
