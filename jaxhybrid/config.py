@@ -41,7 +41,7 @@ class TrainConfig:
     steps: int = 200  # optimizer steps
     global_batch: int = 16  # sequences per step, over all replicas and microbatches
     seed: int = 0  # parameter init and sampler seed
-    log_every: int = 10  # progress line / tensorboard flush interval
+    log_every: int = 10  # steps between progress lines (metrics.jsonl and TensorBoard get every step)
     remat: str = "none"  # activation checkpointing policy: none | dots | full
     checkpoint_interval: int = 0  # Myelin's ac (blocks per checkpoint segment); 0 = optimal (Sec. V-A)
     inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (its number as logged, from 1)

@@ -1,6 +1,6 @@
 """Throughput metrics: model and hardware flops, MFU/HFU, Myelin's time to train, and the hardware files.
 
-Flops are counted from the model's own matmul shapes (:func:`jaxhybrid.planner.step_model.block_matmuls`:
+Flops are counted from the model's own matmul shapes (:func:`jaxhybrid.model.config.block_matmuls`:
 ``d_ff``, LLaMA's SwiGLU and grouped-query k/v widths included), for a batch of ``b`` sequences of ``s``
 tokens (``T = b s``), width ``d``, vocabulary ``V`` and ``l`` blocks:
 
@@ -51,7 +51,7 @@ def forward_flops(model, batch: int, seq: int, blocks: int | None = None, head: 
     default all ``n_layers``), plus the head's logits matmul with ``head``, on ``batch`` sequences of
     ``seq`` tokens: ``blocks (2 T sum(k n) + 4 b s^2 d) + 2 T d V``. A pipeline stage's count is
     ``forward_flops(model, microbatch, seq, its_blocks, head=is_last)``."""
-    from jaxhybrid.planner.step_model import block_matmuls
+    from jaxhybrid.model.config import block_matmuls
 
     _check(batch, seq)
     blocks = model.n_layers if blocks is None else blocks

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
 from jaxhybrid.host_alloc import host_malloc_status
+from jaxhybrid.metrics import forward_flops
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,15 +60,6 @@ def _block_range(spec: str, n: int) -> tuple[int, int]:
         raise ValueError(f"--blocks {k} must be in [1, n_layers={n}]")
     lo = 1 if k + 2 <= n else 0  # a middle stage when the model has room for one
     return lo, lo + k
-
-
-def _stage_flops(cfg, blocks: int, mb: int, seq: int, last: bool) -> float:
-    """Forward matmul flops of the blocks (+ vocab projection): 2 * tokens * weights + causal-free
-    attention 4 * mb * seq^2 * d per block (Narayanan et al. count)."""
-    d, f, kvd = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
-    w = d * (d + 2 * kvd) + d * d + (2 if cfg.kind == "gpt2" else 3) * d * f
-    tok = mb * seq
-    return blocks * (2.0 * tok * w + 4.0 * mb * seq * seq * d) + (2.0 * tok * d * cfg.vocab_size if last else 0.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
     rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
     q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
-    fl = _stage_flops(mcfg, hi - lo, mb, seq, stage.is_last)
+    fl = forward_flops(mcfg, mb, seq, hi - lo, head=stage.is_last)
     costs = kernel_costs(stage, params, x, tgt, res, dy, wr)
     out = {
         "model": mcfg.name, "d_model": mcfg.d_model, "d_ff": mcfg.d_ff, "blocks": [lo, hi],

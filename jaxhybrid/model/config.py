@@ -72,6 +72,17 @@ class ModelConfig:
         return emb + L * block + head
 
 
+def block_matmuls(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(k, n, transposed) of a block's matmuls in order (qkv, attention out, MLP in, MLP out; LLaMA: q with
+    its grouped k/v heads, SwiGLU's gate and up side by side); every second one transposed in AxoNN's
+    3D tensor parallelism (optimization A). The flop count (metrics) and the planner read them."""
+    d, f = cfg.d_model, cfg.d_ff
+    if cfg.kind == "llama":
+        kvd = cfg.kv_heads * cfg.head_dim
+        return [(d, d + 2 * kvd, False), (d, d, True), (d, 2 * f, False), (f, d, True)]
+    return [(d, 3 * d, False), (d, d, True), (d, f, False), (f, d, True)]
+
+
 def _gpt(name, layers, d, heads, vocab=51200, seq=512, tie=True):
     return ModelConfig(name=name, kind="gpt2", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
                        d_ff=4 * d, max_seq_len=seq, tie_embeddings=tie)

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from jaxhybrid.model.attention import cudnn_unmet
-from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.metrics import attention_core_flops, forward_flops
+from jaxhybrid.model.config import ModelConfig, block_matmuls
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.makespan import pipeline_makespan, sig2
 from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
@@ -39,15 +40,6 @@ class Layout:
     @property
     def tensor(self) -> int:
         return self.tensor_col * self.tensor_row * self.tensor_depth
-
-
-def block_matmuls(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(k, n, transposed) of a block's matmuls in order; every second one transposed (optimization A)."""
-    d, f = cfg.d_model, cfg.d_ff
-    if cfg.kind == "llama":
-        kvd = cfg.kv_heads * cfg.head_dim
-        return [(d, d + 2 * kvd, False), (d, d, True), (d, 2 * f, False), (f, d, True)]
-    return [(d, 3 * d, False), (d, d, True), (d, f, False), (f, d, True)]
 
 
 def block_params(cfg: ModelConfig) -> int:
@@ -119,8 +111,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     tokens = b * seq
     d = cfg.d_model
     mm = block_matmuls(cfg)
-    attn_flops = 4 * b * seq * seq * d  # QK^T and AV
-    f_blk = (2 * tokens * sum(k * n for k, n, _ in mm) + attn_flops) / (machine.flops_per_s * ts)
+    attn_flops = attention_core_flops(cfg, b, seq)  # QK^T and AV
+    f_blk = forward_flops(cfg, b, seq, 1, head=False) / (machine.flops_per_s * ts)  # the count metrics use
     f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
     parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / f_blk)
     bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
