@@ -112,7 +112,14 @@ class TensorEngine:
         return x  # one global program: values are already global
 
     def global_max(self, x):
-        return x
+        # The global program's values are the same in every process; a host value (a stop request,
+        # jaxhybrid/stop.py) is not, and across processes (--distributed) they agree on its max: one that
+        # stopped alone would leave the others waiting in the next step's collectives (and its save).
+        if isinstance(x, jax.Array) or jax.process_count() == 1:
+            return x
+        from jax.experimental import multihost_utils
+
+        return float(np.max(multihost_utils.process_allgather(np.float32(x))))
 
     @property
     def is_writer(self) -> bool:
