@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import functools
 
+# Tasks (stages x microbatches) simulated at most; longer schedules are extrapolated (pipeline_makespan).
+MAX_SIMULATED = 2048
+
 
 def sig2(x: float) -> float:
     """``x`` to two significant digits (the cache key's resolution)."""
@@ -15,36 +18,61 @@ def sig2(x: float) -> float:
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(schedule: str, p: int, m: int, split: bool):
-    """Schedules are data and depend on no cost: one per shape serves every ratio of a search."""
+    """The task order of one shape, built once for every cost ratio of a search (the simulator's dynamic
+    policies, 2BP's placement of the weight passes among them, run with each ratio's own costs)."""
     from jaxhybrid.pipeline.schedule import make_schedule
 
     return make_schedule(schedule, p, m, split)
 
 
+def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, the (stashed activations, held weight residuals) counts it passes through that no other
+    state of it dominates (2BP Sec. 4.2: a microbatch's activations live from its F to its BI, or B, and
+    its weight residuals from BI to BW). A rank's peak bytes are the largest ``a A + r R`` over its states,
+    for any per-microbatch activation bytes ``A`` and residual bytes ``R``: its two separate peaks, which
+    may fall at different times (under GPipe + 2BP they never meet), would overstate it."""
+    from jaxhybrid.pipeline.tasks import Kind
+
+    deltas: list[list[tuple[float, int, int, int]]] = [[] for _ in range(p)]
+    for rec in core.records:  # (time, order, activation delta, residual delta); frees first at equal times
+        t = rec.task
+        d = {Kind.F: (rec.start, 1, 1, 0), Kind.B: (rec.end, 0, -1, 0), Kind.BI: (rec.end, 0, -1, 1)}.get(t.kind)
+        deltas[rec.rank].append(d or (rec.end, 0, 0, -len(t.microbatches)))
+    out = []
+    for rank in deltas:
+        a = r = 0
+        seen = {(0, 0)}
+        for _, _, da, dr in sorted(rank, key=lambda x: (x[0], x[1])):
+            a, r = a + da, r + dr
+            seen.add((a, r))
+        out.append(tuple(sorted(s for s in seen if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in seen))))
+    return tuple(out)
+
+
+def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float):
+    from jaxhybrid.pipeline.simulate import Costs, run_order
+
+    costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
+                  message_bytes=(msg,) * p, bandwidth=1.0)
+    core = run_order(_schedule(schedule, p, m, split), costs)
+    return max(r.end for r in core.records), memory_states(core, p)
+
+
 @functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
-                      ) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
-    """(makespan, peak stashed microbatches per rank, peak residual microbatches per rank) with F = 1
-    (scale-free); rank r runs stage r.
+                      ) -> tuple[float, tuple[tuple[tuple[int, int], ...], ...]]:
+    """(makespan with F = 1, per-rank :func:`memory_states`); rank r runs stage r.
 
-    Uses the schedule simulator (one run; the two peaks are read from it with unit activation bytes and
-    with unit residual bytes); very long schedules fall back to the closed forms (m + p - 1)(F + B) for
-    GPipe/1F1B and m(F + B) + (p - 1)(F + BI) with 2BP.
-    """
-    if p * m <= 2048:
-        from jaxhybrid.pipeline.simulate import Costs, peak_bytes, run_order
-
-        def costs(act, res):
-            return Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
-                         activation_bytes=(act,) * p, residual_bytes=(res,) * p,
-                         message_bytes=(msg,) * p, bandwidth=1.0)
-
-        core = run_order(_schedule(schedule, p, m, split), costs(1.0, 0.0))
-        makespan = max(r.end for r in core.records)
-        act = tuple(peak_bytes(core, costs(1.0, 0.0)))
-        res = tuple(peak_bytes(core, costs(0.0, 1.0))) if split else (0.0,) * p
-        return makespan, act, res  # peaks may not coincide: act + res bounds the memory from above
-    span = (1 + bi + bw)
-    make = m * span + (p - 1) * ((1 + bi) if split else span) + 2 * (p - 1) * msg
-    live = [float(m if schedule == "gpipe" else min(m, p - r)) for r in range(p)]
-    return make, tuple(live), tuple(m - x if split else 0.0 for x in live)
+    Up to :data:`MAX_SIMULATED` tasks, one run of the schedule simulator. Longer schedules: the makespan
+    is extrapolated from two simulated ones, ``m1 < m2``, linearly in ``m`` (in the steady state every
+    extra microbatch adds the same work to the bottleneck rank, whatever the schedule), and each rank's
+    memory from the closed forms: GPipe stashes all m, 1F1B min(m, p - rank), and with 2BP the weight
+    residuals of all m, counted as if held with them (an upper bound)."""
+    if p * m <= MAX_SIMULATED:
+        return _simulate(schedule, p, m, split, bi, bw, msg)
+    m2 = max(MAX_SIMULATED // p, 3 * p)
+    m1 = m2 - p
+    (t1, _), (t2, _) = (_simulate(schedule, p, k, split, bi, bw, msg) for k in (m1, m2))
+    make = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
+    live = [m if schedule == "gpipe" else min(m, p - r) for r in range(p)]
+    return make, tuple(((a, m if split else 0),) for a in live)

@@ -125,9 +125,13 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     per_blk = {key: sum(t[key] for t in times) for key in times[0] if key != "total"}
     head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, lay.tensor_col, lay.tensor_row,
                                         lay.tensor_depth, lay.data), bw_, db)
-    # Bottleneck stage: per-microbatch F, BI, BW (2BP: BI ~ the input-gradient matmuls, BW ~ the weight ones)
-    nb = max(parts)
-    last_extra = f_head if lay.pipeline == 1 or parts[-1] == nb else 0.0
+    # Bottleneck stage: per-microbatch F, BI, BW (2BP: BI ~ the input-gradient matmuls, BW ~ the weight ones).
+    # The last stage's load includes the head, which can outweigh several blocks (GPT-2 small's: 4.5):
+    # the most blocks is not the slowest stage then. On a tie, the stage with more blocks (more collectives).
+    last_s = len(parts) - 1
+    slow = max(range(len(parts)), key=lambda s_: (parts[s_] * f_blk + (f_head if s_ == last_s else 0.0), parts[s_]))
+    nb = parts[slow]
+    last_extra = f_head if slow == last_s else 0.0
     fwd_comm = nb * (per_blk["all_gather"] + per_blk["all_reduce_fwd"])
     bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
     recompute = lay.remat == "full"
@@ -152,21 +156,24 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # and backward of each in turn, one microbatch's activations live) whatever the config's schedule;
     # GPipe's order would hold all M.
     if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
-        makespan, act_mb, res_mb = lay.microbatches * (F + BI + BW), (1.0,), (0.0,)
+        makespan, states = lay.microbatches * (F + BI + BW), (((1, 0),),)
     else:
-        make, act_mb, res_mb = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches,
-                                                 lay.split_backward, sig2(BI / F), sig2(BW / F), sig2(msg / F))
+        make, states = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches, lay.split_backward,
+                                         sig2(BI / F), sig2(BW / F), sig2(msg / F))
         makespan = make * F
     phi_blk = block_params(cfg)
     stage_phi = [n_ * phi_blk for n_ in parts]
     stage_phi[0] += _embed_params(cfg)
     stage_phi[-1] += _head_params(cfg) if (lay.pipeline > 1 or not cfg.tie_embeddings) else 2 * d
-    data_ar = nb * per_blk["all_reduce_data"] + (head["all_reduce_data"] if parts[-1] == nb else 0.0)
+    # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
+    data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
+                  for s_, n_ in enumerate(parts))
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / ts / machine.net.host_to_device
     step = makespan + data_ar + offload_s
-    tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm)
+    # remat full runs each forward's collectives again in the backward (BI's F above).
+    tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm * (2 if recompute else 1) + bwd_comm)
     comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
     blk = block_bytes_per_device(cfg, lay, seq, db, flash)
@@ -187,9 +194,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
         wres = n_ * residual + (head_res if last else 0.0)
         if last:
             transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient
-        mem = max(mem, state + act_mb[s] * stash + res_mb[s] * wres + transient)
+        mem = max(mem, state + max(a * stash + r * wres for a, r in states[s]) + transient)
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
-            "compute_s": makespan - (lay.microbatches + lay.pipeline - 1) * (fwd_comm + bwd_comm),
+            "compute_s": makespan - tensor_comm,
             "partition": list(parts)}
