@@ -45,7 +45,12 @@ def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         for _, _, da, dr in sorted(rank, key=lambda x: (x[0], x[1])):
             a, r = a + da, r + dr
             seen.add((a, r))
-        out.append(tuple(sorted(s for s in seen if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in seen))))
+        front, best_r = [], -1  # by activations, most first: a state survives if it holds more residuals
+        for a_, r_ in sorted(seen, key=lambda x: (-x[0], -x[1])):
+            if r_ > best_r:
+                front.append((a_, r_))
+                best_r = r_
+        out.append(tuple(sorted(front)))
     return tuple(out)
 
 
@@ -64,14 +69,14 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     """(makespan with F = 1, per-rank :func:`memory_states`); rank r runs stage r.
 
     Up to :data:`MAX_SIMULATED` tasks, one run of the schedule simulator. Longer schedules: the makespan
-    is extrapolated from two simulated ones, ``m1 < m2``, linearly in ``m`` (in the steady state every
-    extra microbatch adds the same work to the bottleneck rank, whatever the schedule), and each rank's
+    is extrapolated from two simulated ones, ``m = 2p`` and ``3p``, linearly in ``m`` (past the pipeline's
+    fill every extra microbatch adds the same period to the bottleneck rank, whatever the schedule; the
+    tests hold it to a full simulation), and each rank's
     memory from the closed forms: GPipe stashes all m, 1F1B min(m, p - rank), and with 2BP the weight
     residuals of all m, counted as if held with them (an upper bound)."""
-    if p * m <= MAX_SIMULATED:
+    m1, m2 = 2 * p, 3 * p  # past the fill: each further microbatch adds one steady-state period
+    if p * m <= MAX_SIMULATED or m <= m2:
         return _simulate(schedule, p, m, split, bi, bw, msg)
-    m2 = max(MAX_SIMULATED // p, 3 * p)
-    m1 = m2 - p
     (t1, _), (t2, _) = (_simulate(schedule, p, k, split, bi, bw, msg) for k in (m1, m2))
     make = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
     live = [m if schedule == "gpipe" else min(m, p - r) for r in range(p)]

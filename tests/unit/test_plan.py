@@ -159,7 +159,7 @@ def test_long_schedules_extrapolate_the_simulated_makespan():
     the simulation (1F1B + 2BP adds 3 per microbatch at unit costs, not GPipe-2BP's closed form)."""
     from jaxhybrid.planner import makespan as mk
 
-    for sched, split in (("1f1b", True), ("gpipe", False), ("1f1b", False)):
+    for sched, split in (("1f1b", True), ("gpipe", True), ("gpipe", False), ("1f1b", False)):
         got = mk.pipeline_makespan(sched, 16, 129, split, 1.0, 1.0, 0.0)[0]
         assert got == pytest.approx(mk._simulate(sched, 16, 129, split, 1.0, 1.0, 0.0)[0], rel=1e-9), sched
 
