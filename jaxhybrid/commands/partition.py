@@ -62,7 +62,11 @@ def smallest_fit(profile, args) -> str:
     for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return f"about --memory={hi:.4g} bytes would fit with {args.processors} processors"
+    if args.algorithm == "pipedream":
+        return f"about --memory={hi:.4g} bytes would fit with {args.processors} processors"
+    # MadPipe's DP is too slow to bisect; PipeDream + 1F1B*'s threshold bounds what MadPipe needs.
+    return (f"PipeDream + 1F1B* fits from about --memory={hi:.4g} bytes with {args.processors} processors "
+            f"(MadPipe, not bisected, may need less)")
 
 
 _PROFILING_FLAGS = (("--microbatch-size", "microbatch_size"), ("--seq-len", "seq_len"), ("--dtype", "dtype"))

@@ -170,6 +170,12 @@ def test_profile_round_trip_and_partition_cli(tmp_path):
                           "--processors", "2", "--memory", "0.5", "--bandwidth", "2", "--algorithm", "pipedream"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "would fit" in bad.stderr
+    # MadPipe is not bisected: the hint names PipeDream's threshold as the bound it is.
+    bad = subprocess.run([sys.executable, "-m", "jaxhybrid", "partition", "--profile", str(path),
+                          "--processors", "2", "--memory", "0.5", "--bandwidth", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "PipeDream + 1F1B* fits from about --memory=" in bad.stderr
+    assert "(MadPipe, not bisected, may need less)" in bad.stderr
 
 
 def test_resnet_chain_is_memory_heavy_at_the_front():
