@@ -170,3 +170,17 @@ def test_full_recompute_repeats_the_forward_collectives():
     ev = {r: evaluate(cfg, Layout(2, 1, 2, 2, 1, 4, 8, "1f1b", False, False, r), m, 1024) for r in ("none", "full")}
     assert ev["full"]["comm_s"] > ev["none"]["comm_s"]
     assert ev["full"]["compute_s"] + ev["full"]["comm_s"] <= ev["full"]["predicted_step_s"] * 1.001
+
+
+def test_planner_makespan_is_the_simulate_commands():
+    """The planner builds a 2BP schedule with the layout's cost ratios, as `jaxhybrid simulate --costs`
+    does (unit costs placed the weight passes elsewhere: 35.5 against 34)."""
+    from jaxhybrid.pipeline.costs import parse_costs
+    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.planner.makespan import pipeline_makespan
+
+    for sched, split in (("1f1b", True), ("gpipe", True), ("1f1b", False)):
+        costs = parse_costs("1,2,0.5", 4)
+        want = simulate(make_schedule(sched, 4, 8, split, costs=costs), costs).makespan
+        assert pipeline_makespan(sched, 4, 8, split, 2.0, 0.5, 0.0)[0] == pytest.approx(want), sched
