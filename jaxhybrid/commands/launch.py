@@ -187,7 +187,13 @@ def run(args: argparse.Namespace) -> int:
             stopped.append(signal.Signals(signum).name)
             proc.send_signal(signum)
 
+        def ctrl_c(signum, frame):  # the terminal sent it to mpiexec too, which passes it on: await the saves
+            if stopped:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop waiting
+            stopped.append("SIGINT")
+
         signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, ctrl_c)
         tail: list[str] = []
         assert proc.stdout is not None
         for chunk in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
