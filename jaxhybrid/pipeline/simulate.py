@@ -18,7 +18,7 @@ from jaxhybrid.pipeline.simcore import Core, Record, StaticPolicy, describe_dead
 from jaxhybrid.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.pipeline.trace import Event, Timeline
 
-__all__ = ["Costs", "RankStats", "SimResult", "simulate", "run_order", "peak_bytes"]
+__all__ = ["Costs", "RankStats", "SimResult", "simulate", "run_order", "memory_deltas"]
 
 
 @dataclass(frozen=True)
@@ -66,33 +66,31 @@ def run_order(schedule: Schedule, costs: Costs) -> Core:
     return core
 
 
-def peak_bytes(core: Core, costs: Costs) -> list[float]:
-    """Per rank, the peak bytes of an executed ``core`` with ``costs``'s activation and residual bytes
-    (which do not change the run: one run serves several byte models, as the planner's two)."""
-    recs: list[list[Record]] = [[] for _ in range(core.num_ranks)]
-    for r in core.records:
-        recs[r.rank].append(r)
-    return [_memory(rs, costs)[1] for rs in recs]
-
-
-def _memory(records: list[Record], costs: Costs) -> tuple[int, float]:
-    """Peak stashed microbatches and bytes of one rank's records (frees before allocations)."""
-    deltas = []  # (time, order, count delta, bytes delta); order 0 = release first at equal times
+def memory_deltas(records: list[Record]) -> list[tuple[float, int, int, int, int]]:
+    """One rank's records as memory events (2BP Sec. 4.2), sorted, frees before allocations at equal
+    times: ``(time, order, stage, activation delta, residual delta)`` in microbatches. A microbatch's
+    activations live from the start of its F to the end of its B or BI, its weight residuals from the
+    end of its BI to the end of its BW (which may take several microbatches)."""
+    out = []
     for rec in records:
         t, s = rec.task, rec.task.stage
         if t.kind is Kind.F:
-            deltas.append((rec.start, 1, 1, costs.act_bytes(s)))
+            out.append((rec.start, 1, s, 1, 0))
         elif t.kind is Kind.B:
-            deltas.append((rec.end, 0, -1, -costs.act_bytes(s)))
+            out.append((rec.end, 0, s, -1, 0))
         elif t.kind is Kind.BI:
-            deltas.append((rec.end, 0, 0, costs.resid_bytes(s) - costs.act_bytes(s)))
+            out.append((rec.end, 0, s, -1, 1))
         else:
-            n = len(t.microbatches)
-            deltas.append((rec.end, 0, -n, -n * costs.resid_bytes(s)))
+            out.append((rec.end, 0, s, 0, -len(t.microbatches)))
+    return sorted(out, key=lambda d: (d[0], d[1]))
+
+
+def _memory(records: list[Record], costs: Costs) -> tuple[int, float]:
+    """Peak stashed microbatches and bytes of one rank's records."""
     count = peak_count = 0
     nbytes = peak_bytes = 0.0
-    for _, _, dc, db in sorted(deltas, key=lambda d: (d[0], d[1])):
-        count, nbytes = count + dc, nbytes + db
+    for _, _, s, da, dr in memory_deltas(records):
+        count, nbytes = count + da + dr, nbytes + da * costs.act_bytes(s) + dr * costs.resid_bytes(s)
         peak_count, peak_bytes = max(peak_count, count), max(peak_bytes, nbytes)
     return peak_count, peak_bytes
 

@@ -30,18 +30,16 @@ def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     its weight residuals from BI to BW). A rank's peak bytes are the largest ``a A + r R`` over its states,
     for any per-microbatch activation bytes ``A`` and residual bytes ``R``: its two separate peaks, which
     may fall at different times (under GPipe + 2BP they never meet), would overstate it."""
-    from jaxhybrid.pipeline.tasks import Kind
+    from jaxhybrid.pipeline.simulate import memory_deltas
 
-    deltas: list[list[tuple[float, int, int, int]]] = [[] for _ in range(p)]
-    for rec in core.records:  # (time, order, activation delta, residual delta); frees first at equal times
-        t = rec.task
-        d = {Kind.F: (rec.start, 1, 1, 0), Kind.B: (rec.end, 0, -1, 0), Kind.BI: (rec.end, 0, -1, 1)}.get(t.kind)
-        deltas[rec.rank].append(d or (rec.end, 0, 0, -len(t.microbatches)))
+    records: list[list] = [[] for _ in range(p)]
+    for rec in core.records:
+        records[rec.rank].append(rec)
     out = []
-    for rank in deltas:
+    for rank in records:
         a = r = 0
         seen = {(0, 0)}
-        for _, _, da, dr in sorted(rank, key=lambda x: (x[0], x[1])):
+        for _, _, _, da, dr in memory_deltas(rank):
             a, r = a + da, r + dr
             seen.add((a, r))
         front, best_r = [], -1  # by activations, most first: a state survives if it holds more residuals
