@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                                         "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype})
-    keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s")
+    keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s", "pipeline_s",
+                        "data_allreduce_s", "offload_s")
     if args.json:
         print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes,
                           "config_layout": own and {k: own[k] for k in keys + ("fits", "rank")}}))

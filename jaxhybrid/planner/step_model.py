@@ -171,6 +171,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / ts / machine.net.host_to_device
+    # Serial, not overlapped (V-C): with global-norm clipping (optim.grad_clip, on by default) every chunk
+    # is reduced before the first bucket updates, and only ``prefetch`` buckets are fetched meanwhile.
     step = makespan + data_ar + offload_s
     # remat full runs each forward's collectives again in the backward (BI's F above).
     tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm * (2 if recompute else 1) + bwd_comm)
@@ -198,5 +200,6 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
-            "compute_s": makespan - tensor_comm,
+            "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "data_allreduce_s": data_ar,
+            "offload_s": offload_s,
             "partition": list(parts)}

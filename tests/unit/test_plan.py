@@ -53,6 +53,21 @@ def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
     assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
 
 
+def test_step_is_pipeline_plus_data_allreduce_plus_offload_streaming():
+    """The step's three phases are reported and add up (Myelin V-B streams 12 bytes per fp32 parameter
+    in and out over the host link; serial with the all-reduce, as the runtime is under global-norm
+    clipping). Offload time grows with the largest stage's share, so tensor sharding divides it."""
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    on = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
+    off = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, False, "none"), m, 1024)
+    assert off["offload_s"] == 0 and on["offload_s"] > 0 and on["data_allreduce_s"] > 0
+    for r in (on, off):
+        assert r["predicted_step_s"] == pytest.approx(r["pipeline_s"] + r["data_allreduce_s"] + r["offload_s"])
+    assert on["predicted_step_s"] - off["predicted_step_s"] == pytest.approx(on["offload_s"])
+    tp = evaluate(cfg, Layout(2, 2, 2, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
+    assert tp["offload_s"] < on["offload_s"]
+
+
 def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time():
     """The stage's activations (planner.memory.block_residual_bytes): on hardware with cuDNN flash
     attention a 16-bit block keeps no [H, T, T] probabilities (model.attention xla, float32 or a file
