@@ -7,6 +7,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -29,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=float, default=0.0, help="seconds per point-to-point message")
     p.add_argument("--bandwidth", type=float, default=math.inf, help="bytes/s of a point-to-point link")
     p.add_argument("--message-bytes", type=float, default=0.0, help="bytes of one activation message")
+    p.add_argument("--activation-bytes", default=None, metavar="A[,A...]",
+                   help="bytes a stage stashes per microbatch from F to B/BI: one value, or one per stage "
+                        "(default 1: peak_bytes counts microbatches)")
+    p.add_argument("--residual-bytes", default=None, metavar="R[,R...]",
+                   help="2BP: bytes a stage keeps per microbatch from BI to BW, one value or one per stage "
+                        "(default: the activation bytes)")
     p.add_argument("--pipeline-limit", type=positive_int, default=None,
                    help="myelin only: microbatches in flight (default: stages)")
     p.add_argument("--period", type=float, default=None, help="1f1b-star: MadPipe period T")
@@ -36,6 +43,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", action="store_true", help="also print the per-rank task order")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--png", default=None, metavar="OUT.png", help="write a Gantt chart")
+
+
+def _per_stage_bytes(text: str | None, name: str, stages: int) -> tuple[float, ...] | None:
+    """``--activation-bytes`` / ``--residual-bytes``: one number for every stage, or one per stage."""
+    if text is None:
+        return None
+    flag = "--" + name.replace("_", "-")
+    try:
+        vals = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected a number of bytes, or one per stage separated by commas") \
+            from None
+    if len(vals) not in (1, stages) or any(not v >= 0 or math.isinf(v) for v in vals):
+        raise ValueError(f"{flag} {text!r}: give one finite value >= 0, or {stages} (one per stage), not "
+                         f"{len(vals)}")
+    return vals * stages if len(vals) == 1 else vals
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
                          "half-way)")
     costs = parse_costs(args.costs, args.stages, latency=args.latency, bandwidth=args.bandwidth,
                         message_bytes=args.message_bytes)
+    sizes = {k: _per_stage_bytes(getattr(args, k), k, args.stages) for k in ("activation_bytes", "residual_bytes")}
+    costs = dataclasses.replace(costs, **{k: v for k, v in sizes.items() if v is not None})
     opts = {"costs": costs}
     if args.memory_saving:
         opts["memory_saving"] = True

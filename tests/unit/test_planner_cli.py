@@ -257,3 +257,24 @@ def test_simulate_pipeline_limit_is_for_myelin_only(capsys):
                 "--json") == 0  # schedule names are case-blind, for both flags
     assert json.loads(capsys.readouterr().out)["per_rank"][0]["peak_stashed"] == 1
     assert _run("simulate", "--schedule", "1F1B-STAR", "--stages", "3", "--microbatches", "6", "--period", "9") == 0
+
+
+def test_simulate_peak_bytes_follow_the_given_activation_and_residual_bytes(capsys):
+    """--activation-bytes / --residual-bytes (one value, or one per stage) weigh the stashed microbatches
+    (2BP Sec. 4.2): 1F1B's first stage holds P activations at its peak; under 2BP a stage's peak mixes
+    activations and the residuals its delayed weight passes still need."""
+    base = ("simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--json")
+    assert _run(*base, "--activation-bytes", "1e9,2e9,3e9,4e9") == 0
+    ranks = json.loads(capsys.readouterr().out)["per_rank"]
+    assert [r["peak_bytes"] for r in ranks] == [r["peak_stashed"] * a for r, a in zip(ranks, (1e9, 2e9, 3e9, 4e9))]
+    assert ranks[0]["peak_stashed"] == 4
+    assert _run(*base, "--split-backward", "--activation-bytes", "3", "--residual-bytes", "1") == 0
+    split = json.loads(capsys.readouterr().out)["per_rank"]
+    assert _run(*base, "--split-backward") == 0
+    unit = json.loads(capsys.readouterr().out)["per_rank"]
+    for r, u in zip(split, unit):  # residuals cheaper than activations: below 3 per stashed item, above 1
+        assert r["peak_stashed"] == u["peak_stashed"] and u["peak_stashed"] <= r["peak_bytes"] < 3 * u["peak_stashed"]
+    with pytest.raises(ValueError, match=r"^--residual-bytes '1,2': give one finite value >= 0, or 4"):
+        _run(*base, "--residual-bytes", "1,2")
+    with pytest.raises(ValueError, match=r"^--activation-bytes 'x': expected a number of bytes"):
+        _run(*base, "--activation-bytes", "x")
