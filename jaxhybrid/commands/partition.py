@@ -46,9 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def result_json(alloc) -> dict:
+    """The allocation with processors numbered in chain order (the first layers' processor is 0, the
+    pipeline's first rank): MadPipe's DP numbers its special processor last wherever its layers sit."""
     fin = (lambda x: x if math.isfinite(x) else None)
+    rank: dict[int, int] = {}
+    for s in sorted(alloc.stages, key=lambda s: s.first):
+        rank.setdefault(s.processor, len(rank))
     return {"algorithm": alloc.algorithm, "period_s": fin(alloc.period), "valid_period_s": fin(alloc.valid_period),
-            "stages": [{"layers": [s.first - 1, s.last - 1], "processor": s.processor} for s in alloc.stages],
+            "stages": [{"layers": [s.first - 1, s.last - 1], "processor": rank[s.processor]}
+                       for s in sorted(alloc.stages, key=lambda s: s.first)],
             "note": alloc.note}
 
 

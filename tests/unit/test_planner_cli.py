@@ -80,6 +80,24 @@ def _usage_error(capsys, *argv: str) -> str:
 PARTITION = ("partition", "--processors", "2", "--memory", "1e9", "--bandwidth", "1e10")
 
 
+def test_partition_numbers_processors_in_chain_order(tmp_path, capsys):
+    """MadPipe's DP numbers its special processor last, wherever its layers are; the command prints the
+    stages in chain order with processors numbered by first appearance (0 holds the input layers), the
+    special one's stages sharing a number."""
+    rng = np.random.default_rng(0)
+    layers = tuple(LayerCost(f"l{i}", *rng.uniform((0.5, 1, 1e7, 1e7), (2, 4, 1e8, 1e8))) for i in range(12))
+    save_profile(Profile(1e8, layers), tmp_path / "p.json")
+    argv = ("partition", "--profile", str(tmp_path / "p.json"), "--processors", "4", "--memory", "1.5e9",
+            "--bandwidth", "1e9", "--json")
+    assert _run(*argv) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    procs = [s["processor"] for s in stages]
+    assert [s["layers"][0] for s in stages] == sorted(s["layers"][0] for s in stages) and procs[0] == 0
+    first_seen = list(dict.fromkeys(procs))
+    assert first_seen == list(range(len(first_seen)))
+    assert len(procs) > len(first_seen), "expected a special processor holding two separate layer ranges"
+
+
 @pytest.mark.parametrize("flag", ["--microbatch-size", "--seq-len", "--iterations"])
 def test_partition_counts_must_be_at_least_one(capsys, flag):
     """--microbatch-size 0 used to reach the profiler ("microbatch=0, repeats=3 must be >= 1"), --seq-len 0
