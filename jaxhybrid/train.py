@@ -208,39 +208,38 @@ class Trainer:
         hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len,
                                                        cfg.train.remat)
         losses, times, last_val = [], [], None
-        stop = StopOnSignal().__enter__()  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
         try:
-            while st.step < cfg.train.steps:
-                t0 = time.perf_counter()
-                st, info = self.step(st)
-                dt = time.perf_counter() - t0
-                losses.append(info["loss"])
-                times.append(dt)
-                rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                       # mfu/hfu null: no peak for this device
-                       **metrics_lib.step_flop_rates(flops, hw_flops, dt, n_dev, peak),
-                       "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
-                ev = cfg.train.eval_every
-                if ev and (st.step % ev == 0 or st.step == cfg.train.steps):
-                    rec.update(self.evaluate(st.params))
-                    last_val = rec["val_loss"]
-                mw.log(st.step, rec)
-                every = cfg.checkpoint.every
-                if every and st.step % every == 0 and st.step < cfg.train.steps:
-                    self.save(ckpt, st)
-                # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
-                if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
-                    if st.step > (ckpt.latest() or 0):
+            with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
+                while st.step < cfg.train.steps:
+                    t0 = time.perf_counter()
+                    st, info = self.step(st)
+                    dt = time.perf_counter() - t0
+                    losses.append(info["loss"])
+                    times.append(dt)
+                    rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                           # mfu/hfu null: no peak for this device
+                           **metrics_lib.step_flop_rates(flops, hw_flops, dt, n_dev, peak),
+                           "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
+                    ev = cfg.train.eval_every
+                    if ev and (st.step % ev == 0 or st.step == cfg.train.steps):
+                        rec.update(self.evaluate(st.params))
+                        last_val = rec["val_loss"]
+                    mw.log(st.step, rec)
+                    every = cfg.checkpoint.every
+                    if every and st.step % every == 0 and st.step < cfg.train.steps:
                         self.save(ckpt, st)
-                    print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
-                          f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
-                    raise KeyboardInterrupt(stop.requested)
-            if cfg.checkpoint.at_end:
-                self.save(ckpt, st)
-            if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
-                self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
+                    # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
+                    if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
+                        if st.step > (ckpt.latest() or 0):
+                            self.save(ckpt, st)
+                        print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
+                              f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
+                        raise KeyboardInterrupt(stop.requested)
+                if cfg.checkpoint.at_end:
+                    self.save(ckpt, st)
+                if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
+                    self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
         finally:
-            stop.__exit__()
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)
         steady = times[1:] or times
