@@ -8,6 +8,7 @@ step to resume from is the newest one that *every* rank committed, agreed throug
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,14 @@ def read_state(path: str | Path) -> Any:
     process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
     on another topology without a target, so the target is built from its metadata, on one device."""
     reader = ocp.StandardCheckpointer()
-    meta = reader.metadata(Path(path).absolute())
+    # orbax looks for the step's metadata file in the item's own folder and logs a warning per read.
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        meta = reader.metadata(Path(path).absolute())
+    finally:
+        absl.setLevel(level)
     tree = getattr(meta, "item_metadata", meta)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)

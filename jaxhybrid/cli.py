@@ -20,6 +20,7 @@ COMMANDS = {
     "plan": ("jaxhybrid.commands.plan", "rank parallel layouts for a model on a cluster"),
     "partition": ("jaxhybrid.commands.partition", "MadPipe / PipeDream layer partitioning of a profile"),
     "prepare-data": ("jaxhybrid.commands.prepare_data", "tokenize text into a token memmap"),
+    "export": ("jaxhybrid.commands.export", "a run's weights (any layout) as one single-device checkpoint"),
     "bench": ("jaxhybrid.commands.bench", "benchmarks that print side-by-side ratios as JSON"),
 }
 

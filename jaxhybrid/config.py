@@ -47,6 +47,7 @@ class TrainConfig:
     inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (its number as logged, from 1)
     eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
+    init_from: str = ""  # a `jaxhybrid export` folder: start from its weights (any layout), fresh optimizer
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer, check_run_dir, write_run_config
+from jaxhybrid.checkpoint_export import check_init_from, params_for
 from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
@@ -101,6 +102,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         if writes_run_dir:
             check_run_dir(cfg)  # writable, and no earlier run's checkpoints unless resuming (same layout)
+        check_init_from(cfg)  # an export with this model's shapes, before anything is built
         self.dataset = open_dataset(cfg)  # a missing data file fails here, before anything is written
         self.sampler = data_lib.Sampler(self.dataset, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.val_batches = validation_batches(cfg) if cfg.train.eval_every else []
@@ -114,6 +116,8 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
         params = committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))
+        if self.cfg.train.init_from and not self.cfg.run.resume:  # exported weights, sliced for this rank
+            params = params_for(params, self.cfg.train.init_from)
         opt_state = committed(self.updater.init(params), like=params)
         # The engine sees the updater's compute copy from step 0 on (offload: bf16/fp16 params, so step 0
         # and a resumed step get half-precision gradients like every other step; on device: unchanged).

@@ -71,12 +71,14 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
     ``--distributed``, whose processes are one JAX mesh)."""
     from jaxhybrid.checkpoint import check_run_dir
+    from jaxhybrid.checkpoint_export import check_init_from
     from jaxhybrid.config import validate
 
     check_distributed(cfg, args)
     world = 1 if args.distributed else processes
     validate(cfg, world)  # every rule that needs no devices
     check_run_dir(cfg)
+    check_init_from(cfg)
     check_metrics(cfg)
     return world
 

@@ -50,7 +50,25 @@ def _losses(run_dir, key: str = "loss") -> dict[int, float]:
 def test_mpi_resume_is_bit_exact(tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
     _launch(n, devices, config, a, *sets)
+    _check_export(a, tmp_path / "export")
     _check_resume(a, b, n, lambda: _launch(n, devices, config, b, *sets, resume=True))
+
+
+def _check_export(run_dir, out) -> None:
+    """``jaxhybrid export`` of the job's step 6 (stage slices, replicas, offloaded fp32 masters) is the
+    trained model: on one device, in this process, it scores the validation loss the job logged there."""
+    from jaxhybrid.checkpoint import saved_config
+    from jaxhybrid.checkpoint_export import load_export
+    from jaxhybrid.data.splits import validation_batches
+    from jaxhybrid.model import Model
+
+    r = subprocess.run([sys.executable, "-m", "jaxhybrid", "export", "--run-dir", str(run_dir), "--out", str(out)],
+                       env=_env(300, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "exported step 6" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    cfg = saved_config(run_dir)
+    model, params = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype), load_export(out)
+    val = np.mean([float(model.loss(params, b[:, :-1], b[:, 1:])) for b in validation_batches(cfg)])
+    assert_tree_close(np.float32(val), np.float32(_losses(run_dir, "val_loss")[6]), "fp32_parity", "val_loss ")
 
 
 def test_streamed_allreduce_matches_reduce_then_update(tmp_path):

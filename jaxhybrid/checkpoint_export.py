@@ -1,0 +1,174 @@
+"""A run's weights as one single-device checkpoint, whatever layout trained them; a run started from one.
+
+A run's checkpoints are per rank and shaped by its layout (``jaxhybrid.checkpoint``): a pipeline rank
+holds its stage's parts (``embed``, ``block_<i>``, ``head``, and the tied head copy ``embed_wte_copy``),
+data replicas hold copies, a tensor mesh writes global arrays, and with the offloaded optimizer (Myelin
+V-B) the fp32 master weights are its host state (flat, in ``jax.tree.leaves`` order of the rank's params;
+across processes a tree) while the saved params are the compute-precision copy. :func:`export_run` reads
+every rank's state at one step and writes the model's own flat dict of fp32 master weights, what
+``Model.init`` returns and ``Model.loss`` takes: the single-device reference's format. So a model trained
+on a pipeline can be evaluated on one device (:func:`load_export`), and a run on any other layout can
+start from it (``train.init_from``: :func:`params_for` slices it for a rank's live parameters).
+
+Only the weights travel: a run started from an export has a fresh AdamW state at step 0 (fine-tuning,
+or a new layout for the rest of a schedule). ``--resume`` keeps optimizer, loss scale and sampler, and so
+needs the layout that wrote the checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxhybrid.checkpoint import committed_steps, read_state, saved_config
+from jaxhybrid.model.stage import TIED_KEY
+
+META = "export.json"
+PARAMS = "params"
+
+
+def master_params(state: dict, offload: bool) -> dict:
+    """A rank's fp32 master weights from its saved ``state``: the params, or with the offloaded optimizer
+    its ``master`` column, unflattened in the params' own leaf order."""
+    params = state["params"]
+    if not offload:
+        return params
+    master = state["opt_state"]["master"]
+    if isinstance(master, np.ndarray) and master.ndim == 1:
+        from jaxhybrid.optim.flat import FlatSpec
+
+        return FlatSpec(params).unravel_host(master)
+    return master  # --distributed: a params-shaped tree of global arrays
+
+
+def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int, object]:
+    """The model's flat dict of fp32 weights at ``step`` (default: the newest step every rank saved),
+    gathered from all ranks of ``run_dir``, with the step and the run's config. Each part comes from the
+    lowest rank holding it (data replicas hold the same values); the tied copy is ``embed.wte``'s."""
+    from jaxhybrid.model import Model
+
+    run_dir = Path(run_dir)
+    cfg = saved_config(run_dir)
+    if cfg is None:
+        raise ValueError(f"{run_dir} has no config.yaml: not the run.dir of a jaxhybrid run")
+    steps = committed_steps(run_dir)
+    if not steps:
+        raise ValueError(f"{run_dir} holds no committed checkpoint (checkpoints/rank_*/<step>); train with "
+                         f"checkpoint.at_end=true or checkpoint.every=N")
+    common = sorted(set.intersection(*(set(s) for s in steps.values())))
+    if step is None and not common:
+        raise ValueError(f"no step of {run_dir} was saved by every rank ({_held(steps)})")
+    step = common[-1] if step is None else step
+    if step not in common:
+        raise ValueError(f"step {step} of {run_dir} was not saved by every rank; steps all ranks hold: "
+                         f"{', '.join(map(str, common)) or 'none'} ({_held(steps)})")
+    full: dict = {}
+    for rank in sorted(steps, key=lambda r: int(r.split("_")[1])):
+        state = read_state(run_dir / "checkpoints" / rank / str(step) / "state")
+        for key, part in master_params(state, cfg.optim.offload).items():
+            if key != TIED_KEY:
+                full.setdefault(key, part)
+    names = Model(cfg.model).names
+    missing = [k for k in names if k not in full]
+    if missing:
+        raise ValueError(f"the checkpoints of step {step} in {run_dir} lack {missing}: a rank's folder is "
+                         f"missing ({', '.join(steps)} found)")
+    return {k: jax.tree.map(lambda x: np.asarray(x, np.float32), full[k]) for k in names}, step, cfg
+
+
+def _held(steps: dict[str, list[int]]) -> str:
+    return "; ".join(f"{r}: {', '.join(map(str, s))}" for r, s in steps.items())
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
+    """Write :func:`consolidate`'s weights to the new folder ``out`` (``params/<part>``, one orbax checkpoint
+    per model part, so that a pipeline rank reads only its stage's; and ``export.json``), atomically: built
+    under a temporary name, renamed when whole. Returns the metadata."""
+    out = Path(out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty folder; give a new path")
+    params, step, cfg = consolidate(run_dir, step)
+    p = cfg.parallel
+    meta = {"format": 1, "step": step, "source": str(Path(run_dir).absolute()),
+            "model": json.loads(json.dumps(dataclasses.asdict(cfg.model))),
+            "layout": {"pipeline": p.pipeline, "data": p.data, "tensor": [p.tensor_col, p.tensor_row, p.tensor_depth],
+                       "offload": cfg.optim.offload, "compute_dtype": cfg.precision.compute_dtype},
+            "params": int(sum(x.size for x in jax.tree.leaves(params))), "parts": list(params)}
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    saver = ocp.StandardCheckpointer()
+    for name, part in params.items():
+        saver.save(tmp / PARAMS / name, part)
+        saver.wait_until_finished()
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return meta
+
+
+def read_meta(path: str | Path) -> dict:
+    """``export.json`` of an export folder; ValueError naming the path when it is not one."""
+    f = Path(path) / META
+    if not f.is_file():
+        raise ValueError(f"{path} is not a jaxhybrid export (no {META}); make one with "
+                         f"`jaxhybrid export --run-dir RUN --out {path}`")
+    return json.loads(f.read_text())
+
+
+def load_export(path: str | Path, parts=None) -> dict:
+    """The exported weights as the model's flat dict (numpy float32), or only its ``parts``."""
+    names = read_meta(path)["parts"] if parts is None else parts
+    return {n: read_state(Path(path).absolute() / PARAMS / n) for n in names}
+
+
+def check_init_from(cfg) -> None:
+    """``train.init_from`` names an export whose weights have this model's shapes; checked from the export's
+    metadata and shapes alone, before anything is built. A resumed run ignores it (its own checkpoints
+    supersede the weights it started from), so the command that started a run also continues it."""
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.model import Model
+
+    src = cfg.train.init_from
+    if not src or cfg.run.resume:
+        return
+    try:
+        meta = read_meta(src)
+    except ValueError as e:
+        raise ConfigError(f"train.init_from={src}: {e}") from None
+    want = Model(cfg.model).abstract_params()  # shapes only: the launcher checks this too, with no device
+    reader = ocp.StandardCheckpointer()
+    have = {n: reader.metadata(Path(src).absolute() / PARAMS / n) for n in meta["parts"]}
+    have = {n: getattr(m, "item_metadata", m) for n, m in have.items()}
+    shape = lambda tree: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    w, h = shape(want), shape(have)
+    diff = [f"{k}: {h.get(k, 'absent')} there, {w.get(k, 'absent')} here" for k in sorted(set(w) | set(h))
+            if w.get(k) != h.get(k)]
+    if diff:
+        mine = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
+        fields = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in meta["model"].items() if mine.get(k) != v]
+        raise ConfigError(f"train.init_from={src} holds weights of another shape than this run's model "
+                          f"({'; '.join(fields) or 'same settings'}): {'; '.join(diff[:3])}"
+                          f"{f'; {len(diff) - 3} more' if len(diff) > 3 else ''}")
+
+
+def params_for(live: dict, path: str | Path) -> dict:
+    """The weights exported to ``path`` for a rank whose live parameters are ``live`` (its stage's parts,
+    or the whole model), read part by part and placed like them: same dtype and sharding, on one device or
+    on a mesh spanning processes (each process builds only the shards it holds)."""
+    full = load_export(path, sorted({"embed" if k == TIED_KEY else k for k in live}))
+    picked = {k: full["embed"]["wte"] if k == TIED_KEY else full[k] for k in live}
+
+    def put(ref, x):
+        x = np.asarray(x, ref.dtype)
+        if x.shape != ref.shape:
+            raise ValueError(f"exported weight of shape {x.shape} for a parameter of shape {ref.shape}")
+        return jax.make_array_from_callback(ref.shape, ref.sharding, lambda idx: x[idx])
+
+    return jax.tree.map(put, live, picked)

@@ -1,0 +1,112 @@
+"""``jaxhybrid export`` and ``train.init_from``: a run's weights, whatever layout saved them, as the
+single-device model's dict, and runs of other layouts started from it (tensor mesh, pipeline stages)."""
+import jax
+import numpy as np
+import pytest
+
+from jaxhybrid.checkpoint import Checkpointer, write_run_config
+from jaxhybrid.checkpoint_export import consolidate, export_run, load_export, params_for, read_meta
+from jaxhybrid.cli import main
+from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.model import Model
+from jaxhybrid.model.stage import TIED_KEY, make_stages
+from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.train import Trainer
+
+# Tied embeddings, so a last pipeline stage holds the table's copy.
+FAST = ["model.name=gpt-tiny", "model.n_layers=2", "model.tie_embeddings=true", "data.seq_len=32",
+        "train.global_batch=4", "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false",
+        "optim.warmup_steps=1"]
+
+
+def _cfg(run_dir, *extra):
+    return load_config(None, FAST + [f"run.dir={run_dir}", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 3-step single-device run, checkpointed at 2 and 3, and its step-3 export."""
+    root = tmp_path_factory.mktemp("export")
+    t = Trainer(_cfg(root / "run", "train.steps=3", "checkpoint.every=2"))
+    t.run()
+    assert main(["export", "--run-dir", str(root / "run"), "--out", str(root / "w")]) == 0
+    return root, t
+
+
+def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
+    root, t = trained
+    got = load_export(root / "w")
+    assert_tree_close(got, jax.tree.map(np.asarray, t.final_state.params), "exact", "export vs final params ")
+    meta = read_meta(root / "w")
+    assert (meta["step"], meta["parts"], meta["layout"]["pipeline"]) == (3, t.model.names, 1)
+    assert meta["params"] == t.model.cfg.param_count()
+    assert main(["export", "--run-dir", str(root / "run"), "--out", str(root / "w2"), "--step", "2"]) == 0
+    assert read_meta(root / "w2")["step"] == 2
+    assert not any(p.name.startswith(".") for p in root.iterdir())  # the temporary folder was renamed
+    with pytest.raises(ValueError, match=r"step 1 of .* was not saved by every rank; steps all ranks hold: 2, 3"):
+        export_run(root / "run", root / "w3", step=1)
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        export_run(root / "run", root / "w", step=3)
+    with pytest.raises(ValueError, match="has no config.yaml"):
+        export_run(root / "w", root / "w4")
+
+
+def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path):
+    """Per-rank checkpoints as a 2-stage x 2-replica pipeline writes them: each rank its stage's parts (the
+    last with the tied copy), and with the offloaded optimizer the fp32 masters as a flat vector with
+    the bf16 compute copy as params. The export is the model's dict of the masters."""
+    root, t = trained
+    full = jax.tree.map(np.asarray, t.final_state.params)
+    stages = make_stages(t.model, [1, 1])
+    for offload in (False, True):
+        run = tmp_path / f"pipe{offload}"
+        cfg = _cfg(run, "parallel.pipeline=2", "parallel.data=2", f"optim.offload={str(offload).lower()}")
+        run.mkdir()
+        write_run_config(run, cfg, 0)
+        for rank in range(4):
+            mine = stages[rank % 2].slice_params(full)
+            if offload:
+                master = FlatSpec(mine).ravel_host(mine)
+                state = {"params": jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), mine),
+                         "opt_state": {"master": master, "state": {"000": np.zeros_like(master)}}}
+            else:
+                state = {"params": mine, "opt_state": {"count": np.zeros((), np.int32)}}
+            ck = Checkpointer(run, rank)
+            ck.save(5, state, {"step": 5})
+            ck.close()
+        params, step, _ = consolidate(run)
+        assert step == 5
+        assert_tree_close(params, full, "exact", f"offload={offload} consolidated ")
+
+
+def test_init_from_starts_a_tensor_run_and_pipeline_stages_from_the_export(trained, tmp_path):
+    """A (data 2, row 2, col 2) mesh starts from the exported weights, sharded, and takes the same first step
+    as a single-device run from them; a pipeline's last stage gets its blocks, head and the tied copy."""
+    root, _ = trained
+    want = load_export(root / "w")
+    one = Trainer(_cfg(tmp_path / "one", "train.steps=1", f"train.init_from={root / 'w'}"))
+    assert_tree_close(jax.tree.map(np.asarray, one.init_state().params), want, "exact", "single device ")
+    tp = Trainer(_cfg(tmp_path / "tp", "train.steps=1", f"train.init_from={root / 'w'}", "parallel.data=2",
+                      "parallel.tensor_row=2", "parallel.tensor_col=2"))
+    st = tp.init_state()
+    assert any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(st.params))
+    assert_tree_close(jax.tree.map(np.asarray, st.params), want, "exact", "tensor mesh ")
+    losses = [t.run()["first_loss"] for t in (one, tp)]
+    assert_tree_close(np.float32(losses[1]), np.float32(losses[0]), "fp32_parity", "first loss ")
+    last = make_stages(Model(one.cfg.model), [1, 1])[1]
+    got = params_for(last.init_params(jax.random.key(1)), root / "w")
+    assert sorted(got) == sorted(["block_001", "head", TIED_KEY])
+    assert_tree_close(got, {**last.slice_params(want)}, "exact", "last stage ")
+
+
+def test_init_from_is_checked_before_anything_is_built(trained, tmp_path):
+    root, _ = trained
+    with pytest.raises(ConfigError, match=r"holds weights of another shape than this run's model \(model.n_layers "
+                                          r"2 there, 3 here\): \['block_002'\]\['attn_out'\]\['bias'\]: absent"):
+        Trainer(_cfg(tmp_path / "a", f"train.init_from={root / 'w'}", "model.n_layers=3"))
+    with pytest.raises(ConfigError, match=f"train.init_from={tmp_path}: {tmp_path} is not a jaxhybrid export"):
+        Trainer(_cfg(tmp_path / "b", f"train.init_from={tmp_path}"))
+    # A resumed run continues from its own checkpoints: the export it started from is not read again.
+    t = Trainer(_cfg(root / "run", "train.init_from=/nonexistent", "run.resume=true", "train.steps=3"))
+    assert t.run()["steps"] == 3
