@@ -128,12 +128,17 @@ def load_export(path: str | Path, parts=None) -> dict:
     return {n: read_state(Path(path).absolute() / PARAMS / n) for n in names}
 
 
+# Model settings that leave every parameter's shape alone: an export starts a model differing only in these
+# (e.g. a longer RoPE base for context extension). Any other difference changes some shape.
+SHAPE_FREE = ("name", "rope_theta", "norm_eps", "init_std", "attention")
+
+
 def check_init_from(cfg) -> None:
-    """``train.init_from`` names an export whose weights have this model's shapes; checked from the export's
-    metadata and shapes alone, before anything is built. A resumed run ignores it (its own checkpoints
-    supersede the weights it started from), so the command that started a run also continues it."""
+    """``train.init_from`` names an export made for this model's shapes; checked from the export's metadata
+    and the configs alone, before anything is built (the launcher checks it too, so nothing here starts
+    JAX). A resumed run ignores it (its own checkpoints supersede the weights it started from), so the
+    command that started a run also continues it."""
     from jaxhybrid.config import ConfigError
-    from jaxhybrid.model import Model
 
     src = cfg.train.init_from
     if not src or cfg.run.resume:
@@ -142,20 +147,12 @@ def check_init_from(cfg) -> None:
         meta = read_meta(src)
     except ValueError as e:
         raise ConfigError(f"train.init_from={src}: {e}") from None
-    want = Model(cfg.model).abstract_params()  # shapes only: the launcher checks this too, with no device
-    reader = ocp.StandardCheckpointer()
-    have = {n: reader.metadata(Path(src).absolute() / PARAMS / n) for n in meta["parts"]}
-    have = {n: getattr(m, "item_metadata", m) for n, m in have.items()}
-    shape = lambda tree: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
-    w, h = shape(want), shape(have)
-    diff = [f"{k}: {h.get(k, 'absent')} there, {w.get(k, 'absent')} here" for k in sorted(set(w) | set(h))
-            if w.get(k) != h.get(k)]
+    mine = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
+    diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in meta["model"].items()
+            if k not in SHAPE_FREE and mine.get(k) != v]
     if diff:
-        mine = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
-        fields = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in meta["model"].items() if mine.get(k) != v]
-        raise ConfigError(f"train.init_from={src} holds weights of another shape than this run's model "
-                          f"({'; '.join(fields) or 'same settings'}): {'; '.join(diff[:3])}"
-                          f"{f'; {len(diff) - 3} more' if len(diff) > 3 else ''}")
+        raise ConfigError(f"train.init_from={src} holds weights of another shape than this run's model: "
+                          f"{'; '.join(diff)}")
 
 
 def params_for(live: dict, path: str | Path) -> dict:
@@ -165,10 +162,11 @@ def params_for(live: dict, path: str | Path) -> dict:
     full = load_export(path, sorted({"embed" if k == TIED_KEY else k for k in live}))
     picked = {k: full["embed"]["wte"] if k == TIED_KEY else full[k] for k in live}
 
-    def put(ref, x):
+    def put(key, ref, x):
         x = np.asarray(x, ref.dtype)
         if x.shape != ref.shape:
-            raise ValueError(f"exported weight of shape {x.shape} for a parameter of shape {ref.shape}")
+            raise ValueError(f"train.init_from={path}: {jax.tree_util.keystr(key)} has shape {x.shape} there, "
+                             f"{ref.shape} here")
         return jax.make_array_from_callback(ref.shape, ref.sharding, lambda idx: x[idx])
 
-    return jax.tree.map(put, live, picked)
+    return jax.tree_util.tree_map_with_path(put, live, picked)
