@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install on first use (scripts/setup.sh), then run the whole test suite: unit, parity and MPI tests.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k schedule
+# Extra arguments go to one pytest run over tests/, e.g. scripts/test.sh -k schedule
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -10,4 +10,15 @@ export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-300}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MPLBACKEND=Agg
 export JAXHYBRID_CACHE="${JAXHYBRID_CACHE:-$root/.cache}"
-exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" tests
+if [ "$#" -gt 0 ]; then  # a selection (-k, a file): one run, in order
+  exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" tests
+fi
+# The unit and parity tests on up to 4 cores, one pytest-xdist worker each (every worker its own JAX with 8
+# fake devices; the XLA cache is shared under its file lock); then the MPI tests alone: their ranks fill
+# the cores, and the fault tests time how fast a job ends.
+# Both parts run whatever the first gives; the status is the first failing part's.
+rc=0
+.venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal tests/unit tests/parity \
+  || rc=$?
+.venv/bin/python -m pytest -q -rs --durations=15 tests/mpi || { [ "$rc" -ne 0 ] || rc=$?; }
+exit "$rc"

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
@@ -38,13 +39,17 @@ def _expected_cases(schedules: list[str], extra: int) -> int:
     return 2 * len(schedules) - ("zb-h1" in schedules) + extra  # zb-h1 always splits its backward
 
 
-# Every schedule with and without 2BP on 2 and 4 stages, and on 1 stage x 2 replicas; the 2 x 2 grid
-# (pipeline and data parallel together) runs one schedule of each kind: static 1F1B, Myelin's
+# Every schedule with and without 2BP on 4 stages and on 1 stage x 2 replicas. 2 stages (with the
+# bad-input, trace, tied-embedding and mpi4py-transport cases) and the 2 x 2 grid (pipeline and data
+# parallel together) run one schedule of each kind: static (GPipe on 2 stages, 1F1B), Myelin's
 # message-driven policy (arrival order decides) and ZB-H1's split backward.
+KINDS = ["1f1b", "myelin", "zb-h1"]
+
+
 @pytest.mark.parametrize("p,d,schedules,flags,extra", [
-    (2, 1, SCHEDULES, ["--bad-input", "--trace", "--tied", "--mpi4py-cases", "1f1b,myelin"], 3),
+    (2, 1, ["gpipe", *KINDS], ["--bad-input", "--trace", "--tied", "--mpi4py-cases", "1f1b,myelin"], 3),
     (1, 2, SCHEDULES, [], 0),
-    (2, 2, ["1f1b", "myelin", "zb-h1"], ["--mpi4py-cases", "myelin"], 1),
+    (2, 2, KINDS, ["--mpi4py-cases", "myelin"], 1),
     (4, 1, SCHEDULES, [], 0),
 ], ids=["2x1", "1x2", "2x2", "4x1"])
 def test_parity_every_schedule(p, d, schedules, flags, extra):
@@ -162,7 +167,9 @@ def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
 # worker thread per rank). Both hung over the mpi4jax transport while it sent with mpi4jax.send (see
 # jaxhybrid/pipeline/mpi_transport.py): 2 stages on their third microbatch (the bitcast inside the send
 # program), and, with the bitcast moved out, the Myelin config's 8 stages (message-driven, offload; it
-# hung with train.log_every=1, and trained once in two tries without it).
+# hung with train.log_every=1, and trained once in two tries without it). The 2-stage job also runs over
+# the mpi4py transport, whose losses the mpi4jax one must reach; the 8-stage job is the hang's regression
+# test only (its ranks' parity is drive_parity.py's, over both transports), run once.
 PINNED_BF16 = {
     "2-stages": (2, "pipeline_2x2.yaml", ["parallel.data=1", "train.global_batch=8"]),
     "8-stages-myelin-offload": (8, "myelin-50b-offload.yaml", [
@@ -173,7 +180,7 @@ PINNED_BF16 = {
 
 @pytest.mark.parametrize("case", list(PINNED_BF16))
 def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(case, tmp_path):
-    """The job trains over both transports and the mpi4jax one reaches the mpi4py one's losses."""
+    """The job trains over the mpi4jax transport (and for 2 stages reaches the mpi4py transport's losses)."""
     n, config, sets = PINNED_BF16[case]
     sets = sets + ["precision.compute_dtype=bfloat16", "train.steps=2", "train.log_every=1", "data.seq_len=64",
                    "train.eval_every=0", "pipeline.watchdog_s=60", "metrics.trace=false", "metrics.tensorboard=false", "metrics.plot=false",
@@ -191,8 +198,11 @@ def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(case, tmp_path):
         assert len(summary) == 1, r.stdout[-3000:]
         return json.loads(summary[0])
 
-    device, host = run("mpi4jax"), run("mpi4py")
-    assert (device["first_loss"], device["last_loss"]) == (host["first_loss"], host["last_loss"])
+    device = run("mpi4jax")
+    assert np.isfinite([device["first_loss"], device["last_loss"]]).all(), device
+    if n == 2:
+        host = run("mpi4py")
+        assert (device["first_loss"], device["last_loss"]) == (host["first_loss"], host["last_loss"])
 
 
 def test_bench_pipeline_prints_side_by_side_json():
