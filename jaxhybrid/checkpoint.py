@@ -35,20 +35,25 @@ def _abstract(x):
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def read_state(path: str | Path) -> Any:
-    """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
-    process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
-    on another topology without a target, so the target is built from its metadata, on one device."""
-    reader = ocp.StandardCheckpointer()
+def state_metadata(path: str | Path) -> Any:
+    """The tree of shapes and dtypes of one saved ``state`` (``<rank dir>/<step>/state``), no array loaded."""
     # orbax looks for the step's metadata file in the item's own folder and logs a warning per read.
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        meta = reader.metadata(Path(path).absolute())
+        meta = ocp.StandardCheckpointer().metadata(Path(path).absolute())
     finally:
         absl.setLevel(level)
-    tree = getattr(meta, "item_metadata", meta)
+    return getattr(meta, "item_metadata", meta)
+
+
+def read_state(path: str | Path) -> Any:
+    """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
+    process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
+    on another topology without a target, so the target is built from its metadata, on one device."""
+    reader = ocp.StandardCheckpointer()
+    tree = state_metadata(path)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
     return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))

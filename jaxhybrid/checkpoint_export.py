@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxhybrid.checkpoint import committed_steps, read_state, saved_config
+from jaxhybrid.checkpoint import committed_steps, read_state, saved_config, state_metadata
 from jaxhybrid.model.stage import TIED_KEY
 
 META = "export.json"
@@ -69,8 +69,10 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
                          f"{', '.join(map(str, common)) or 'none'} ({_held(steps)})")
     full: dict = {}
     for rank in sorted(steps, key=lambda r: int(r.split("_")[1])):
-        state = read_state(run_dir / "checkpoints" / rank / str(step) / "state")
-        for key, part in master_params(state, cfg.optim.offload).items():
+        path = run_dir / "checkpoints" / rank / str(step) / "state"
+        if set(_saved_parts(path)) - {TIED_KEY} <= set(full):
+            continue  # a data replica of parts already read: skip its weights (from the metadata alone)
+        for key, part in master_params(read_state(path), cfg.optim.offload).items():
             if key != TIED_KEY:
                 full.setdefault(key, part)
     names = Model(cfg.model).names
@@ -79,6 +81,11 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
         raise ValueError(f"the checkpoints of step {step} in {run_dir} lack {missing}: a rank's folder is "
                          f"missing ({', '.join(steps)} found)")
     return {k: jax.tree.map(lambda x: np.asarray(x, np.float32), full[k]) for k in names}, step, cfg
+
+
+def _saved_parts(path: Path) -> list[str]:
+    """The model parts in a rank's saved params, read from the checkpoint's metadata (no array is loaded)."""
+    return list(state_metadata(path)["params"])
 
 
 def _held(steps: dict[str, list[int]]) -> str:

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.checkpoint import Checkpointer, write_run_config
+from jaxhybrid.checkpoint import Checkpointer, read_state, write_run_config
 from jaxhybrid.checkpoint_export import consolidate, export_run, load_export, params_for, read_meta
 from jaxhybrid.cli import main
 from jaxhybrid.config import ConfigError, load_config
@@ -52,10 +52,20 @@ def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
         export_run(root / "w", root / "w4")
 
 
-def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path):
+def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeypatch):
     """Per-rank checkpoints as a 2-stage x 2-replica pipeline writes them: each rank its stage's parts (the
     last with the tied copy), and with the offloaded optimizer the fp32 masters as a flat vector with
-    the bf16 compute copy as params. The export is the model's dict of the masters."""
+    the bf16 compute copy as params. The export is the model's dict of the masters, read from ranks 0
+    and 1 only (the replicas' parts are known from their metadata)."""
+    import jaxhybrid.checkpoint_export as ce
+
+    read = []
+
+    def spy(path):
+        read.append(path.parent.parent.name)  # <run>/checkpoints/rank_<r>/<step>/state
+        return read_state(path)
+
+    monkeypatch.setattr(ce, "read_state", spy)
     root, t = trained
     full = jax.tree.map(np.asarray, t.final_state.params)
     stages = make_stages(t.model, [1, 1])
@@ -75,8 +85,9 @@ def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path):
             ck = Checkpointer(run, rank)
             ck.save(5, state, {"step": 5})
             ck.close()
+        read.clear()
         params, step, _ = consolidate(run)
-        assert step == 5
+        assert step == 5 and read == ["rank_0", "rank_1"]
         assert_tree_close(params, full, "exact", f"offload={offload} consolidated ")
 
 
