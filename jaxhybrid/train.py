@@ -23,7 +23,7 @@ import numpy as np
 from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer, check_run_dir, write_run_config
-from jaxhybrid.checkpoint_export import check_init_from, params_for
+from jaxhybrid.checkpoint_export import check_init_from, params_for, read_meta
 from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
@@ -116,8 +116,13 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
         params = committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))
-        if self.cfg.train.init_from and not self.cfg.run.resume:  # exported weights, sliced for this rank
-            params = params_for(params, self.cfg.train.init_from)
+        src = self.cfg.train.init_from
+        if src and not self.cfg.run.resume:  # exported weights, sliced for this rank
+            params = params_for(params, src)
+            if self.engine.is_writer:
+                meta = read_meta(src)
+                print(f"jaxhybrid: weights from {src} (step {meta['step']} of {meta['source']}); a fresh optimizer",
+                      file=sys.stderr, flush=True)
         opt_state = committed(self.updater.init(params), like=params)
         # The engine sees the updater's compute copy from step 0 on (offload: bf16/fp16 params, so step 0
         # and a resumed step get half-precision gradients like every other step; on device: unchanged).

@@ -91,13 +91,15 @@ def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeyp
         assert_tree_close(params, full, "exact", f"offload={offload} consolidated ")
 
 
-def test_init_from_starts_a_tensor_run_and_pipeline_stages_from_the_export(trained, tmp_path):
+def test_init_from_starts_a_tensor_run_and_pipeline_stages_from_the_export(trained, tmp_path, capsys):
     """A (data 2, row 2, col 2) mesh starts from the exported weights, sharded, and takes the same first step
     as a single-device run from them; a pipeline's last stage gets its blocks, head and the tied copy."""
     root, _ = trained
     want = load_export(root / "w")
     one = Trainer(_cfg(tmp_path / "one", "train.steps=1", f"train.init_from={root / 'w'}"))
     assert_tree_close(jax.tree.map(np.asarray, one.init_state().params), want, "exact", "single device ")
+    said = f"jaxhybrid: weights from {root / 'w'} (step 3 of {root / 'run'}); a fresh optimizer"
+    assert said in capsys.readouterr().err
     tp = Trainer(_cfg(tmp_path / "tp", "train.steps=1", f"train.init_from={root / 'w'}", "parallel.data=2",
                       "parallel.tensor_row=2", "parallel.tensor_col=2"))
     st = tp.init_state()
