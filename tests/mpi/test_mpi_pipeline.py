@@ -21,10 +21,13 @@ pytestmark = pytest.mark.mpi
 
 
 def _env(timeout: int, devices: int = 1) -> dict:
+    """The environment of the MPI tests' jobs: a timeout, fake CPU devices, one thread per rank, and XLA's
+    backend optimisation off (a cold compile took 50-55 s of a 2- or 4-stage parity job's run on 2 cores,
+    32-35 s without; what these tests compare, parity and bit-exactness, does not depend on it)."""
     env = dict(os.environ)
     env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
-                             "--xla_cpu_multi_thread_eigen=false",
+                             "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0",
                 "PYTHONPATH": str(ROOT)})
     return env
 

@@ -1,20 +1,20 @@
 """Offloaded optimizer under mpirun -n 2: G_data = 2 with chunk-fed overlap, and a 2-stage pipeline."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from test_mpi_pipeline import _env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.mpi
 def test_offload_bit_exact_under_mpirun():
-    env = dict(os.environ, MPIEXEC_TIMEOUT="150", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    env = _env(150)  # the MPI tests' own: MPIEXEC_TIMEOUT, 1 thread per rank, XLA flags
     cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", sys.executable, "-m", "mpi4py",
            str(ROOT / "tests/mpi/drive_offload.py")]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
