@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from jaxhybrid.checkpoint import committed_steps, read_state, saved_config, state_metadata
 from jaxhybrid.model.stage import TIED_KEY
+from jaxhybrid.optim.updater import place_like
 
 META = "export.json"
 PARAMS = "params"
@@ -164,16 +165,15 @@ def check_init_from(cfg) -> None:
 
 def params_for(live: dict, path: str | Path) -> dict:
     """The weights exported to ``path`` for a rank whose live parameters are ``live`` (its stage's parts,
-    or the whole model), read part by part and placed like them: same dtype and sharding, on one device or
-    on a mesh spanning processes (each process builds only the shards it holds)."""
+    or the whole model), read part by part and placed like them (``place_like``, as a resume places its
+    checkpoint): same dtype and sharding, on one device, a mesh, or a mesh spanning processes."""
     full = load_export(path, sorted({"embed" if k == TIED_KEY else k for k in live}))
     picked = {k: full["embed"]["wte"] if k == TIED_KEY else full[k] for k in live}
 
-    def put(key, ref, x):
-        x = np.asarray(x, ref.dtype)
-        if x.shape != ref.shape:
-            raise ValueError(f"train.init_from={path}: {jax.tree_util.keystr(key)} has shape {x.shape} there, "
+    def check(key, ref, x):
+        if np.shape(x) != ref.shape:
+            raise ValueError(f"train.init_from={path}: {jax.tree_util.keystr(key)} has shape {np.shape(x)} there, "
                              f"{ref.shape} here")
-        return jax.make_array_from_callback(ref.shape, ref.sharding, lambda idx: x[idx])
 
-    return jax.tree_util.tree_map_with_path(put, live, picked)
+    jax.tree_util.tree_map_with_path(check, live, picked)
+    return place_like(live, picked)

@@ -49,12 +49,12 @@ def result_json(alloc) -> dict:
     """The allocation with processors numbered in chain order (the first layers' processor is 0, the
     pipeline's first rank): MadPipe's DP numbers its special processor last wherever its layers sit."""
     fin = (lambda x: x if math.isfinite(x) else None)
+    stages = sorted(alloc.stages, key=lambda s: s.first)
     rank: dict[int, int] = {}
-    for s in sorted(alloc.stages, key=lambda s: s.first):
+    for s in stages:
         rank.setdefault(s.processor, len(rank))
     return {"algorithm": alloc.algorithm, "period_s": fin(alloc.period), "valid_period_s": fin(alloc.valid_period),
-            "stages": [{"layers": [s.first - 1, s.last - 1], "processor": rank[s.processor]}
-                       for s in sorted(alloc.stages, key=lambda s: s.first)],
+            "stages": [{"layers": [s.first - 1, s.last - 1], "processor": rank[s.processor]} for s in stages],
             "note": alloc.note}
 
 
