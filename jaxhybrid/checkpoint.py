@@ -43,9 +43,15 @@ def state_metadata(path: str | Path) -> Any:
     absl.setLevel(logging.ERROR)
     try:
         meta = ocp.StandardCheckpointer().metadata(Path(path).absolute())
+    except FileNotFoundError:
+        meta = None
     finally:
         absl.setLevel(level)
-    return getattr(meta, "item_metadata", meta)
+    meta = getattr(meta, "item_metadata", meta)
+    if meta is None:  # orbax returns None when the folder lacks its metadata file (a damaged or copied-in-part save)
+        raise ValueError(f"{path} holds no readable checkpoint (its orbax metadata is missing); restore the "
+                         f"folder from a copy, or use another step")
+    return meta
 
 
 def read_state(path: str | Path) -> Any:
@@ -54,7 +60,9 @@ def read_state(path: str | Path) -> Any:
     on another topology without a target, so the target is built from its metadata, on one device."""
     reader = ocp.StandardCheckpointer()
     tree = state_metadata(path)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # This process's device: under --distributed jax.devices()[0] is process 0's, which another process
+    # cannot fill ("no addressable shards"), and the restore's collective barrier then hangs process 0.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
     return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
 
@@ -128,6 +136,13 @@ def check_resume_layout(run_dir: str | Path, cfg) -> None:
     if changed:
         raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout "
                           f"({'; '.join(changed)}); resume with the settings of {saved}, or train into another run.dir")
+    # The saved sampler position only means something for the same data order (data.Sampler.load_state_dict
+    # would refuse it too, but only once every rank has started and built its model).
+    changed = config_changes(old, cfg, ["train.seed", "train.global_batch", "data.seq_len"])
+    if changed:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints continue another data order "
+                          f"({'; '.join(changed)}); resume with the settings of {saved}, or start a new run from "
+                          f"its weights (jaxhybrid export, then --set train.init_from=...)")
 
 
 class Checkpointer:
@@ -197,4 +212,9 @@ def check_run_dir(cfg) -> None:
                           f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
                           f"train into another run.dir, or delete {run_dir / 'checkpoints'}")
     if cfg.run.resume:
+        if not committed_steps(run_dir):  # else every rank would start, build its model, then fail alike
+            start = (f" (it starts from train.init_from={cfg.train.init_from}, which a resume ignores)"
+                     if cfg.train.init_from else "")
+            raise ConfigError(f"--resume (run.resume=true): run.dir={cfg.run.dir} holds no checkpoint to continue "
+                              f"(no {run_dir / 'checkpoints'}/rank_*/<step>); start a new run without --resume{start}")
         check_resume_layout(run_dir, cfg)

@@ -66,7 +66,10 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
         raise ValueError(f"no step of {run_dir} was saved by every rank ({_held(steps)})")
     step = common[-1] if step is None else step
     if step not in common:
-        raise ValueError(f"step {step} of {run_dir} was not saved by every rank; steps all ranks hold: "
+        saved_by = [r for r, s in steps.items() if step in s]
+        why = (f"was saved by {len(saved_by)} of {len(steps)} ranks only" if saved_by
+               else "is not a checkpointed step")
+        raise ValueError(f"step {step} of {run_dir} {why}; steps all ranks hold: "
                          f"{', '.join(map(str, common)) or 'none'} ({_held(steps)})")
     full: dict = {}
     for rank in sorted(steps, key=lambda r: int(r.split("_")[1])):
@@ -125,6 +128,9 @@ def read_meta(path: str | Path) -> dict:
     """``export.json`` of an export folder; ValueError naming the path when it is not one."""
     f = Path(path) / META
     if not f.is_file():
+        if (Path(path) / "config.yaml").is_file():  # a run.dir: the export is made from it, into a new folder
+            raise ValueError(f"{path} is the run.dir of a training run, not an export; make one from it with "
+                             f"`jaxhybrid export --run-dir {path} --out NEW_FOLDER` and name NEW_FOLDER here")
         raise ValueError(f"{path} is not a jaxhybrid export (no {META}); make one with "
                          f"`jaxhybrid export --run-dir RUN --out {path}`")
     return json.loads(f.read_text())
@@ -141,6 +147,18 @@ def load_export(path: str | Path, parts=None) -> dict:
 SHAPE_FREE = ("name", "rope_theta", "norm_eps", "init_std", "attention")
 
 
+def _shape_settings(model: dict) -> dict:
+    """The model settings (as ``export.json`` writes them) that shape or give meaning to its parameters:
+    all but :data:`SHAPE_FREE`, with ``n_kv_heads`` as the key/value head count it means (0 is ``n_heads``),
+    and without ``max_seq_len`` for LLaMA, whose RoPE has no position table (context extension)."""
+    out = {k: v for k, v in model.items() if k not in SHAPE_FREE}
+    if "n_kv_heads" in out:
+        out["n_kv_heads"] = out["n_kv_heads"] or out.get("n_heads")
+    if out.get("kind") == "llama":
+        out.pop("max_seq_len", None)
+    return out
+
+
 def check_init_from(cfg) -> None:
     """``train.init_from`` names an export made for this model's shapes; checked from the export's metadata
     and the configs alone, before anything is built (the launcher checks it too, so nothing here starts
@@ -155,9 +173,9 @@ def check_init_from(cfg) -> None:
         meta = read_meta(src)
     except ValueError as e:
         raise ConfigError(f"train.init_from={src}: {e}") from None
-    mine = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
-    diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in meta["model"].items()
-            if k not in SHAPE_FREE and mine.get(k) != v]
+    mine = _shape_settings(json.loads(json.dumps(dataclasses.asdict(cfg.model))))
+    diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in _shape_settings(meta["model"]).items()
+            if mine.get(k) != v]
     if diff:
         raise ConfigError(f"train.init_from={src} holds weights of another shape than this run's model: "
                           f"{'; '.join(diff)}")

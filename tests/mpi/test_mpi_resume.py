@@ -148,3 +148,28 @@ def test_distributed_tensor_mode_matches_one_process_and_resumes(tmp_path, devic
         got, want = got["params"], want["params"]  # updates it made are in the params (and resume checks it)
     assert_tree_close(got, want, "fp32_parity", "step-6 checkpoint, 2 processes vs 1 ")
     _check_resume(a, b, 1, lambda: _launch(2, devices, "tiny.yaml", b, *sets, resume=True, flags=("--distributed",)))
+
+
+def test_distributed_run_starts_from_an_export(tmp_path):
+    """``train.init_from`` under ``--distributed``: each process reads the export onto a device of its own
+    (``jax.devices()[0]`` is process 0's, which process 1 cannot fill: it failed with "no addressable
+    shards" while process 0 hung in orbax's barrier), and the mesh's first loss is the exported weights'
+    loss on the first batch."""
+    from jaxhybrid.checkpoint import saved_config
+    from jaxhybrid.checkpoint_export import load_export
+    from jaxhybrid.data import Sampler
+    from jaxhybrid.data.splits import open_dataset
+    from jaxhybrid.model import Model
+
+    small = ["model.n_layers=2", "train.eval_every=0", "train.steps=2", "checkpoint.every=0"]
+    src, out, b = tmp_path / "src", tmp_path / "w", tmp_path / "b"
+    _launch(0, 1, "tiny.yaml", src, *small)
+    r = subprocess.run([sys.executable, "-m", "jaxhybrid", "export", "--run-dir", str(src), "--out", str(out)],
+                       env=_env(300, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    _launch(2, 4, "tiny.yaml", b, *small, "train.steps=1", "parallel.data=2", "parallel.tensor_row=2",
+            "parallel.tensor_col=2", f"train.init_from={out}", flags=("--distributed",))
+    cfg = saved_config(src)
+    batch = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).batch(0)
+    want = Model(cfg.model).loss(load_export(out), batch[:, :-1], batch[:, 1:])
+    assert_tree_close(np.float32(_losses(b)[1]), np.float32(want), "fp32_parity", "first loss from the export ")

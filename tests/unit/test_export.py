@@ -44,7 +44,7 @@ def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
     assert main(["export", "--run-dir", str(root / "run"), "--out", str(root / "w2"), "--step", "2"]) == 0
     assert read_meta(root / "w2")["step"] == 2
     assert not any(p.name.startswith(".") for p in root.iterdir())  # the temporary folder was renamed
-    with pytest.raises(ValueError, match=r"step 1 of .* was not saved by every rank; steps all ranks hold: 2, 3"):
+    with pytest.raises(ValueError, match=r"step 1 of .* is not a checkpointed step; steps all ranks hold: 2, 3"):
         export_run(root / "run", root / "w3", step=1)
     with pytest.raises(ValueError, match="exists and is not an empty folder"):
         export_run(root / "run", root / "w", step=3)
@@ -124,3 +124,42 @@ def test_init_from_is_checked_before_anything_is_built(trained, tmp_path):
     # A resumed run continues from its own checkpoints: the export it started from is not read again.
     t = Trainer(_cfg(root / "run", "train.init_from=/nonexistent", "run.resume=true", "train.steps=3"))
     assert t.run()["steps"] == 3
+
+
+def test_init_from_compares_the_shapes_the_settings_mean(trained, tmp_path):
+    """``n_kv_heads: 0`` means ``n_heads``, and LLaMA's RoPE has no position table, so an export starts a
+    model that spells its KV heads out or extends its context (``max_seq_len``); a real change is named."""
+    import dataclasses
+    import json
+
+    from jaxhybrid.checkpoint_export import check_init_from
+    from jaxhybrid.model.config import PRESETS
+
+    root, _ = trained
+    check_init_from(_cfg(tmp_path / "a", f"train.init_from={root / 'w'}", "model.n_kv_heads=4"))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    meta = read_meta(root / "w")
+    meta["model"] = json.loads(json.dumps(dataclasses.asdict(PRESETS["llama-tiny"])))
+    (llama / "export.json").write_text(json.dumps(meta))
+    longer = ["model.name=llama-tiny", f"train.init_from={llama}", "model.max_seq_len=256", "data.seq_len=256"]
+    check_init_from(load_config(None, [f"run.dir={tmp_path / 'b'}", *longer]))
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads 2 there, 4 here$"):
+        check_init_from(load_config(None, [f"run.dir={tmp_path / 'c'}", *longer, "model.n_kv_heads=4"]))
+    with pytest.raises(ConfigError, match=rf"{root / 'run'} is the run.dir of a training run, not an export; make "
+                                          rf"one from it with `jaxhybrid export --run-dir {root / 'run'} --out"):
+        check_init_from(_cfg(tmp_path / "d", f"train.init_from={root / 'run'}"))
+
+
+def test_a_damaged_checkpoint_is_named_not_a_traceback(trained, tmp_path):
+    """A committed step whose orbax metadata is gone (a partial copy, a disk fault) is named with its path."""
+    import shutil
+
+    root, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.rmtree(run / "checkpoints" / "rank_0" / "3" / "state" / "d")
+    (run / "checkpoints" / "rank_0" / "3" / "state" / "_METADATA").unlink()
+    with pytest.raises(ValueError, match=r"rank_0/3/state holds no readable checkpoint \(its orbax metadata is "
+                                         r"missing\)"):
+        export_run(run, tmp_path / "w", step=3)

@@ -154,3 +154,20 @@ def test_metrics_settings_are_checked_before_the_ranks_start(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="metrics.tensorboard=true needs the tensorboardX package"):
         check_job(*_job(tmp_path / "d"), 4)
     check_job(*_job(tmp_path / "e", "metrics.tensorboard=false"), 4)
+
+
+def test_a_resume_that_cannot_continue_fails_in_the_launcher(tmp_path):
+    """A resume of a run.dir without checkpoints, or with another data order than its checkpoints' sampler
+    (seed, global batch, sequence length), fails once before the ranks start, not on every rank after
+    each built its model."""
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"--resume \(run.resume=true\): run.dir={run} holds no checkpoint to "
+                                          r"continue .* start a new run without --resume \(it starts from "
+                                          r"train.init_from=w, which a resume ignores\)"):
+        check_job(*_job(run, "train.init_from=w", flags=("--resume",)), 4)
+    (run / "checkpoints" / "rank_0" / "2").mkdir(parents=True)
+    (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\n")
+    with pytest.raises(ConfigError, match=r"--resume in .*another data order \(train.global_batch: 16 -> 32; "
+                                          r"data.seq_len: 128 -> 64\)"):
+        check_job(*_job(run, "train.global_batch=32", "data.seq_len=64", flags=("--resume",)), 4)
+    check_job(*_job(run, "train.steps=300", flags=("--resume",)), 4)
