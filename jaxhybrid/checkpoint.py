@@ -28,8 +28,13 @@ def _to_host(tree):
 
 
 def _abstract(x):
-    """The restore target of one leaf: global arrays come back with their live sharding, the rest as numpy."""
-    if spans_processes(x):
+    """The restore target of one leaf: global arrays (across processes, or over a one-process mesh) come back
+    with their live sharding, the rest as numpy. Why the one-process mesh too: a checkpoint that
+    ``--distributed`` processes wrote records its arrays' shardings, and orbax refuses to restore those
+    without a sharded target ("Topology mismatch"), so one process could not resume it on the same mesh."""
+    if isinstance(x, jax.ShapeDtypeStruct):  # already a target
+        return x
+    if spans_processes(x) or (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     x = np.asarray(x)
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -177,6 +182,10 @@ class Checkpointer:
         for s in newer:
             self.manager.delete(s)
         return newer
+
+    def state_metadata(self, step: int) -> Any:
+        """The saved state's tree of shapes and dtypes at ``step`` (nothing loaded)."""
+        return state_metadata(self.dir / str(step) / "state")
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical; leaves spanning other

@@ -148,7 +148,11 @@ class Trainer:
         if dropped:
             print(f"jaxhybrid: rank {self.rank} resumes from step {step}, the newest every rank saved; deleted "
                   f"its newer checkpoints {dropped} (an unfinished save of the last run)", file=sys.stderr, flush=True)
-        like = {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}
+        if hasattr(self.updater, "restore_like"):  # a state format that depends on the writer's process count
+            opt_like = self.updater.restore_like(st.opt_state, ckpt.state_metadata(step)["opt_state"])
+        else:
+            opt_like = self.updater.state_dict(st.opt_state)
+        like = {"params": st.params, "opt_state": opt_like}
         state, meta = ckpt.restore(step, like)
         params = place_like(st.params, state["params"])
         opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"])

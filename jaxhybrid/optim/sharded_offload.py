@@ -198,6 +198,25 @@ class ShardedOffloadUpdater:
         return {"master": trees[0],
                 "state": {f"{j:03d}": next(per) if p else next(sh) for j, p in enumerate(split.per_param)}}
 
+    def restore_like(self, opt_state: ShardedOffloadState, saved: Any) -> dict:
+        """The restore target of a checkpoint whose optimizer state has the tree of metadata ``saved``, in
+        the format that wrote it, which :meth:`load_state_dict` reads either way: a checkpoint of one
+        process (flat vectors) resumed by ``--distributed`` processes, or theirs (pytrees of global
+        arrays) resumed by one process on the same mesh. Without this the target had this process
+        count's format and orbax stopped with a tree-structure mismatch."""
+        like = self.state_dict(opt_state)
+        written_as_trees = isinstance(saved["master"], dict)
+        if written_as_trees == (jax.process_count() > 1):
+            return like
+        split = next(iter(self.opts.values())).split
+        if written_as_trees:  # global arrays, each shard read onto a device that holds it
+            col = self.treedef.unflatten([jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+                                          for shape, sharding in zip(self.shapes, self.shardings)])
+        else:  # flat global vectors, read whole by every process
+            col = np.zeros((self.gspec.n,), np.float32)
+        return {"master": col, "state": {f"{j:03d}": col if p else like["state"][f"{j:03d}"]
+                                         for j, p in enumerate(split.per_param)}}
+
     def load_state_dict(self, like, saved) -> ShardedOffloadState:
         """Each device's owned shards of a checkpoint in either format of :meth:`state_dict`: flat vectors
         (any layout may have written them), or, across processes, pytrees of global arrays restored with
