@@ -147,8 +147,10 @@ def _cross_field_errors(cfg: Config) -> list[str]:
             errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
     if cfg.tensor_size > 1:
-        for dim_name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
-            for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
-                if dim % ax:
-                    errors.append(f"{dim_name}={dim} is not divisible by parallel.{ax_name}={ax}")
+        for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
+            bad = [f"{name}={dim}" for name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)) if dim % ax]
+            if bad:
+                fits = [d for d in range(1, ax + 1) if m.d_model % d == 0 and m.d_ff % d == 0]
+                errors.append(f"{' and '.join(bad)} not divisible by parallel.{ax_name}={ax}; the largest "
+                              f"parallel.{ax_name} up to {ax} that divides both is {fits[-1]}")
     return errors

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the config's precision.compute_dtype, or bfloat16 for a preset)")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak flop/s the matmuls reach")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="share of each device's memory a plan may fill (default: the hardware file's "
+                   "usable_memory_fraction, else 0.9; the rest is CUDA context, XLA scratch, fragmentation)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, "--out")  # before the ranking, not after it
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "bfloat16")
-    machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency)
+    machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency, args.memory_fraction)
     gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
     seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
     ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload)  # all
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             own = _own_layout(cfg, machine, seq, ranked)
             if not own["fits"]:
                 notes.append(f"{args.model}'s own layout needs {own['memory_per_device_bytes'] / 1e9:.3g} GB per "
-                             f"device, more than {hw['name']}'s {machine.memory_bytes / 1e9:.3g} GB")
+                             f"device, more than the {machine.memory_bytes / 1e9:.3g} GB usable of {hw['name']}'s "
+                             f"{float(hw['memory_bytes']) / 1e9:.3g} GB (--memory-fraction)")
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                                         "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype})
@@ -110,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                           "config_layout": own and {k: own[k] for k in keys + ("fits", "rank")}}))
         return 0
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
-          f"tokens, {dtype} at {args.efficiency:.0%} of peak")
+          f"tokens, {dtype} at {args.efficiency:.0%} of peak; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
+          f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch")
     print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'2BP':>3} "
           f"{'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):

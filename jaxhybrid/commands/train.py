@@ -22,6 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--process-id", type=int, default=None, help="--distributed: this process's index")
 
 
+def prepare(args: argparse.Namespace) -> None:
+    """Before JAX starts: on a GPU, XLA preallocates the share of memory the planner fits layouts into."""
+    from jaxhybrid.launch_env import reserve_device_memory
+
+    reserve_device_memory()
+
+
 def enable_compilation_cache(setting: str) -> Path | None:
     """Point JAX's persistent compilation cache at ``setting`` ("auto": ``cache_dir()/xla``; "": off) so
     a rerun, a resume or another rank with the same stage loads its executables instead of compiling.

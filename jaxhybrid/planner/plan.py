@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.costs import read_json
@@ -40,8 +41,17 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
                          f"(Sec. V) has no other partly used nodes")
 
 
-def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float) -> Machine:
-    """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's)."""
+# Share of a device's memory a layout may fill: the rest holds the CUDA context, XLA's scratch buffers and
+# fragmentation, none of which the memory model counts. `jaxhybrid train` lets JAX preallocate the same
+# share (launch_env.reserve_device_memory; JAX's own default, 0.75, would leave a plan near the limit short).
+USABLE_MEMORY_FRACTION = DEVICE_MEMORY_FRACTION
+
+
+def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float,
+                          memory_fraction: float | None = None) -> Machine:
+    """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's), whose
+    memory is the usable share of each device's: ``memory_fraction``, else the file's
+    ``usable_memory_fraction``, else :data:`USABLE_MEMORY_FRACTION`."""
     if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
         raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
                          f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
@@ -49,11 +59,15 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
         raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    if memory_fraction is None:
+        memory_fraction = hw.get("usable_memory_fraction", USABLE_MEMORY_FRACTION)
+    if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
+        raise ValueError(f"hardware {hw['name']!r}: memory fraction {memory_fraction!r} must be in (0, 1]")
     flash = hw.get("flash_attention", False)
     if not isinstance(flash, bool):
         raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
     peak = float(hw["peak_tflops"][dtype]) * 1e12
-    return Machine(peak * efficiency, float(hw["memory_bytes"]), Network.from_hardware(hw, gpus_per_node),
+    return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction, Network.from_hardware(hw, gpus_per_node),
                    DTYPE_BYTES[dtype], flash)
 
 
@@ -107,7 +121,7 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
         more = _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor)
         raise ValueError(
             f"{cfg.name} ({cfg.param_count() / 1e9:.3g}B parameters) does not fit on {gpus} GPUs with "
-            f"{machine.memory_bytes / 1e9:.3g} GB each: the leanest layout ({_describe(smallest[1])}) needs "
+            f"{machine.memory_bytes / 1e9:.3g} GB usable each: the leanest layout ({_describe(smallest[1])}) needs "
             f"{smallest[0] / 1e9:.3g} GB per device; {more}")
     plans.sort(key=lambda p: p["predicted_step_s"])
     return plans[:top]

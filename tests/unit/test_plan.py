@@ -26,7 +26,7 @@ def test_plans_respect_device_memory_and_are_ranked(memory):
     m = _machine(memory=memory)
     plans = rank_plans(PRESETS["gpt2-1.3b"], 8, m, global_batch=32, seq=1024, top=1000)
     assert plans
-    assert all(p["memory_per_device_bytes"] <= memory for p in plans)
+    assert all(p["memory_per_device_bytes"] <= 0.9 * memory for p in plans)  # the usable share
     times = [p["predicted_step_s"] for p in plans]
     assert times == sorted(times)
     for p in plans:
@@ -199,3 +199,26 @@ def test_planner_makespan_is_the_simulate_commands():
         costs = parse_costs("1,2,0.5", 4)
         want = simulate(make_schedule(sched, 4, 8, split, costs=costs), costs).makespan
         assert pipeline_makespan(sched, 4, 8, split, 2.0, 0.5, 0.0)[0] == pytest.approx(want), sched
+
+
+def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
+    """A plan fills at most 90% of a device (the hardware file or --memory-fraction may say otherwise), the
+    share `jaxhybrid train` lets XLA preallocate unless the environment chooses (JAX's own default, 75%,
+    would leave a plan at 79 of 80 GB short)."""
+    from jaxhybrid.launch_env import MEM_FRACTION_ENV, reserve_device_memory
+
+    h = load_hardware("h100-node")
+    assert machine_from_hardware(h, 8, "bfloat16", 0.5).memory_bytes == pytest.approx(72e9)
+    assert machine_from_hardware({**h, "usable_memory_fraction": 0.8}, 8, "bfloat16", 0.5).memory_bytes == \
+        pytest.approx(64e9)
+    assert machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.0).memory_bytes == pytest.approx(80e9)
+    with pytest.raises(ValueError, match=r"hardware 'h100-node': memory fraction 1.5 must be in \(0, 1\]"):
+        machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.5)
+    tight = rank_plans(PRESETS["gpt2-1.3b"], 8, _machine(memory=12e9), global_batch=32, seq=1024, top=1 << 30)
+    whole = rank_plans(PRESETS["gpt2-1.3b"], 8, machine_from_hardware(
+        {**h, "memory_bytes": 12e9}, 8, "bfloat16", 0.5, memory_fraction=1.0), global_batch=32, seq=1024, top=1 << 30)
+    assert len(tight) < len(whole) and max(p["memory_per_device_bytes"] for p in whole) > 10.8e9
+    env = {}
+    assert reserve_device_memory(env) == "0.9" and env == {MEM_FRACTION_ENV: "0.9"}
+    assert reserve_device_memory({MEM_FRACTION_ENV: ".5"}) == ".5"  # the user's choice stands
+    assert reserve_device_memory({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == ""

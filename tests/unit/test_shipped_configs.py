@@ -64,9 +64,9 @@ def test_cluster_config_fits_its_hardware_by_the_planner(path):
     assert nodes and int(nodes.group(1)) == max(1, cfg.num_devices // gpn), "the sbatch line's node count"
     machine = machine_from_hardware(hw, min(gpn, cfg.num_devices), cfg.precision.compute_dtype, 0.5)
     r = evaluate(cfg.model, config_layout(cfg), machine, cfg.data.seq_len)
-    assert r["memory_per_device_bytes"] <= 0.95 * machine.memory_bytes, (
+    assert r["memory_per_device_bytes"] <= machine.memory_bytes, (  # the usable share (planner.plan)
         f"{path.name}: {r['memory_per_device_bytes'] / 1e9:.1f} GB per device by the planner's model, "
-        f"{machine.memory_bytes / 1e9:.0f} GB on {hw['name']}")
+        f"{machine.memory_bytes / 1e9:.0f} GB usable on {hw['name']}")
 
 
 def test_plan_scores_a_config_beside_its_plans(capsys):
