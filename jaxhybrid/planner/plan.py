@@ -62,7 +62,8 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     if memory_fraction is None:
         memory_fraction = hw.get("usable_memory_fraction", USABLE_MEMORY_FRACTION)
     if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
-        raise ValueError(f"hardware {hw['name']!r}: memory fraction {memory_fraction!r} must be in (0, 1]")
+        raise ValueError(f"memory fraction {memory_fraction!r} (plan --memory-fraction, or hardware {hw['name']}'s "
+                         f"usable_memory_fraction) must be in (0, 1]")
     flash = hw.get("flash_attention", False)
     if not isinstance(flash, bool):
         raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")

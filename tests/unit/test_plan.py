@@ -212,7 +212,8 @@ def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
     assert machine_from_hardware({**h, "usable_memory_fraction": 0.8}, 8, "bfloat16", 0.5).memory_bytes == \
         pytest.approx(64e9)
     assert machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.0).memory_bytes == pytest.approx(80e9)
-    with pytest.raises(ValueError, match=r"hardware 'h100-node': memory fraction 1.5 must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"memory fraction 1.5 \(plan --memory-fraction, or hardware h100-node's "
+                                         r"usable_memory_fraction\) must be in \(0, 1\]"):
         machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.5)
     tight = rank_plans(PRESETS["gpt2-1.3b"], 8, _machine(memory=12e9), global_batch=32, seq=1024, top=1 << 30)
     whole = rank_plans(PRESETS["gpt2-1.3b"], 8, machine_from_hardware(
