@@ -176,3 +176,23 @@ def test_bench_tensor_checks_every_grid_before_compiling(monkeypatch):
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"grid 1,1,1,{n + 1} has {n + 1} devices, not the {n} JAX has"):
         bt.run(p.parse_args(["--only", f"1,1,1,{n};1,1,1,{n + 1}"]))
+
+
+def test_bench_tensor_tables_put_measured_bytes_beside_the_equations():
+    """Without --json, ``bench tensor`` prints tables: a factorization's measured dense bytes, AxoNN's
+    eqs. 4-7 and their ratio in one row; the A-E ladder with speedups, and on CPU why they are not overlap."""
+    from jaxhybrid.bench import tensor as bt
+
+    row = {"shape": {"data": 2, "depth": 1, "row": 2, "col": 2}, "step_s": 0.0125,
+           "dense_tensor_axes_measured": 150, "dense_tensor_axes_eqs_4_7": 100,
+           "grad_allreduce_data_depth_measured": 7, "grad_allreduce_eq_8_dense_only": 5,
+           "relayout_without_A": 0, "outside_eqs_4_8": 3}
+    cols = bt._row_line(row).split()
+    assert cols == ["2", "1", "2", "2", "12.500", "150", "100", "1.500", "7", "5", "0", "3"]
+    assert len(bt._ROW_HEAD.split()) == len(cols)
+    opt = {"shape": [1, 2, 2, 2], "remat": "full", "step_s": {"baseline": 0.02, "A": 0.01},
+           "speedup_vs_baseline": {"baseline": 1.0, "A": 2.0},
+           "async_collectives_overlapping_compute": {"baseline": 0, "A": 0}}
+    lines = bt._ladder_lines(opt, "cpu").splitlines()
+    assert lines[3].split() == ["A", "10.000", "2.000", "0"] and "XLA:CPU" in lines[-1]
+    assert "XLA:CPU" not in bt._ladder_lines(opt, "gpu")
