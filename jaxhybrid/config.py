@@ -83,6 +83,10 @@ class ParallelConfig:
     tensor_row: int = 1  # G_r
     tensor_depth: int = 1  # G_d
     partition: tuple[int, ...] = ()  # blocks per stage; empty = even split
+    # Data replicas as a mesh axis of one process (or of --distributed processes), all-reduced by XLA's
+    # collectives (NCCL on GPUs), even without tensor axes; false: MPI ranks (Myelin's bucketed all-reduce).
+    # Tensor layouts (pipeline 1, a tensor axis > 1) always put data on their mesh.
+    mesh_data: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,13 +150,18 @@ class Config:
         return self.train.global_batch // (self.parallel.data * self.pipeline.microbatches)
 
     @property
-    def world_size(self) -> int:
-        """MPI ranks: G_inter x G_data. In tensor mode (one pipeline stage, a tensor mesh) the data axis
-        is a mesh axis of one process (or of JAX's distributed runtime), not MPI ranks."""
+    def on_mesh(self) -> bool:
+        """Tensor mode: one pipeline stage whose (data, depth, row, col) grid is one JAX mesh, because a
+        tensor axis is > 1 or ``parallel.mesh_data`` puts the data replicas there."""
         p = self.parallel
-        if p.pipeline == 1 and self.tensor_size > 1:
-            return 1
-        return p.pipeline * p.data
+        return p.pipeline == 1 and (self.tensor_size > 1 or p.mesh_data)
+
+    @property
+    def world_size(self) -> int:
+        """MPI ranks: G_inter x G_data. In tensor mode (:attr:`on_mesh`) the data axis is a mesh axis of
+        one process (or of JAX's distributed runtime), not MPI ranks."""
+        p = self.parallel
+        return 1 if self.on_mesh else p.pipeline * p.data
 
     @property
     def num_devices(self) -> int:

@@ -140,6 +140,9 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
     if pl.weight_join not in ("auto", "sum", "concat"):
         errors.append(f"pipeline.weight_join={pl.weight_join!r}; choose auto, sum or concat")
+    if p.mesh_data and p.pipeline > 1:
+        errors.append(f"parallel.mesh_data=true with parallel.pipeline={p.pipeline}: a pipeline's data replicas "
+                      f"are MPI ranks; set mesh_data=false, or pipeline=1 for one mesh")
     if p.pipeline > m.n_layers:
         errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
     if p.partition:

@@ -43,7 +43,7 @@ def build_engine(cfg: Config, model: Model):
         from jaxhybrid.topology import Topology
 
         return PipelineEngine(cfg, model, Topology.from_config(cfg))
-    if cfg.tensor_size > 1:
+    if cfg.on_mesh:
         from jaxhybrid.tensor.engine import TensorEngine
 
         return TensorEngine(cfg.model, cfg)
@@ -54,7 +54,7 @@ def build_engine(cfg: Config, model: Model):
 
 def build_updater(cfg: Config, engine):
     transform = build_transform(cfg.optim, cfg.train.steps)
-    if cfg.optim.offload and cfg.tensor_size > 1:  # each device offloads the parameter shards it owns
+    if cfg.optim.offload and (cfg.tensor_size > 1 or cfg.on_mesh):  # each device offloads the shards it owns
         from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
 
         return ShardedOffloadUpdater(transform, cfg)

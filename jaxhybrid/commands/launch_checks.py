@@ -49,7 +49,7 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
 
     from jaxhybrid.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
 
-    if cfg.tensor_size == 1 or accelerator_backend(env):
+    if not (cfg.tensor_size > 1 or cfg.on_mesh) or accelerator_backend(env):
         return
     count = cpu_devices(env)
     try:

@@ -56,10 +56,10 @@ def check_distributed(cfg, args) -> None:
             raise ConfigError("--coordinator, --num-processes and --process-id only apply with --distributed")
         return
     p = cfg.parallel
-    if p.pipeline > 1 or cfg.tensor_size == 1:
+    if not cfg.on_mesh:
         raise ConfigError(f"--distributed spans one tensor-mode mesh over processes: it needs parallel.pipeline=1 "
-                          f"and a tensor grid, got pipeline={p.pipeline}, tensor depth x row x col = "
-                          f"{p.tensor_depth} x {p.tensor_row} x {p.tensor_col}; pipeline and data-only layouts "
+                          f"and a tensor grid or parallel.mesh_data=true, got pipeline={p.pipeline}, tensor depth "
+                          f"x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}; pipeline layouts "
                           f"run as MPI ranks without --distributed (jaxhybrid launch)")
 
 

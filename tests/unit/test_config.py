@@ -171,6 +171,14 @@ def test_tensor_mode_data_axis_is_a_mesh_axis():
     hybrid = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2",
                                 "parallel.tensor_col=2"])
     assert (hybrid.world_size, hybrid.num_devices) == (4, 8)
+    # Data parallelism alone: MPI ranks by default (Myelin), one process's mesh with parallel.mesh_data.
+    assert load_config(None, ["parallel.data=8"]).world_size == 8
+    mesh = load_config(None, ["parallel.data=8", "parallel.mesh_data=true"])
+    assert (mesh.on_mesh, mesh.world_size, mesh.num_devices) == (True, 1, 8)
+    with pytest.raises(ConfigError, match=r"parallel.mesh_data=true with parallel.pipeline=2: a pipeline's data "
+                                          r"replicas are MPI ranks"):
+        load_config(None, ["parallel.data=2", "parallel.pipeline=2", "pipeline.microbatches=2",
+                           "parallel.mesh_data=true"])
 
 
 def test_plan_file_sits_between_yaml_and_command_line(tmp_path):

@@ -67,7 +67,7 @@ def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
     train_cmd.add_arguments(p)
     mesh = load_config(None, ["parallel.tensor_col=2"], check=False)
     train_cmd.check_distributed(mesh, p.parse_args(["--distributed"]))  # one tensor mesh: accepted
-    with pytest.raises(ConfigError, match=r"needs parallel.pipeline=1 and a tensor grid, got pipeline=2"):
+    with pytest.raises(ConfigError, match=r"needs parallel.pipeline=1 and a tensor grid or parallel.mesh_data=true, got pipeline=2"):
         train_cmd.check_distributed(load_config(None, ["parallel.pipeline=2"], check=False),
                                     p.parse_args(["--distributed"]))
     with pytest.raises(ConfigError, match="only apply with --distributed"):

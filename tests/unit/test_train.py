@@ -407,3 +407,18 @@ def test_sigterm_keeps_the_last_finished_step(tmp_path):
     from jaxhybrid.checkpoint import committed_steps
 
     assert committed_steps(run)["rank_0"][-1] >= 2
+
+
+@pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000")], ids=["device", "offload"])
+def test_data_parallel_on_one_mesh_matches_one_device(tmp_path, extra):
+    """``parallel.mesh_data``: data replicas as the axis of one process's mesh (XLA's all-reduce, NCCL on
+    GPUs), no tensor axis and no MPI; each step's loss and gradient norm equal the single device's."""
+    from jaxhybrid.tensor.engine import TensorEngine
+
+    Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", name="one")).run()
+    mesh = Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", "parallel.data=8", "parallel.mesh_data=true",
+                        *extra, name="mesh"))  # the 8 fake devices of the test process
+    assert isinstance(mesh.engine, TensorEngine) and mesh.engine.shape.sizes()["data"] == 8
+    mesh.run()
+    rec = lambda d: [(r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open())]  # noqa: E731
+    assert_tree_close(np.array(rec("mesh")), np.array(rec("one")), "fp32_parity", "loss and grad norm per step ")
