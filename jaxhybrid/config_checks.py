@@ -103,7 +103,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world_size is not None and world_size != cfg.world_size:
         errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
                       f"!= world size {world_size}; start {cfg.world_size} ranks (jaxhybrid launch -n "
-                      f"{cfg.world_size}) or change the grid")
+                      f"{cfg.world_size}) or change the grid"
+                      + ("; or parallel.mesh_data=true for data replicas on this process's devices"
+                         if world_size == 1 and p.pipeline == 1 else ""))
     if errors:
         raise ConfigError("; ".join(errors))
 

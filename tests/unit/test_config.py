@@ -85,6 +85,9 @@ def test_world_size_mismatch():
     with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 8; "
                        r"start 4 ranks \(jaxhybrid launch -n 4\)"):
         validate(cfg, world_size=8)
+    with pytest.raises(ConfigError, match=r"= 8 != world size 1; start 8 ranks .*; or parallel.mesh_data=true for "
+                                          r"data replicas on this process's devices"):
+        validate(load_config(None, ["parallel.data=8"]), world_size=1)
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):
