@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install on first use (scripts/setup.sh), then run the whole test suite: unit, parity and MPI tests.
-# Extra arguments go to one pytest run over tests/, e.g. scripts/test.sh -k schedule
+# Extra arguments go to one pytest run, e.g. scripts/test.sh -k schedule (over tests/) or
+# scripts/test.sh tests/unit/test_data.py (that file only)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -11,7 +12,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MPLBACKEND=Agg
 export JAXHYBRID_CACHE="${JAXHYBRID_CACHE:-$root/.cache}"
 if [ "$#" -gt 0 ]; then  # a selection (-k, a file): one run, in order
-  exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" tests
+  # Over tests/ unless the arguments name test paths themselves (a file, a folder, file::test): appending
+  # tests/ to those would run the whole suite beside them.
+  where=tests
+  for a in "$@"; do
+    case "$a" in -*) ;; *) if [ -e "${a%%::*}" ]; then where=; fi ;; esac
+  done
+  exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" $where
 fi
 # The unit and parity tests on up to 4 cores, one pytest-xdist worker each (every worker its own JAX with 8
 # fake devices; the XLA cache is shared under its file lock); then the MPI tests alone: their ranks fill

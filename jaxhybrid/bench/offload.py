@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxhybrid.bench import round_ratios
+from jaxhybrid.commands.argtypes import positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", default="bfloat16", help="Myelin's 4 phi assumes half precision")
     p.add_argument("--bucket-size", type=int, default=0,
                    help="elements per bucket; 0 = optim.bucket_size, capped at params // 16")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--no-sweep", action="store_true", help="skip the mpirun -n 2 k sweep")
     p.add_argument("--tensor", default=None, metavar="DATA,DEPTH,ROW,COL",
                    help="instead: the per-device offload on this tensor mesh against the on-device update")

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 
+from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.costs import resnet50_chain, transformer_chain
 from jaxhybrid.planner.madpipe import Grid, madpipe
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small subset: P in {2, 4}, M in {4, 8} GB, beta 12")
     p.add_argument("--networks", default="resnet50,transformer", help="comma-separated: resnet50, transformer")
     p.add_argument("--grid", default="101,11,51", help="t_P, m_P, V grid sizes")
-    p.add_argument("--iterations", type=int, default=10, help="K of Algorithm 1")
+    p.add_argument("--iterations", type=positive_int, default=10, help="K of Algorithm 1")
 
 
 def _fmt(x: float):

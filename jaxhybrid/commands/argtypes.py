@@ -14,15 +14,24 @@ import tempfile
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=`` of a count that must be >= 1."""
+def _int_at_least(floor: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
+        value = floor - 1
+    if value < floor:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {floor} (got {text!r})")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of a count that must be >= 1."""
+    return _int_at_least(1, text)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type=`` of a count that may be 0 (warm-up rounds)."""
+    return _int_at_least(0, text)
 
 
 def check_seq_len(seq_len: int | None, model, flag: str = "--seq-len") -> None:

@@ -1,0 +1,47 @@
+"""``jaxhybrid bench NAME``'s counts are checked when parsed: 0 timed steps or rounds used to end in a
+traceback after the compile (``bench tensor --steps 0``: UnboundLocalError; ``bench offload --steps 0``:
+ZeroDivisionError; ``bench pipeline --rounds 0``: "min() arg is an empty sequence" from every MPI rank),
+and ``bench partition --iterations 0`` ran where ``jaxhybrid partition`` refuses it."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jaxhybrid.commands import bench
+
+
+def _usage_error(capsys, name: str, *rest: str) -> str:
+    """argparse's error line for the benchmark's flag (exit code 2, before JAX or MPI starts)."""
+    with pytest.raises(SystemExit) as e:
+        bench.prepare(argparse.Namespace(name=name, rest=list(rest)))
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name, argv, flag, value, floor", [
+    ("tensor", (), "--steps", "0", 1),
+    ("tensor", (), "--rounds", "0", 1),
+    ("tensor", (), "--layers", "0", 1),
+    ("tensor", (), "--batch", "-2", 1),
+    ("tensor", (), "--seq", "0", 1),
+    ("tensor", (), "--devices", "0", 1),
+    ("offload", ("--no-sweep",), "--steps", "0", 1),
+    ("offload", ("--no-sweep",), "--rounds", "0", 1),
+    ("pipeline", ("--stages", "2"), "--rounds", "0", 1),
+    ("pipeline", ("--stages", "2"), "--warmup", "-1", 0),
+    ("pipeline", ("--stages", "2"), "--microbatch-size", "0", 1),
+    ("pipeline", ("--stages", "2"), "--seq", "0", 1),
+    ("pipeline", (), "--stages", "0", 1),
+    ("partition", ("--quick",), "--iterations", "0", 1),
+])
+def test_bench_counts_are_checked_when_parsed(capsys, name, argv, flag, value, floor):
+    assert _usage_error(capsys, name, *argv, flag, value) == \
+        f"jaxhybrid bench {name}: error: argument {flag}: must be an integer >= {floor} (got '{value}')"
+
+
+def test_bench_pipeline_takes_no_warmup():
+    """--warmup 0 is a valid choice (every round timed)."""
+    ns = argparse.Namespace(name="pipeline", rest=["--stages", "2", "--warmup", "0"])
+    bench.prepare(ns)
+    assert ns.bench_args.warmup == 0 and ns.bench_args.rounds == 5
