@@ -53,7 +53,9 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
         return parser, None
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
-    p = argparse.ArgumentParser(prog=f"jaxhybrid {name}", description=COMMANDS[name][1])
+    from jaxhybrid.commands.argtypes import DefaultsHelp
+
+    p = argparse.ArgumentParser(prog=f"jaxhybrid {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelp)
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
     args._run = module.run

@@ -61,3 +61,20 @@ def check_writable(path: str | Path, flag: str, directory: bool = False, hint: s
         tempfile.TemporaryFile(dir=near).close()
     except OSError as e:
         raise ValueError(f"{what} cannot be written: {near} takes no new file ({e.strerror or e}){hint}") from None
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` says each option's default unless its help already speaks of one: argparse's own
+    ArgumentDefaultsHelpFormatter also prints ``(default: None)``/``(default: False)`` for options whose
+    default means "not given", and nothing for options without help text."""
+
+    def _format_action(self, action):
+        shown = action.default not in (None, False, argparse.SUPPRESS, "", [])
+        if not shown or not action.option_strings or "default" in (action.help or ""):
+            return super()._format_action(action)
+        saved = action.help
+        action.help = f"{saved} (default: %(default)s)" if saved else "default: %(default)s"
+        try:
+            return super()._format_action(action)
+        finally:
+            action.help = saved

@@ -23,7 +23,10 @@ def prepare(args: argparse.Namespace) -> None:
     """Parse the benchmark's own arguments and let it settle its environment (``prepare(ns)``, e.g. its
     fake CPU devices) before JAX starts."""
     module = importlib.import_module(f"jaxhybrid.bench.{args.name.replace('-', '_')}")
-    p = argparse.ArgumentParser(prog=f"jaxhybrid bench {args.name}", description=BENCHES[args.name])
+    from jaxhybrid.commands.argtypes import DefaultsHelp
+
+    p = argparse.ArgumentParser(prog=f"jaxhybrid bench {args.name}", description=BENCHES[args.name],
+                                formatter_class=DefaultsHelp)
     module.add_arguments(p)
     args.bench_module, args.bench_args = module, p.parse_args(args.rest)
     getattr(module, "prepare", lambda _: None)(args.bench_args)

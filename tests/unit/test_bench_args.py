@@ -45,3 +45,20 @@ def test_bench_pipeline_takes_no_warmup():
     ns = argparse.Namespace(name="pipeline", rest=["--stages", "2", "--warmup", "0"])
     bench.prepare(ns)
     assert ns.bench_args.warmup == 0 and ns.bench_args.rounds == 5
+
+
+def test_help_states_each_default_once(capsys):
+    """``--help`` of a command and of a benchmark names the defaults, not "None"/"False" for options
+    whose default means "not given", and not twice where the help text already speaks of it."""
+    from jaxhybrid.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(["plan", "--help"])
+    plan = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.5)" in plan and "plans to print (>= 1) (default: 10)" in plan
+    assert "(default: None)" not in plan and "(default: False)" not in plan
+    assert "else 0.9; the rest is CUDA context, XLA scratch, fragmentation) (default" not in plan
+    with pytest.raises(SystemExit):
+        bench.prepare(argparse.Namespace(name="tensor", rest=["--help"]))
+    tensor = " ".join(capsys.readouterr().out.split())
+    assert "--layers LAYERS default: 2" in tensor and "--rounds ROUNDS default: 3" in tensor
