@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/host_alloc.py)
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as e:
+        watchdog = sys.modules.get("jaxhybrid.pipeline.watchdog")  # loaded once a rank joins an MPI job
+        if watchdog is not None:
+            watchdog.report_if_in_job(e)  # a rank's failure mid-job: named, with its traceback, then abort
         # One write: ranks of a job share the stream, and print's separate newline let another rank's line
         # land in between ("...nope.jsonjaxhybrid train: error: ...").
         sys.stderr.write(f"jaxhybrid {argv[0]}: error: {e}\n")

@@ -30,12 +30,15 @@ def open_dataset(cfg, split: str = "train"):
 
 
 def check_data(cfg) -> None:
-    """A given ``data.path`` holds the splits this run reads, with ids the model can embed and, with
+    """A given ``data.path`` holds the splits this run reads (a train split of at least one sequence),
+    with ids the model can embed and, with
     ``train.eval_every``, a val split long enough: what every rank's trainer meets first. Cheap (memmaps),
     so ``jaxhybrid launch`` checks it once for all ranks. The built-in corpus is left to the ranks: it is
     prepared on first use, under a lock."""
     if cfg.data.path:
-        open_dataset(cfg)
+        # The train split must hold one window of data.seq_len + 1 tokens: the sampler says so, as the
+        # trainer's own sampler would on every rank.
+        Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         if cfg.train.eval_every:
             validation_batches(cfg)
 

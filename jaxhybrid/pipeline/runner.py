@@ -197,12 +197,16 @@ class PipelineEngine:
 
     def global_sum(self, x):
         """Sum over the stages of this replica (the model-parallel group)."""
-        return jnp.float32(self.topo.row.allreduce(float(x)))
+        value = float(x)  # the local computation stays outside the deadline; only the wait is watched
+        with self.watchdog.watching("sum over the stages (gradient norm)"):
+            return jnp.float32(self.topo.row.allreduce(value))
 
     def global_max(self, x):
         from mpi4py import MPI
 
-        return jnp.float32(self.topo.world.allreduce(float(x), op=MPI.MAX))
+        value = float(x)
+        with self.watchdog.watching("max over all ranks (overflow, stop or resume agreement)"):
+            return jnp.float32(self.topo.world.allreduce(value, op=MPI.MAX))
 
     @property
     def is_writer(self) -> bool:
@@ -215,11 +219,13 @@ class PipelineEngine:
     # -- trace and shutdown ----------------------------------------------------------------------------
     def gather_events(self) -> list | None:
         """The last step's events of every rank, on rank 0 (others get None), clocks aligned."""
-        self.topo.world.Barrier()
+        with self.watchdog.watching("barrier before gathering the trace"):
+            self.topo.world.Barrier()
         sync = time.perf_counter()
         events = [(e.name, e.kind, e.start - sync, e.end - sync, e.microbatches, e.stage)
                   for e in self.loop.recorder.events]
-        every = self.topo.world.gather(events, root=0)
+        with self.watchdog.watching("gathering the trace"):
+            every = self.topo.world.gather(events, root=0)
         if self.rank != 0:
             return None
         from jaxhybrid.pipeline.trace import Event

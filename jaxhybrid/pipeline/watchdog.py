@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -25,6 +26,9 @@ def _abort(comm: Any, code: int) -> None:
     os._exit(code)
 
 
+_REPORT: list[Callable[[type, BaseException, Any], None]] = []  # this rank's report, once it joined a job
+
+
 def install_abort_on_exception(who: str, comm: Any = None) -> None:
     """Make any uncaught exception (main or other threads) abort the whole MPI job, naming ``who``."""
 
@@ -35,6 +39,16 @@ def install_abort_on_exception(who: str, comm: Any = None) -> None:
 
     sys.excepthook = report
     threading.excepthook = lambda args: report(args.exc_type, args.exc_value, args.exc_traceback)
+    _REPORT[:] = [report]
+
+
+def report_if_in_job(exc: BaseException) -> None:
+    """On a rank that joined an MPI job (:func:`install_abort_on_exception`), report ``exc`` as a failure
+    of that rank (its traceback, the line naming the rank) and abort the job; elsewhere return. The
+    command line turns ValueError and FileNotFoundError into one-line setup errors, which on a rank
+    in mid-training hid both the rank and where it failed."""
+    if _REPORT:
+        _REPORT[0](type(exc), exc, exc.__traceback__)
 
 
 class Watchdog:
@@ -76,6 +90,24 @@ class Watchdog:
 
     def disarm(self) -> None:
         self._armed = False
+
+    @contextlib.contextmanager
+    def watching(self, doing: str):
+        """Armed for the body (a collective every rank must reach: a peer that froze outside the
+        pipeline phase leaves this rank waiting in it), and back to the earlier state after: inside an
+        armed region it only names what the rank waits for, without counting that as progress."""
+        was, before = self._armed, self._doing
+        if was:
+            self.note(doing)
+        else:
+            self.arm(doing)
+        try:
+            yield
+        finally:
+            if was:
+                self._doing = before
+            else:
+                self.disarm()
 
     def close(self) -> None:
         self._stop.set()

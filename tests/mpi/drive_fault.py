@@ -2,7 +2,9 @@
 rank ``--victim`` (default 1) fails at step 1.
 
 ``--mode exception``: its forward raises; ``kill``: it SIGKILLs itself; ``hang``: its forward sleeps
-forever (the watchdog, deadline ``--deadline`` seconds, must end the job). Step 0 runs
+forever (the watchdog, deadline ``--deadline`` seconds, must end the job); ``hang-collective``: it
+finishes the step, then sleeps forever while its peers wait for it in the trainer's collectives after
+the step (``global_sum``, ``global_max``), where no pipeline phase arms the watchdog. Step 0 runs
 normally first so compilation is not mistaken for a hang. The faulty rank writes the wall time of the
 fault to ``--stamp`` so the test can measure how long the job took to end.
 """
@@ -26,7 +28,7 @@ from jaxhybrid.topology import Topology
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("exception", "kill", "hang", "none"), required=True)
+    ap.add_argument("--mode", choices=("exception", "kill", "hang", "hang-collective", "none"), required=True)
     ap.add_argument("--deadline", type=float, default=2.0)
     ap.add_argument("--stamp", required=True)
     ap.add_argument("--data", type=int, default=1)
@@ -43,6 +45,15 @@ def main() -> int:
     engine.loss_and_grads(params, batch, 1.0)  # step 0: compiles
     engine.watchdog.deadline_s = a.deadline
     MPI.COMM_WORLD.Barrier()
+    if a.mode == "hang-collective":
+        engine.loss_and_grads(params, batch, 1.0)
+        if engine.rank == a.victim:
+            with open(a.stamp, "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(3600)
+        engine.global_sum(engine.global_max(0.0))
+        print(f"rank {engine.rank}: collectives finished", flush=True)
+        return 0
     if engine.rank == a.victim and a.mode != "none":
         with open(a.stamp, "w") as f:
             f.write(repr(time.time()))

@@ -104,7 +104,10 @@ def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
     # own watch of the PIDs must name the killed rank.
     ("kill", 2, 3, r"rank 3 \(stage 1, replica 1\) \(pid \d+\)[^\n]* ended abnormally, \w* ?the first rank"),
     ("hang", 1, 1, r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from pipeline rank 1"),
-], ids=["exception", "kill", "kill-2x2-rank3", "hang"])
+    # A rank frozen between steps (its optimizer, a save) leaves its peers in a collective, not in a
+    # pipeline phase: the watchdog must cover that wait too (it used to run to MPIEXEC_TIMEOUT).
+    ("hang-collective", 1, 1, r"watchdog: rank 0 \(stage 0, replica 0\) made no progress.*now: (sum|max) over"),
+], ids=["exception", "kill", "kill-2x2-rank3", "hang", "hang-collective"])
 def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     stamp = tmp_path / "stamp"
     cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", str(2 * data), "--timeout", "120", "--script",
@@ -119,7 +122,7 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     assert took < 10, f"{mode}: the job took {took:.1f} s to end after the fault"
     assert re.search(expect, out), out[-3000:]
     own = re.search(r"jaxhybrid(?: watchdog)?: (rank \d+ \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)", out)
-    if mode in ("exception", "hang"):  # the rank that aborted the job is named, though others ended first
+    if mode in ("exception", "hang", "hang-collective"):  # the rank that aborted the job is named, though others ended first
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
 
 

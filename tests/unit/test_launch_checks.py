@@ -137,6 +137,16 @@ def test_a_missing_data_path_is_found_once(tmp_path):
         check_job(*_job(tmp_path, "data.path=/nonexistent/tokens"), 4)
 
 
+def test_a_train_split_shorter_than_one_sequence_is_found_once(tmp_path):
+    """Every rank's sampler would refuse it after the job started: four errors and an abort."""
+    from jaxhybrid.data import prepare_data
+
+    (tmp_path / "tiny.txt").write_text("hi")
+    data = prepare_data(tmp_path / "tiny", [tmp_path / "tiny.txt"])
+    with pytest.raises(ValueError, match=r"train split of .* has 3 tokens; one sequence needs data.seq_len \+ 1"):
+        check_job(*_job(tmp_path / "run", f"data.path={data}", "train.eval_every=0"), 4)
+
+
 def test_metrics_settings_are_checked_before_the_ranks_start(tmp_path, monkeypatch):
     """A metrics.hardware file that is missing or has no peak for the compute dtype, and TensorBoard
     without tensorboardX, fail before anything is built (they used to fail after the first compilation)."""
@@ -171,3 +181,20 @@ def test_a_resume_that_cannot_continue_fails_in_the_launcher(tmp_path):
                                           r"data.seq_len: 128 -> 64\)"):
         check_job(*_job(run, "train.global_batch=32", "data.seq_len=64", flags=("--resume",)), 4)
     check_job(*_job(run, "train.steps=300", flags=("--resume",)), 4)
+
+
+def test_an_error_on_a_rank_that_joined_the_job_names_the_rank(tmp_path):
+    """ValueError and FileNotFoundError are one-line setup errors (`jaxhybrid train: error: ...`), but on
+    a rank that joined an MPI job (its abort hook installed) they are that rank's failure in mid-job: its
+    traceback and `jaxhybrid: rank R (...) failed`, which the launcher names, then the abort."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from jaxhybrid.pipeline.watchdog import install_abort_on_exception; "
+            "install_abort_on_exception('rank 1 (stage 1, replica 0)'); from jaxhybrid.cli import main; "
+            f"sys.exit(main(['prepare-data', '--out', {str(tmp_path / 'out')!r}, '--input', 'nope.txt']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1] == (
+        "jaxhybrid: rank 1 (stage 1, replica 0) failed: FileNotFoundError: input file not found: nope.txt; "
+        "aborting the job"), r.stderr
