@@ -156,7 +156,12 @@ class Topology:
     @property
     def who(self) -> str:
         """``rank r (stage i, replica j)``: how every message and the launcher's PID files name this rank."""
-        return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
+        return self.name(self.stage)
+
+    def name(self, stage: int, replica: int | None = None) -> str:
+        """How messages name the rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+        replica = self.replica if replica is None else replica
+        return f"rank {self.grid.rank(stage, replica)} (stage {stage}, replica {replica})"
 
     @property
     def num_stages(self) -> int:

@@ -190,7 +190,8 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
        no rank end abnormally;
     4. the first error a rank printed (``jaxhybrid train: error: ...``): ranks that fail before they make
        their topology leave no PID file to watch, and those that fail later with such an error exit
-       through Python's exit handlers, leaving the normal-exit marker before mpi4py aborts."""
+       through Python's exit handlers, leaving the normal-exit marker before mpi4py aborts;
+    5. hydra's ``APPLICATION TIMED OUT`` line: no rank failed, the job outlived ``MPIEXEC_TIMEOUT``."""
     own = reporters(output_lines)
     if own:
         return f"{own[0][1]} reported the failure first (its message is above)"
@@ -207,6 +208,10 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
         who = "every rank" if len(errors) >= watch.n else f"{len(errors)} of {watch.n} ranks"
         when = "" if read_pid_files(watch.pid_dir) else " before joining the job"  # no topology made
         return f"{who} failed{when}: {errors[0]}"
+    timed_out = next((line.strip() for line in output_lines if "APPLICATION TIMED OUT" in line), None)
+    if timed_out:  # hydra's line when MPIEXEC_TIMEOUT (jaxhybrid launch --timeout) ran out
+        return (f"the job ran past its time limit ({timed_out}); no rank failed first: raise --timeout "
+                f"(MPIEXEC_TIMEOUT), or look for a rank waiting on a peer (pipeline.watchdog_s)")
     return "no rank was seen to end first"
 
 

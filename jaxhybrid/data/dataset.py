@@ -24,6 +24,9 @@ def _resolve_dir(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
         return p
+    if p.is_file() and p.name not in (META, TOKENIZER_FILE) and p.suffix != ".bin":  # raw text, most likely
+        raise FileNotFoundError(f"data path {p} is a file, not a prepared dataset; tokenize it first: "
+                                f"`jaxhybrid prepare-data --out DIR --input {p}`, then data.path=DIR")
     if p.is_file() or p.name in (META, TOKENIZER_FILE) or p.suffix == ".bin":
         if p.parent.is_dir():
             return p.parent

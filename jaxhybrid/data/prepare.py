@@ -76,6 +76,8 @@ def builtin_corpus_text() -> str:
 def _read_inputs(inputs: Sequence[str | Path]) -> str:
     paths = [Path(p) for p in inputs]
     for p in paths:  # every path is checked before any file is read or written
+        if p.is_dir():
+            raise ValueError(f"input {p} is a folder; give its text files, e.g. --input {p}/*.txt")
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
     texts = []

@@ -58,16 +58,22 @@ def validation_batches(cfg) -> list[np.ndarray]:
 
 
 def repetition_notes(cfg) -> list[str]:
-    """What a run would read more than once within one batch or one evaluation, which training gives no
-    sign of (the loss just looks good): a train split with fewer windows of ``data.seq_len + 1`` tokens
-    than ``train.global_batch``, and ``train.eval_batches`` asking for more sequences than the val split
-    has windows (the sampler wraps around; the loss is no better measured, the evaluation only longer)."""
+    """What a run would read more than once within one batch, one run or one evaluation, which training
+    gives no sign of (the loss just looks good): a train split with fewer windows of ``data.seq_len + 1``
+    tokens than ``train.global_batch``, or than the run's steps read (several epochs), and
+    ``train.eval_batches`` asking for more sequences than the val split has windows (the sampler wraps
+    around; the loss is no better measured, the evaluation only longer)."""
     notes = []
     train = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
     if train.n_windows < cfg.train.global_batch:
         notes.append(f"the train split of {train.dataset.dir} holds {len(train.dataset)} tokens, "
                      f"{train.n_windows} windows of data.seq_len + 1 = {cfg.data.seq_len + 1}: fewer than "
                      f"train.global_batch={cfg.train.global_batch}, so every batch repeats windows")
+    elif cfg.train.steps * cfg.train.global_batch > train.n_windows:  # several epochs: fine, but say so
+        read = cfg.train.steps * cfg.train.global_batch
+        notes.append(f"train.steps={cfg.train.steps} x train.global_batch={cfg.train.global_batch} = {read} "
+                     f"sequences: {read / train.n_windows:.1f} passes over the {train.n_windows} windows of the "
+                     f"train split (each window is read more than once)")
     if cfg.train.eval_every:
         val = Sampler(open_dataset(cfg, "val"), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         asked = cfg.train.eval_batches * cfg.train.global_batch

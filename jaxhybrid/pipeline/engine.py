@@ -53,12 +53,15 @@ class EventLoop(MessageDriven):
     def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
                  join: Callable[[Any, list[Any]], Any] = lambda stage, parts: list(parts),
                  progress: Callable[[str], None] | None = None,
-                 weight_budget: int = 0, waiting: Callable[[str], None] | None = None):
+                 weight_budget: int = 0, waiting: Callable[[str], None] | None = None,
+                 peer_name: Callable[[int], str] | None = None):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.num_stages = len(self.stage_to_rank)
         self.transport, self.join = transport, join
         self.progress = progress or (lambda what: None)
         self.waiting = waiting or (lambda what: None)
+        # How a wait names the peer (by its rank in the pipeline group); the MPI runner says its world rank.
+        self.peer_name = peer_name or (lambda r: f"pipeline rank {r}")
         self.weight_budget = weight_budget or self.num_stages
         self.recorder = Recorder(rank)
         self._zeros: dict[int, Callable[[Any], Any]] = {}  # stage -> jitted zeros shaped like its params
@@ -141,7 +144,7 @@ class EventLoop(MessageDriven):
     def _take(self, env: Envelope) -> Any:
         if env not in self.mailbox:
             src = self.stage_to_rank[env.stage - 1 if env.kind is MsgKind.ACT else env.stage + 1]
-            self.waiting(f"waiting for {env} from pipeline rank {src}")
+            self.waiting(f"waiting for {env} from {self.peer_name(src)}")
         while env not in self.mailbox:
             self._receive_into_mailbox(block=True)
         return self.mailbox.pop(env)

@@ -87,7 +87,7 @@ class PipelineEngine:
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
                               self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
-                              waiting=self.watchdog.note)
+                              waiting=self.watchdog.note, peer_name=topology.name)  # row rank = stage
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.microbatch_size = mb
         self.last_step: dict[str, float] = {}

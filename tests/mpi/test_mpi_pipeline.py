@@ -103,7 +103,8 @@ def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
     # 2 x 2: hydra named a bystander here (rank 0 or 1, aborted when its peer vanished); the launcher's
     # own watch of the PIDs must name the killed rank.
     ("kill", 2, 3, r"rank 3 \(stage 1, replica 1\) \(pid \d+\)[^\n]* ended abnormally, \w* ?the first rank"),
-    ("hang", 1, 1, r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from pipeline rank 1"),
+    ("hang", 1, 1, r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from rank 1 \(stage 1, "
+                   r"replica 0\)"),
     # A rank frozen between steps (its optimizer, a save) leaves its peers in a collective, not in a
     # pipeline phase: the watchdog must cover that wait too (it used to run to MPIEXEC_TIMEOUT).
     ("hang-collective", 1, 1, r"watchdog: rank 0 \(stage 0, replica 0\) made no progress.*now: (sum|max) over"),

@@ -118,6 +118,9 @@ def test_missing_input_raises_before_writing(tmp_path):
     missing = tmp_path / "nope" / "missing.txt"
     with pytest.raises(FileNotFoundError, match=str(missing)):
         prepare_data(tmp_path / "out", [ok, missing])
+    with pytest.raises(ValueError, match=rf"input {tmp_path} is a folder; give its text files, e.g. --input "
+                                         rf"{tmp_path}/\*.txt"):
+        prepare_data(tmp_path / "out", [tmp_path])
     assert not (tmp_path / "out").exists()
 
 
@@ -146,7 +149,11 @@ def test_dataset_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="meta.json"):
         TokenDataset(tmp_path / "empty")
-    out = prepare_data(tmp_path / "out", [_write(tmp_path, "in.txt", "hello world\n" * 10)])
+    text = _write(tmp_path, "in.txt", "hello world\n" * 10)
+    out = prepare_data(tmp_path / "out", [text])
+    with pytest.raises(FileNotFoundError, match=rf"data path {text} is a file, not a prepared dataset; tokenize it "
+                                                rf"first: `jaxhybrid prepare-data --out DIR --input {text}`"):
+        TokenDataset(text)
     ds = TokenDataset(out)
     ds.check_vocab(256)
     with pytest.raises(ValueError, match=r"model.vocab_size=128 .* 256"):
@@ -251,12 +258,14 @@ def test_repetition_notes_name_a_split_too_small_for_a_batch_or_the_evaluation(t
     src = _write(tmp_path, "in.txt", "abcdefghij" * 40)  # 401 bytes (a newline ends it): 201 train, 200 val
     out = prepare_data(tmp_path / "d", [src], "byte", val_fraction=0.5)
 
-    def notes(batch, evals, every=5):
+    def notes(batch, evals, every=1, steps=1):
         return repetition_notes(load_config(None, [f"data.path={out}", "model.name=gpt-tiny", "data.seq_len=8",
                                                    f"train.global_batch={batch}", f"train.eval_batches={evals}",
-                                                   f"train.eval_every={every}"]))
+                                                   f"train.eval_every={every}", f"train.steps={steps}"]))
 
-    assert notes(8, 2) == []
+    assert notes(8, 2) == [] and notes(8, 2, steps=3) == []  # 24 sequences of the 24 windows: one epoch
+    assert notes(8, 2, steps=30) == ["train.steps=30 x train.global_batch=8 = 240 sequences: 10.0 passes over the "
+                                     "24 windows of the train split (each window is read more than once)"]
     assert notes(8, 4) == ["train.eval_batches=4 x train.global_batch=8 = 32 sequences, but the val split holds "
                            "23 windows: each evaluation repeats them (eval_batches=3 reads them all)"]
     wide, evals = notes(32, 1)

@@ -127,6 +127,9 @@ def test_failure_summary_names_the_error_of_ranks_that_failed_at_setup(tmp_path)
     assert failure_summary(watch, [error + "\n"] * 4 + [abort]) == f"every rank failed before joining the job: {error}"
     assert failure_summary(watch, [error + "\n"] * 2) == f"2 of 4 ranks failed before joining the job: {error}"
     assert failure_summary(watch, [abort]) == "no rank was seen to end first"
+    timeout = "[mpiexec@vm] APPLICATION TIMED OUT, TIMEOUT = 90s\n"  # hydra's line when MPIEXEC_TIMEOUT ran out
+    assert failure_summary(watch, [abort, timeout]).startswith(
+        "the job ran past its time limit ([mpiexec@vm] APPLICATION TIMED OUT, TIMEOUT = 90s); no rank failed first")
     # Ranks that made their topology and then exited with such an error left their exit marker.
     (tmp_path / "rank0.pid").write_text("101 rank 0 (stage 0, replica 0)")
     assert failure_summary(watch, [error + "\n"]) == f"1 of 4 ranks failed: {error}"
