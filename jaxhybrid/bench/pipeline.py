@@ -208,6 +208,7 @@ def _worker(args: argparse.Namespace, m: int) -> int:
     kernel = topo.world.allreduce(kernel, op=_max())
     # Every rank's kernels in the fused and the 2BP runs (same transport), for the simulator on rank 0.
     steps = topo.world.gather([x["kernels"] for x in shares["fused"] + shares["split"]], root=0)
+    joins = topo.world.gather(dict(sorted(main.loop.join.chosen.items())), root=0)  # per rank: size -> join
     overhead = topo.world.allreduce(overhead, op=_max())
     msg_frac = topo.world.allreduce(msg_frac, op=_max())
     if topo.rank == 0:
@@ -216,6 +217,8 @@ def _worker(args: argparse.Namespace, m: int) -> int:
         out = {"stages": args.stages, "schedule": args.schedule, "microbatches": m, "model": args.model,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
                "weight_join": cfg.pipeline.weight_join,
+               # What each stage's weight passes took, by microbatches joined (auto decides per stage and size).
+               "weight_join_chosen": {f"stage{i}": {str(k): v for k, v in j.items()} for i, j in enumerate(joins)},
                "throughput_fused": tokens / best["fused"], "throughput_split": tokens / best["split"],
                "gain": gain, "theoretical_gain": theoretical_gain(args.schedule, args.stages, m),
                "expected_gain": expected, "gain_over_expected": gain / expected,

@@ -41,8 +41,10 @@ def weight_join(mode: str) -> Callable[[Any, list[WeightResiduals]], Any]:
 
     def join(stage, parts: list[WeightResiduals]):
         m = auto_weight_join(stage, parts[0], len(parts)) if mode == "auto" else mode
+        join.chosen[len(parts)] = m  # what each join size took, for reports (bench pipeline)
         return concat_weight_residuals(parts) if m == "concat" else list(parts)
 
+    join.chosen = {}
     return join
 
 

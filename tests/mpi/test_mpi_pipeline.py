@@ -226,6 +226,8 @@ def test_bench_pipeline_prints_side_by_side_json():
         assert key in out, out
     assert out["gain"] == pytest.approx(out["throughput_split"] / out["throughput_fused"])
     assert out["weight_join"] == "concat"  # reached the ranks' pipeline config
+    assert set(out["weight_join_chosen"]) == {"stage0", "stage1"}
+    assert all(v == "concat" for j in out["weight_join_chosen"].values() for v in j.values())
     assert out["theoretical_gain"] == pytest.approx(9 / 7)  # 2BP Table 1, 1F1B-1, N = 2
     assert 0 <= out["event_loop_overhead"] < 1
     # The schedules simulated with this run's own kernel times (F, fused B, BI, BW per stage).
