@@ -150,6 +150,34 @@ def check_resume_layout(run_dir: str | Path, cfg) -> None:
                           f"its weights (jaxhybrid export, then --set train.init_from=...)")
 
 
+def check_resume_data(run_dir: str | Path, cfg) -> None:
+    """Before a resume from a prepared dataset (``data.path``): the newest checkpoint's sampler state
+    against this run's train split (its length and a fingerprint of its tokens), so that other data, even
+    of the same length, is named before the ranks start instead of after each built its model (or, of the
+    same length, never). The built-in corpus is one fixed text."""
+    import json
+
+    from jaxhybrid.config import ConfigError
+
+    steps = committed_steps(run_dir)
+    if not cfg.data.path or not steps:
+        return
+    rank, held = next(iter(steps.items()))
+    meta = Path(run_dir) / "checkpoints" / rank / str(held[-1]) / "meta" / "metadata"
+    try:
+        state = json.loads(meta.read_text())["sampler"]
+    except (OSError, ValueError, KeyError):
+        return  # unreadable here: the restore names it
+    from jaxhybrid.data import Sampler
+    from jaxhybrid.data.splits import open_dataset
+
+    bad = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).mismatches(state)
+    if bad:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints trained on other data than data.path="
+                          f"{cfg.data.path} ({'; '.join(bad)}); resume with the data that wrote them, or start a "
+                          f"new run from its weights (jaxhybrid export, then --set train.init_from=...)")
+
+
 class Checkpointer:
     """Saves ``{"state": pytree, "meta": json}`` per step for this rank."""
 
@@ -227,3 +255,4 @@ def check_run_dir(cfg) -> None:
             raise ConfigError(f"--resume (run.resume=true): run.dir={cfg.run.dir} holds no checkpoint to continue "
                               f"(no {run_dir / 'checkpoints'}/rank_*/<step>); start a new run without --resume{start}")
         check_resume_layout(run_dir, cfg)
+        check_resume_data(run_dir, cfg)

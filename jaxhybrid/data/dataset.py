@@ -74,6 +74,17 @@ class TokenDataset:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def fingerprint(self) -> str:
+        """A digest of the split's length, first and last 256 Ki tokens: cheap on a memmap of any size,
+        and what a resume compares to tell the data it trained on from other data of the same length."""
+        import hashlib
+
+        n, edge = len(self), 1 << 18
+        h = hashlib.sha1(f"{n}:{self.tokens.dtype.name}".encode())
+        h.update(np.ascontiguousarray(self.tokens[:edge]).tobytes())
+        h.update(np.ascontiguousarray(self.tokens[max(edge, n - edge):]).tobytes())
+        return h.hexdigest()[:16]
+
     def check_vocab(self, model_vocab: int) -> None:
         """Raise if a model with ``model_vocab`` embeddings cannot index every token id of this data."""
         if model_vocab < self.vocab_size:
@@ -116,6 +127,7 @@ class Sampler:
         self.n_offsets = min(self.seq_len, n - 1 - nw * self.seq_len + 1)
         self.step = 0  # consumed steps, for next_batch() and state_dict()
         self._epochs: dict[int, tuple[np.ndarray, int]] = {}
+        self._fingerprint: str | None = None  # of the dataset, computed at the first state_dict()
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, int]:
         if epoch not in self._epochs:
@@ -153,14 +165,26 @@ class Sampler:
 
     def state_dict(self, step: int | None = None) -> dict[str, int]:
         """Position (``step``, default the consumed steps) plus what must match on resume."""
+        if self._fingerprint is None:
+            self._fingerprint = self.dataset.fingerprint()
         return {"step": int(self.step if step is None else step), "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch, "n_tokens": len(self.dataset), "n_windows": self.n_windows}
+                "global_batch": self.global_batch, "n_tokens": len(self.dataset), "n_windows": self.n_windows,
+                "data_fingerprint": self._fingerprint}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; raise if it was saved for another seed, shape or dataset."""
+    def mismatches(self, state: dict[str, Any]) -> list[str]:
+        """What differs between this sampler and a saved ``state`` (checkpoints without a fingerprint,
+        written before it was recorded, are compared without it)."""
         mine = self.state_dict()
         bad = [f"{k}: checkpoint {state.get(k)} != current {mine[k]}" for k in
                ("seed", "seq_len", "global_batch", "n_tokens") if k in state and int(state[k]) != mine[k]]
+        if state.get("data_fingerprint", mine["data_fingerprint"]) != mine["data_fingerprint"]:
+            bad.append(f"the train tokens differ (fingerprint {state['data_fingerprint']} != "
+                       f"{mine['data_fingerprint']})")
+        return bad
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; raise if it was saved for another seed, shape or dataset."""
+        bad = self.mismatches(state)
         if bad:
             raise ValueError("the checkpoint's sampler does not match this run (" + "; ".join(bad) +
                              "): resume with the same train.seed, data.seq_len, train.global_batch and data")

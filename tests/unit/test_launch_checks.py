@@ -201,3 +201,31 @@ def test_an_error_on_a_rank_that_joined_the_job_names_the_rank(tmp_path):
     assert "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1] == (
         "jaxhybrid: rank 1 (stage 1, replica 0) failed: FileNotFoundError: input file not found: nope.txt; "
         "aborting the job"), r.stderr
+
+
+def test_a_resume_on_other_data_fails_in_the_launcher(tmp_path):
+    """A resume from a prepared dataset compares the checkpoint's sampler with this run's train split: other
+    data of the same length (only its fingerprint differs) and of another length are both named before the
+    ranks start; the data that wrote the checkpoint resumes."""
+    import json
+
+    from jaxhybrid.data import Sampler, TokenDataset, prepare_data
+
+    def data(name, text):
+        (tmp_path / f"{name}.txt").write_text(text)
+        return prepare_data(tmp_path / name, [tmp_path / f"{name}.txt"])
+
+    a, same_len, longer = data("a", "abcdefgh" * 200), data("b", "hgfedcba" * 200), data("c", "abcdefgh" * 300)
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "rank_0" / "2" / "meta"
+    step.mkdir(parents=True)
+    sets = ["data.seq_len=16", "train.eval_every=0"]
+    state = Sampler(TokenDataset(a), 16, 16, 0).state_dict(2)  # the defaults: global_batch 16, seed 0
+    (step / "metadata").write_text(json.dumps({"step": 2, "sampler": state}))
+    (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\ndata: {seq_len: 16}\n")
+    check_job(*_job(run, f"data.path={a}", *sets, flags=("--resume",)), 4)
+    with pytest.raises(ConfigError, match=r"--resume in .*: its checkpoints trained on other data than data.path=.*/b "
+                                          r"\(the train tokens differ \(fingerprint [0-9a-f]{16} != [0-9a-f]{16}\)\)"):
+        check_job(*_job(run, f"data.path={same_len}", *sets, flags=("--resume",)), 4)
+    with pytest.raises(ConfigError, match=r"n_tokens: checkpoint \d+ != current \d+"):
+        check_job(*_job(run, f"data.path={longer}", *sets, flags=("--resume",)), 4)
