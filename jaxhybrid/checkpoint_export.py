@@ -25,9 +25,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxhybrid.checkpoint import committed_steps, read_state, saved_config, state_metadata
+from jaxhybrid.checkpoint import committed_steps, read_state, state_metadata
 from jaxhybrid.model.stage import TIED_KEY
 from jaxhybrid.optim.updater import place_like
+from jaxhybrid.run_dir import saved_config
 
 META = "export.json"
 PARAMS = "params"

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
-from jaxhybrid.checkpoint import Checkpointer, check_run_dir, write_run_config
+from jaxhybrid.checkpoint import Checkpointer
 from jaxhybrid.checkpoint_export import check_init_from, params_for, read_meta
 from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
@@ -31,6 +31,7 @@ from jaxhybrid.model import Model
 from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
+from jaxhybrid.run_dir import check_run_dir, write_run_config
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.stop import StopOnSignal
 

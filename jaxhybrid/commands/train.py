@@ -77,7 +77,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     anything: ``jaxhybrid launch`` makes them once before its ``processes`` ranks start, so a mistake
     prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
     ``--distributed``, whose processes are one JAX mesh)."""
-    from jaxhybrid.checkpoint import check_run_dir
+    from jaxhybrid.run_dir import check_run_dir
     from jaxhybrid.checkpoint_export import check_init_from
     from jaxhybrid.config import validate
 

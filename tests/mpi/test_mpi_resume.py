@@ -57,7 +57,7 @@ def test_mpi_resume_is_bit_exact(tmp_path, n, devices, config, sets):
 def _check_export(run_dir, out) -> None:
     """``jaxhybrid export`` of the job's step 6 (stage slices, replicas, offloaded fp32 masters) is the
     trained model: on one device, in this process, it scores the validation loss the job logged there."""
-    from jaxhybrid.checkpoint import saved_config
+    from jaxhybrid.run_dir import saved_config
     from jaxhybrid.checkpoint_export import load_export
     from jaxhybrid.data.splits import validation_batches
     from jaxhybrid.model import Model
@@ -155,7 +155,7 @@ def test_distributed_run_starts_from_an_export(tmp_path):
     (``jax.devices()[0]`` is process 0's, which process 1 cannot fill: it failed with "no addressable
     shards" while process 0 hung in orbax's barrier), and the mesh's first loss is the exported weights'
     loss on the first batch."""
-    from jaxhybrid.checkpoint import saved_config
+    from jaxhybrid.run_dir import saved_config
     from jaxhybrid.checkpoint_export import load_export
     from jaxhybrid.data import Sampler
     from jaxhybrid.data.splits import open_dataset

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.checkpoint import Checkpointer, read_state, write_run_config
+from jaxhybrid.checkpoint import Checkpointer, read_state
+from jaxhybrid.run_dir import write_run_config
 from jaxhybrid.checkpoint_export import consolidate, export_run, load_export, params_for, read_meta
 from jaxhybrid.cli import main
 from jaxhybrid.config import ConfigError, load_config

@@ -176,7 +176,8 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     deletes the newer ones here (kept, they would stay the old run's while the other ranks save the resumed
     run's). config.yaml records run.resume false, so it starts a fresh run as it is; a resume that changed
     settings lists them and keeps the config the earlier steps trained with as config.step<N>.yaml."""
-    from jaxhybrid.checkpoint import committed_steps, saved_config
+    from jaxhybrid.checkpoint import committed_steps
+    from jaxhybrid.run_dir import saved_config
 
     run = tmp_path / "run"
     Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3")).run()

@@ -1,0 +1,137 @@
+"""The run directory: the config a run wrote (``config.yaml``), and the checks a new run or a resume makes on
+it before anything is built, once in ``jaxhybrid launch`` for all ranks and again in each trainer: the folder
+takes files, holds no earlier run's checkpoints unless resuming, and a resume continues the same layout,
+data order and data (:mod:`jaxhybrid.checkpoint` reads and writes the checkpoints themselves).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxhybrid.checkpoint import committed_steps
+
+
+def saved_config(run_dir: str | Path):
+    """The config a run in ``run_dir`` wrote (its ``config.yaml``), unchecked; None when there is none."""
+    from jaxhybrid.config import config_from_dict, load_yaml
+
+    saved = Path(run_dir) / "config.yaml"
+    return config_from_dict(load_yaml(saved), check=False) if saved.is_file() else None
+
+
+def config_changes(old, new, keys=None) -> list[str]:
+    """``"key: old -> new"`` for each dotted key (default: every field but ``run.resume``) that differs."""
+    def get(c, key):
+        sec, name = key.split(".")
+        return getattr(getattr(c, sec), name)
+
+    if keys is None:
+        sections = [f.name for f in dataclasses.fields(new) if dataclasses.is_dataclass(getattr(new, f.name))]
+        keys = [f"{sec}.{f.name}" for sec in sections for f in dataclasses.fields(getattr(new, sec))
+                if (sec, f.name) != ("run", "resume")]
+    return [f"{k}: {get(old, k)} -> {get(new, k)}" for k in keys if get(old, k) != get(new, k)]
+
+
+def write_run_config(run_dir: Path, cfg, step: int) -> None:
+    """``config.yaml``: the config this run trains with, ``run.resume`` false so that the file starts a run
+    as it is (``--config run/config.yaml`` with another run.dir). A resume that changed settings (those a
+    checkpoint allows: schedule, steps, evaluation, ...) says which, and keeps the file it replaces as
+    ``config.step<N>.yaml``: what steps 1-N trained with."""
+    import sys
+
+    from jaxhybrid.config import dump_config
+
+    saved = run_dir / "config.yaml"
+    old = saved_config(run_dir) if cfg.run.resume else None
+    changes = config_changes(old, cfg) if old is not None else []
+    if changes:
+        saved.replace(run_dir / f"config.step{step}.yaml")
+        print(f"jaxhybrid: resuming at step {step} with changed settings: {'; '.join(changes)} (the earlier "
+              f"config is kept as config.step{step}.yaml)", file=sys.stderr, flush=True)
+    tmp = saved.with_name(".config.yaml.tmp")  # replaced whole: a crash leaves the old file or the new one
+    tmp.write_text(dump_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=False))))
+    tmp.replace(saved)
+
+
+def check_resume_layout(run_dir: str | Path, cfg) -> None:
+    """Before a resume: the settings that shape the checkpointed state (model, parallel layout, offloaded
+    optimizer buckets) must equal those of the run that wrote ``run_dir`` (its ``config.yaml``); else a
+    ConfigError listing each change, instead of orbax's tree-structure mismatch at restore."""
+    from jaxhybrid.config import ConfigError
+
+    old = saved_config(run_dir)
+    if old is None:
+        return
+    saved = Path(run_dir) / "config.yaml"
+    keys = [f"{sec}.{f.name}" for sec in ("model", "parallel") for f in dataclasses.fields(getattr(cfg, sec))]
+    keys += ["optim.offload"] + (["optim.bucket_size"] if cfg.optim.offload else [])
+    changed = config_changes(old, cfg, keys)
+    if changed:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints were written with another layout "
+                          f"({'; '.join(changed)}); resume with the settings of {saved}, or train into another run.dir")
+    # The saved sampler position only means something for the same data order (data.Sampler.load_state_dict
+    # would refuse it too, but only once every rank has started and built its model).
+    changed = config_changes(old, cfg, ["train.seed", "train.global_batch", "data.seq_len"])
+    if changed:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints continue another data order "
+                          f"({'; '.join(changed)}); resume with the settings of {saved}, or start a new run from "
+                          f"its weights (jaxhybrid export, then --set train.init_from=...)")
+
+
+def check_resume_data(run_dir: str | Path, cfg) -> None:
+    """Before a resume from a prepared dataset (``data.path``): the newest checkpoint's sampler state
+    against this run's train split (its length and a fingerprint of its tokens), so that other data, even
+    of the same length, is named before the ranks start instead of after each built its model (or, of the
+    same length, never). The built-in corpus is one fixed text."""
+    import json
+
+    from jaxhybrid.config import ConfigError
+
+    steps = committed_steps(run_dir)
+    if not cfg.data.path or not steps:
+        return
+    rank, held = next(iter(steps.items()))
+    meta = Path(run_dir) / "checkpoints" / rank / str(held[-1]) / "meta" / "metadata"
+    try:
+        state = json.loads(meta.read_text())["sampler"]
+    except (OSError, ValueError, KeyError):
+        return  # unreadable here: the restore names it
+    from jaxhybrid.data import Sampler
+    from jaxhybrid.data.splits import open_dataset
+
+    bad = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).mismatches(state)
+    if bad:
+        raise ConfigError(f"--resume in {run_dir}: its checkpoints trained on other data than data.path="
+                          f"{cfg.data.path} ({'; '.join(bad)}); resume with the data that wrote them, or start a "
+                          f"new run from its weights (jaxhybrid export, then --set train.init_from=...)")
+
+
+def check_run_dir(cfg) -> None:
+    """``run.dir`` can take this run: its nearest existing folder takes a new file (probed: as root,
+    ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
+    after the model was initialised), and it holds no earlier run's checkpoints unless resuming, when
+    they must have this run's layout. Needs no peer: the trainer checks it, and ``jaxhybrid launch`` once for all its ranks."""
+    from jaxhybrid.commands.argtypes import check_writable
+    from jaxhybrid.config import ConfigError
+
+    run_dir = Path(cfg.run.dir)
+    try:
+        check_writable(run_dir, "run.dir=", directory=True, hint="; pick another --set run.dir=...")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    found = {} if cfg.run.resume else committed_steps(run_dir)
+    if found:
+        # orbax skips saving a step at or below the newest one present, so a new run here would keep
+        # the old checkpoints and save none of its own (and a later --resume would load the old ones).
+        held = "; ".join(f"{r}: steps {', '.join(map(str, s))}" for r, s in list(found.items())[:2])
+        raise ConfigError(f"run.dir={cfg.run.dir} holds checkpoints of an earlier run ({held}"
+                          f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
+                          f"train into another run.dir, or delete {run_dir / 'checkpoints'}")
+    if cfg.run.resume:
+        if not committed_steps(run_dir):  # else every rank would start, build its model, then fail alike
+            start = (f" (it starts from train.init_from={cfg.train.init_from}, which a resume ignores)"
+                     if cfg.train.init_from else "")
+            raise ConfigError(f"--resume (run.resume=true): run.dir={cfg.run.dir} holds no checkpoint to continue "
+                              f"(no {run_dir / 'checkpoints'}/rank_*/<step>); start a new run without --resume{start}")
+        check_resume_layout(run_dir, cfg)
+        check_resume_data(run_dir, cfg)
