@@ -4,7 +4,9 @@ Stage 0 injects ``pipeline_limit`` forwards; then every arriving message picks t
 from the previous stage runs a forward (on the last stage the backward at once), a gradient from the next
 stage runs a backward, after which stage 0 injects the next microbatch (Alg. 2 lines 4-6, 24-26). With
 2BP the backward is the input-gradient pass only; weight passes wait in a queue and run while no message
-is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound).
+is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound);
+those still pending after the last backward run as one weight pass (2BP Sec. 3.2, Fig. 2), as the
+simulator's :class:`~jaxhybrid.pipeline.policies.MessageDrivenPolicy` assumes.
 """
 from __future__ import annotations
 
@@ -61,5 +63,5 @@ class MessageDriven:
             else:
                 backward(env.microbatch)
                 inject()
-        for mb in pending_w:
-            self._weight(s, (mb,))
+        if pending_w:  # 2BP Sec. 3.2 / Fig. 2: the weight passes left after the last BI run as one
+            self._weight(s, tuple(pending_w))

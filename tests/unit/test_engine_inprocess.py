@@ -161,3 +161,27 @@ def test_unfinished_schedule_is_reported(reference):
     loop = EventLoop({0: stages[0]}, (0,), 0, InProcessHub(1).transport(0))
     with pytest.raises(RuntimeError, match="left work undone"):
         loop.run(sched, {0: stages[0].slice_params(params)}, jnp.asarray(split_batch(batch, 0, 1, 1)), 1.0)
+
+
+@pytest.mark.parametrize("p,budget", [(1, M + 1), (2, M + 1)])
+def test_message_driven_2bp_joins_trailing_weight_passes(reference, p, budget):
+    """2BP Sec. 3.2 / Fig. 2 (and the simulator's MessageDrivenPolicy): the weight passes still pending
+    after a rank's last input-gradient pass run as ONE weight pass over those microbatches, not one per
+    microbatch. On one stage nothing arrives, so the engine's order is exactly the simulated row."""
+    from jaxhybrid.model.stage import assemble_grads
+    from jaxhybrid.pipeline.simulate import simulate
+
+    model, params, batch, loss, grads = reference
+    loops = {}
+    stages, results = _run_pipeline(model, params, batch, p, "myelin", True, budget=budget, loops=loops)
+    assert_tree_close(assemble_grads(stages, [results[r].grads[r] for r in range(p)]), grads, "fp32_parity",
+                      f"myelin 2bp p={p} grads")
+    for r, loop in loops.items():
+        work = [e for e in loop.recorder.events if e.kind in ("F", "BI", "BW")]
+        last_bi = max(i for i, e in enumerate(work) if e.kind == "BI")
+        trailing = work[last_bi + 1:]
+        assert len(trailing) <= 1, f"rank {r}: {len(trailing)} weight passes after the last BI: {[e.name for e in trailing]}"
+    if p == 1:
+        sim = simulate(make_schedule("myelin", 1, M, split_backward=True))
+        got = [(e.kind, e.microbatches) for e in loops[0].recorder.events if e.kind in ("F", "BI", "BW")]
+        assert got == [(t.kind.value, t.microbatches) for t in sim.orders[0]]
