@@ -114,6 +114,22 @@ class Trainer:
         self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")
                          and getattr(self.engine, "streams_reduced_chunks", False))
 
+    def overlap_note(self) -> str | None:
+        """Why Myelin V-C's overlap of the offloaded update with the all-reduce is partial or off for a
+        pipeline with data replicas and ``optim.offload`` (the update otherwise waits silently)."""
+        o = self.cfg.optim
+        if not (o.offload and o.stream_allreduce and self.cfg.world_size > 1 and self.cfg.parallel.data > 1):
+            return None
+        if not self.streamed:
+            return ("optim.stream_allreduce: the offloaded update waits for the whole all-reduce here (it streams "
+                    "only with one device per rank and, across stages, untied embeddings: model.tie_embeddings"
+                    f"={self.cfg.model.tie_embeddings}); only the next bucket's prefetch overlaps it")
+        if o.grad_clip > 0:
+            return (f"optim.grad_clip={o.grad_clip}: the global norm needs every reduced chunk before the first "
+                    f"bucket update, so only the prefetch overlaps the all-reduce (grad_clip=0 for Myelin V-C's "
+                    f"full overlap)")
+        return None
+
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
         params = committed(self.engine.init_params(jax.random.key(self.cfg.train.seed)))

@@ -161,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if writer:
         from jaxhybrid.data.splits import repetition_notes
 
-        for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in
-                                                                     repetition_notes(cfg))]):
+        notes = [*repetition_notes(cfg), trainer.overlap_note()]
+        for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
             print(line, file=sys.stderr, flush=True)
     summary = trainer.run()
     if writer:

@@ -423,3 +423,20 @@ def test_data_parallel_on_one_mesh_matches_one_device(tmp_path, extra):
     mesh.run()
     rec = lambda d: [(r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open())]  # noqa: E731
     assert_tree_close(np.array(rec("mesh")), np.array(rec("one")), "fp32_parity", "loss and grad norm per step ")
+
+
+def test_overlap_note_says_why_myelin_v_c_is_partial_or_off():
+    """A pipeline with data replicas and the offloaded optimizer says when the update cannot stream with
+    the all-reduce (tied embeddings across stages) or only its prefetch overlaps (global-norm clipping)."""
+    def note(streamed, *sets):
+        t = Trainer.__new__(Trainer)  # the rule reads the config and whether the engine streams (needs MPI)
+        t.cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2",
+                                   "optim.offload=true", *sets])
+        t.streamed = streamed
+        return t.overlap_note()
+
+    tied = note(False, "model.tie_embeddings=true")
+    assert "waits for the whole all-reduce" in tied and "model.tie_embeddings=True" in tied
+    assert note(True).startswith("optim.grad_clip=1.0: the global norm needs every reduced chunk")
+    assert note(True, "optim.grad_clip=0") is None
+    assert note(False, "optim.stream_allreduce=false") is None and note(False, "optim.offload=false") is None
