@@ -168,6 +168,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
+    if lay.pipeline > 1 or ts == 1:  # replicas are MPI ranks: MPI reduces no half floats, so float32 travels
+        data_ar *= 4 / db  # (optim/allreduce.py); a tensor mesh reduces in the compute dtype (eq. 8 as is)
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / ts / machine.net.host_to_device

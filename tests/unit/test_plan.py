@@ -223,3 +223,16 @@ def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
     assert reserve_device_memory(env) == "0.9" and env == {MEM_FRACTION_ENV: "0.9"}
     assert reserve_device_memory({MEM_FRACTION_ENV: ".5"}) == ".5"  # the user's choice stands
     assert reserve_device_memory({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == ""
+
+
+def test_data_allreduce_moves_float32_over_mpi_and_the_compute_dtype_on_a_mesh():
+    """MPI reduces no half floats (optim/allreduce.py upcasts them), so data replicas that are MPI ranks move
+    4 bytes per gradient in any dtype; a tensor mesh reduces in the compute dtype (AxoNN eq. 8)."""
+    h = load_hardware("h100-node")
+    bf16, fp32 = (machine_from_hardware(h, 8, dt, 0.5) for dt in ("bfloat16", "float32"))
+    cfg = PRESETS["gpt2-1.3b"]
+    pipe = Layout(2, 4, 1, 1, 1, 1, 8, "1f1b", False, False, "none")
+    mesh = Layout(1, 2, 2, 2, 1, 1, 8, "1f1b", False, False, "none")
+    ar = lambda lay, m: evaluate(cfg, lay, m, 1024)["data_allreduce_s"]  # noqa: E731
+    assert ar(pipe, bf16) == pytest.approx(ar(pipe, fp32)) and ar(pipe, bf16) > 0
+    assert ar(mesh, bf16) == pytest.approx(ar(mesh, fp32) / 2)
