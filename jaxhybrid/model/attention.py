@@ -33,8 +33,10 @@ def _softmax_scale(q: Array) -> Array:
 
 def _attention_probs(q: Array, k: Array) -> Array:
     """Causal softmax probabilities ``[B, H, Tq, Tk]`` in float32 (scores scaled by 1/sqrt(Dh)); ``k``
-    already repeated to q's heads."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * _softmax_scale(q)
+    already repeated to q's heads. The scores leave the matmul in float32: in float16 the unscaled
+    ``q . k`` overflows (inf, then NaN probabilities) at 65504, sqrt(Dh) times below a scaled score
+    that float16 could hold."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * _softmax_scale(q)
     t = q.shape[1]
     s = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), s, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(s, axis=-1)

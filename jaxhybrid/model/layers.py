@@ -168,7 +168,9 @@ swiglu = jax.checkpoint(_swiglu)
 
 
 def rope(x: Array, theta: float) -> Array:
-    """Rotary position embedding (Su et al.) on [B, T, H, Dh], rotating interleaved halves."""
+    """Rotary position embedding (Su et al.) on [B, T, H, Dh]. Rotates the pairs (i, i + Dh/2), the
+    split-halves convention of GPT-NeoX and Hugging Face LLaMA (``rotate_half``), not Meta's interleaved
+    pairs (2i, 2i + 1): weights from Meta's checkpoints need HF's permutation of the q/k rows."""
     t, dh = x.shape[1], x.shape[-1]
     inv = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
     ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]

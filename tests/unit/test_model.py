@@ -198,3 +198,19 @@ def test_norms_and_activations_keep_only_inputs_and_statistics():
         # Arrays over every token (2 x 8): the inputs (width 16) and the norms' statistics (width 1).
         kept = sorted(v.shape[-1] for v in jax.tree.leaves(vjp) if getattr(v, "shape", ())[:2] == (2, 8))
         assert kept == widths, (name, kept)
+
+
+def test_float16_attention_scores_do_not_overflow_before_scaling():
+    """|q . k| = 82944 overflows float16 (max 65504) although the scaled score, 10368, does not: the scores
+    must leave the matmul in float32 (Megatron scales inside the GEMM for the same reason)."""
+    from jaxhybrid.model.attention import causal_attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.full((1, 4, 2, 64), 36.0, jnp.float16)
+    v = jnp.asarray(rng.normal(size=(1, 4, 2, 64)), jnp.float16)
+    out = causal_attention(q, q, v)
+    ref = causal_attention(q.astype(jnp.float32), q.astype(jnp.float32), v.astype(jnp.float32))
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-3)
+    grads = jax.grad(lambda q_: jnp.sum(causal_attention(q_, q_, v).astype(jnp.float32)))(q)
+    assert bool(jnp.all(jnp.isfinite(grads)))
