@@ -33,7 +33,7 @@ def _abstract(x):
     without a sharded target ("Topology mismatch"), so one process could not resume it on the same mesh."""
     if isinstance(x, jax.ShapeDtypeStruct):  # already a target
         return x
-    if spans_processes(x) or (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:  # spans_processes(x) included
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     x = np.asarray(x)
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -69,6 +69,17 @@ def read_state(path: str | Path) -> Any:
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
     return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
+
+
+def saved_meta(run_dir: str | Path, rank: str, step: int) -> dict | None:
+    """The ``meta`` item (step, loss scale, sampler) that :meth:`Checkpointer.save` wrote for ``rank``
+    (``"rank_<r>"``) at ``step``, read as the JSON file orbax keeps it in, without orbax; None if unreadable."""
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / "checkpoints" / rank / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jaxhybrid.checkpoint import committed_steps
+from jaxhybrid.checkpoint import committed_steps, saved_meta
 
 
 def saved_config(run_dir: str | Path):
@@ -83,18 +83,14 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
     against this run's train split (its length and a fingerprint of its tokens), so that other data, even
     of the same length, is named before the ranks start instead of after each built its model (or, of the
     same length, never). The built-in corpus is one fixed text."""
-    import json
-
     from jaxhybrid.config import ConfigError
 
     steps = committed_steps(run_dir)
     if not cfg.data.path or not steps:
         return
     rank, held = next(iter(steps.items()))
-    meta = Path(run_dir) / "checkpoints" / rank / str(held[-1]) / "meta" / "metadata"
-    try:
-        state = json.loads(meta.read_text())["sampler"]
-    except (OSError, ValueError, KeyError):
+    state = (saved_meta(run_dir, rank, held[-1]) or {}).get("sampler")
+    if not isinstance(state, dict):
         return  # unreadable here: the restore names it
     from jaxhybrid.data import Sampler
     from jaxhybrid.data.splits import open_dataset

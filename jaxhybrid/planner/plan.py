@@ -41,17 +41,13 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
                          f"(Sec. V) has no other partly used nodes")
 
 
-# Share of a device's memory a layout may fill: the rest holds the CUDA context, XLA's scratch buffers and
-# fragmentation, none of which the memory model counts. `jaxhybrid train` lets JAX preallocate the same
-# share (launch_env.reserve_device_memory; JAX's own default, 0.75, would leave a plan near the limit short).
-USABLE_MEMORY_FRACTION = DEVICE_MEMORY_FRACTION
-
-
 def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float,
                           memory_fraction: float | None = None) -> Machine:
     """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's), whose
     memory is the usable share of each device's: ``memory_fraction``, else the file's
-    ``usable_memory_fraction``, else :data:`USABLE_MEMORY_FRACTION`."""
+    ``usable_memory_fraction``, else :data:`~jaxhybrid.launch_env.DEVICE_MEMORY_FRACTION`: the share
+    `jaxhybrid train` lets XLA preallocate; the rest holds the CUDA context, XLA's scratch buffers and
+    fragmentation, none of which the memory model counts."""
     if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
         raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
                          f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
@@ -60,7 +56,7 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
     if memory_fraction is None:
-        memory_fraction = hw.get("usable_memory_fraction", USABLE_MEMORY_FRACTION)
+        memory_fraction = hw.get("usable_memory_fraction", DEVICE_MEMORY_FRACTION)
     if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction {memory_fraction!r} (plan --memory-fraction, or hardware {hw['name']}'s "
                          f"usable_memory_fraction) must be in (0, 1]")
