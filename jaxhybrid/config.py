@@ -57,6 +57,7 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01  # decoupled (AdamW)
+    weight_decay_mask: str = "matrices"  # matrices: kernels and embeddings decay, biases and norm scales not | all
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # global-norm clip; 0 disables

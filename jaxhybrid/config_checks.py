@@ -129,6 +129,9 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
     if t.remat not in ("none", "dots", "full"):
         errors.append(f"train.remat={t.remat!r}; choose none, dots or full")
+    if cfg.optim.weight_decay_mask not in ("matrices", "all"):
+        errors.append(f"optim.weight_decay_mask={cfg.optim.weight_decay_mask!r}; choose matrices (kernels and "
+                      f"embeddings decay, biases and norm scales do not) or all")
     # The schedule module is the one source of its rules (names, microbatches per stage, 2BP needs).
     from jaxhybrid.pipeline.schedule import make_schedule
 

@@ -28,7 +28,7 @@ from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, v
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
-from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.optim import build_transform, device_updater
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.run_dir import check_run_dir, write_run_config
@@ -63,7 +63,7 @@ def build_updater(cfg: Config, engine):
         from jaxhybrid.optim.offload_updater import OffloadUpdater
 
         return OffloadUpdater(transform, cfg)
-    return DeviceUpdater(transform, cfg.optim.grad_clip)
+    return device_updater(cfg)
 
 
 def committed(tree, like=None):

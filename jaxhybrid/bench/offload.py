@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import Model
-    from jaxhybrid.optim import DeviceUpdater, build_transform
+    from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import model_state_bytes
     from jaxhybrid.optim.offload import OffloadedOptimizer
     from jaxhybrid.optim.offload_updater import OffloadUpdater
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     batch = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1)).astype(np.int32)
 
-    dev = DeviceUpdater(tx, cfg.optim.grad_clip)
+    dev = DeviceUpdater(tx, cfg.optim.grad_clip, decay_mask(cfg.optim))
     base = {"params": jax.tree.map(jnp.array, params)}
     base["state"] = dev.init(base["params"])
     base_peak = [0]
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         float(loss)
 
     opts = {b: OffloadedOptimizer(tx, bsize, grad_clip=cfg.optim.grad_clip,
-                                  compute_dtype=cfg.precision.compute_dtype, backend=b, name="adamw")
+                                  compute_dtype=cfg.precision.compute_dtype, backend=b, name="adamw",
+                                  decay=decay_mask(cfg.optim))
             for b in ("numpy", "pinned_host")}
     runs = {}
     for name, opt in opts.items():

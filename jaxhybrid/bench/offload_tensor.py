@@ -41,7 +41,7 @@ def run_tensor(args) -> int:
 
     from jaxhybrid.config import load_config
     from jaxhybrid.model import Model
-    from jaxhybrid.optim import DeviceUpdater, build_transform
+    from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import live_device_bytes, model_state_bytes, params_per_device
     from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
     from jaxhybrid.tensor.engine import TensorEngine
@@ -65,7 +65,7 @@ def run_tensor(args) -> int:
         with lock:
             run["peak"] = max(run["peak"], max(held.values(), default=0))
 
-    dev, off = DeviceUpdater(tx, cfg.optim.grad_clip), ShardedOffloadUpdater(tx, cfg)
+    dev, off = DeviceUpdater(tx, cfg.optim.grad_clip, decay_mask(cfg.optim)), ShardedOffloadUpdater(tx, cfg)
     runs = {"device": {"upd": dev, "params": jax.tree.map(lambda x: x.copy(), init), "peak": 0},
             "offload": {"upd": off, "params": init, "peak": 0}}
     for run in runs.values():

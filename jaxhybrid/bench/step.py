@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.config import load_config
-    from jaxhybrid.optim import build_transform
+    from jaxhybrid.optim import build_transform, decay_mask
+    from jaxhybrid.optim.updater import decay_view
     from jaxhybrid.train import Trainer, committed
 
     if args.steps < 1 or args.rounds < 1:
@@ -37,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, ["metrics.progress=false", "metrics.tensorboard=false"] + args.overrides)
     trainer = Trainer(cfg, writes_run_dir=False)  # times steps only: run.dir is neither read nor written
     model, transform = trainer.model, build_transform(cfg.optim, cfg.train.steps)
+    decay = decay_mask(cfg.optim)
 
     @jax.jit
     def plain(params, opt_state, batch):
         loss, g = jax.value_and_grad(model.loss)(params, batch[:, :-1], batch[:, 1:])
         g = optax.clip_by_global_norm(cfg.optim.grad_clip).update(g, optax.EmptyState())[0] \
             if cfg.optim.grad_clip > 0 else g
-        upd, opt_state = transform.update(g, opt_state, params)
+        upd, opt_state = transform.update(g, opt_state, decay_view(params, decay))
         return optax.apply_updates(params, upd), opt_state, loss
 
     st = trainer.init_state()

@@ -19,7 +19,7 @@ from jaxhybrid.optim.updater import clip_factor
 def programs(inner, split, cdt, grad_clip: float):
     """The jitted per-bucket programs, shared by optimizers with the same transform (compile once)."""
 
-    def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite):
+    def update(bucket, shared, grads, goff, params, pstart, factor, nonfinite, decay=None):
         master, per = bucket[0], bucket[1:]
         g = jax.lax.dynamic_slice(grads, (goff,), (master.shape[0],))
         g = g * factor.astype(g.dtype)
@@ -28,8 +28,19 @@ def programs(inner, split, cdt, grad_clip: float):
         # reciprocal, which rounds differently from on-device optax on a real parameter tree.
         h = max(master.shape[0] // 2, 1)
         two = lambda x: (x[:h], x[h:])
-        updates, new = inner.update(two(g), split.merge(tuple(map(two, per)), shared), two(master))
-        new_master = jnp.concatenate(optax.apply_updates(two(master), updates))
+        state = split.merge(tuple(map(two, per)), shared)
+
+        def stepped(seen):  # the new masters with the decoupled decay seeing ``seen`` as the parameters
+            updates, new = inner.update(two(g), state, two(seen))
+            return jnp.concatenate(optax.apply_updates(two(master), updates)), new
+
+        new_master, new = stepped(master)
+        if decay is not None:
+            # The elements that do not decay (buckets.decay_bounds' runs) take the step in which the decay
+            # sees zeros (updater.decay_view's rule); the others keep the step above, computed from
+            # ``master`` itself: through a masked copy XLA:CPU rounded some updates 1 ulp away from optax's.
+            decayed = jnp.searchsorted(decay, jnp.arange(master.shape[0], dtype=decay.dtype), side="right") % 2 == 1
+            new_master = jnp.where(decayed, new_master, stepped(jnp.zeros_like(master))[0])
         new_per, new_shared = split.split(new)
         new_per = tuple(jnp.concatenate(x) for x in new_per)
         params = jax.lax.dynamic_update_slice(params, new_master.astype(cdt), (pstart,))

@@ -57,6 +57,31 @@ class BucketLayout:
         return range(first, last)
 
 
+def decay_bounds(sizes: list[int], decayed: list[bool], layout: BucketLayout) -> np.ndarray:
+    """Per bucket, where the weight decay applies: ``[count, K]`` int32 rows ``s0, e0, s1, e1, ...`` of the
+    runs of decayed elements relative to the bucket's start, padded with int32's maximum. An element ``j``
+    decays iff an odd number of the row's values are ``<= j`` (``searchsorted(row, j, 'right')`` is odd),
+    so a bucket's program builds its decay mask from ``K`` numbers instead of fetching one flag per
+    element. ``sizes``/``decayed``: the flat vector's leaves in order and whether each decays."""
+    runs: list[list[int]] = []
+    offset = 0
+    for size, d in zip(sizes, decayed):
+        if d and size:
+            if runs and runs[-1][1] == offset:  # adjacent decayed leaves make one run
+                runs[-1][1] += size
+            else:
+                runs.append([offset, offset + size])
+        offset += size
+    rows = []
+    for s, e in layout.all_bounds():
+        rows.append([v - s for a, b in runs if a < e and b > s for v in (max(a, s), min(b, e))])
+    width = max(2, max(len(r) for r in rows))
+    out = np.full((len(rows), width), np.iinfo(np.int32).max, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
 @dataclass(frozen=True)
 class StateSplit:
     """How an inner optax state built on a flat vector splits into bucketed and shared leaves.

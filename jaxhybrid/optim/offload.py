@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxhybrid.optim.buckets import BucketLayout, check_bucketable
+from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
 from jaxhybrid.optim.flat import FlatSpec
 from jaxhybrid.optim.hoststore import make_store
 from jaxhybrid.optim.bucket_programs import Prefetcher, programs
+from jaxhybrid.optim.updater import DecayMask
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -57,11 +58,14 @@ class OffloadedOptimizer:
       backend: host store, "numpy" or "pinned_host"; None picks per platform (``hoststore``).
       prefetch: buckets fetched ahead of the one updating.
       name: label for error messages (e.g. "adamw").
+      decay: which parameters the weight decay applies to (``updater.decay_mask``; None: all), for a
+        transform whose only read of the parameters is its decoupled decay (AdamW): each bucket's
+        program shows it the masters zeroed where no decay applies.
     """
 
     def __init__(self, inner: optax.GradientTransformation, bucket_size: int, *, grad_clip: float = 0.0,
                  compute_dtype: str = "float32", backend: str | None = None, prefetch: int = 1,
-                 name: str | None = None, device: Any = None):
+                 name: str | None = None, device: Any = None, decay: DecayMask | None = None):
         if bucket_size <= 0:
             raise ValueError(f"optim.bucket_size={bucket_size} must be > 0 (elements per offload bucket)")
         if grad_clip < 0:
@@ -75,8 +79,10 @@ class OffloadedOptimizer:
         self.split = check_bucketable(inner, name)
         self.device = device or jax.devices()[0]
         self.store = make_store(backend, self.device)
+        self.decay = decay
         self.spec: FlatSpec | None = None
         self.layout: BucketLayout | None = None
+        self._decay_rows: list[jax.Array] = []
         self.on_bucket: Callable[[int], None] | None = None  # instrumentation (memory probes)
         (self._update, self._upcast, self._write, self._factor, self._sq,
          self._init_bucket) = programs(inner, self.split, self.compute_dtype, self.grad_clip)
@@ -91,6 +97,10 @@ class OffloadedOptimizer:
         # A bucket larger than this process's parameters is one bucket of all of them (a pipeline stage holds
         # a fraction of the model, so the configured bsize is an upper bound, not a size every rank can fill).
         self.spec, self.layout = spec, BucketLayout(spec.n, min(self.bucket_size, spec.n))
+        self._decay_rows = [None] * self.layout.count  # every element decays
+        if self.decay is not None:  # a few numbers per bucket, kept on the device
+            rows = decay_bounds(spec.sizes, jax.tree.leaves(self.decay(params)), self.layout)
+            self._decay_rows = [jax.device_put(r, self.device) for r in rows]
         flat = spec.ravel_host(params)
         buckets, shared = [], None
         for s, e in self.layout.all_bounds():
@@ -179,7 +189,7 @@ class OffloadedOptimizer:
                     # the update sees float32 gradients exactly as the on-device mixed-precision step.
                     g, goff = self._upcast(arr, goff, layout.bounds(i)[1] - bs), 0
                 out, sh, params, nonfinite = self._update(fetch.get(i), state.shared, g, goff, params, bs,
-                                                          factor, nonfinite)
+                                                          factor, nonfinite, self._decay_rows[i])
                 new_shared = new_shared if new_shared is not None else sh
                 pending.append((i, self.store.send_back(out)))
                 del out

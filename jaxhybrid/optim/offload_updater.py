@@ -11,7 +11,7 @@ import optax
 
 from jaxhybrid.optim.flat import release
 from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadState
-from jaxhybrid.optim.updater import _stats
+from jaxhybrid.optim.updater import _stats, decay_mask
 
 
 class OffloadUpdater:
@@ -24,7 +24,8 @@ class OffloadUpdater:
     def __init__(self, transform: optax.GradientTransformation, cfg, backend: str | None = None):
         o = cfg.optim
         self.opt = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
-                                      compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw")
+                                      compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw",
+                                      decay=decay_mask(o))
         self.stats = jax.jit(_stats)
 
     def init(self, params) -> OffloadState:

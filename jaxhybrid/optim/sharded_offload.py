@@ -27,7 +27,7 @@ import numpy as np
 from jaxhybrid.optim.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
-from jaxhybrid.optim.updater import _stats
+from jaxhybrid.optim.updater import _stats, decay_mask
 
 
 def _key(index: tuple) -> tuple:
@@ -58,7 +58,7 @@ class ShardedOffloadUpdater:
         self.stats = jax.jit(_stats)
         self._make = lambda dev: OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
                                                     compute_dtype=cfg.precision.compute_dtype, backend=backend,
-                                                    name="adamw", device=dev)
+                                                    name="adamw", device=dev, decay=decay_mask(o))
         self.opts: dict[int, OffloadedOptimizer] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.owned: dict[int, list[tuple[int, tuple]]] = {}  # device id -> [(leaf, shard key)]

@@ -7,7 +7,7 @@ gradient before any update (Myelin's offload makes the same demand per bucket).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,41 @@ def lr_schedule(o, total_steps: int) -> optax.Schedule:
 
 
 def build_transform(o, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with Myelin's defaults (lr 1e-3, betas 0.9/0.999, decoupled weight decay 0.01)."""
+    """AdamW with Myelin's defaults (lr 1e-3, betas 0.9/0.999, decoupled weight decay 0.01).
+
+    Unmasked on purpose: which parameters decay (:func:`decay_mask`) is applied by the updaters through
+    :func:`decay_view`, because the offloaded updaters run this transform on flat buckets where optax's
+    per-leaf ``mask`` cannot see the leaves (a mask callable would find one 1-D vector and decay nothing)."""
     return optax.adamw(lr_schedule(o, total_steps), b1=o.beta1, b2=o.beta2, eps=o.eps,
                        weight_decay=o.weight_decay)
+
+
+DecayMask = Callable[[Any], Any]
+
+
+def decay_mask(o) -> DecayMask | None:
+    """Which parameters AdamW decays (``optim.weight_decay_mask``), as a function of a params pytree to a
+    pytree of bools, or None when every parameter decays.
+
+    ``matrices`` (the default) decays the leaves of two or more dimensions, the kernels and embedding
+    tables, and leaves biases and norm scales alone, as Megatron-LM and nanoGPT do (decaying a LayerNorm
+    scale pulls it towards 0, not towards its init 1). The rule reads only a leaf's rank, which a pipeline
+    stage's subtree, a tensor-parallel shard and an offloaded optimizer's list of shards all keep, so every
+    layout decays the same elements as the single device."""
+    if o.weight_decay_mask == "all" or o.weight_decay == 0:
+        return None
+    return lambda params: jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def decay_view(params, mask: DecayMask | None):
+    """``params`` as the decoupled weight decay should see them: zeros where ``mask`` says no decay.
+
+    AdamW reads the parameters only in its decay term (``optax.add_decayed_weights``: ``u + wd * p``), so
+    updating with this view is optax's ``adamw(mask=...)``, bit for bit (``u + wd * 0 == u``), and works
+    the same on a pytree and, element by element, on an offloaded bucket (``bucket_programs``)."""
+    if mask is None:
+        return params
+    return jax.tree.map(lambda p, d: p if d else jnp.zeros_like(p), params, mask(params))
 
 
 def clip_factor(scale, sq, grad_clip: float):
@@ -63,9 +95,10 @@ def _stats(grads):
 
 
 class DeviceUpdater:
-    """Optax on device. ``apply`` returns the old params and state unchanged when ``nonfinite``."""
+    """Optax on device. ``apply`` returns the old params and state unchanged when ``nonfinite``.
+    ``decay``: which parameters the weight decay applies to (:func:`decay_mask`; None: all)."""
 
-    def __init__(self, transform: optax.GradientTransformation, grad_clip: float):
+    def __init__(self, transform: optax.GradientTransformation, grad_clip: float, decay: DecayMask | None = None):
         self.transform = transform
         self.grad_clip = grad_clip
         self.stats = jax.jit(_stats)
@@ -73,7 +106,7 @@ class DeviceUpdater:
         def apply(params, opt_state, grads, scale, sq, nonfinite):
             factor, gnorm = clip_factor(scale, sq, grad_clip)
             g = jax.tree.map(lambda x: x * factor.astype(x.dtype), grads)
-            updates, new_state = transform.update(g, opt_state, params)
+            updates, new_state = transform.update(g, opt_state, decay_view(params, decay))
             new_params = optax.apply_updates(params, updates)
             ok = nonfinite == 0
             pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -97,3 +130,8 @@ class DeviceUpdater:
 
     def compute_params(self, params):
         return params
+
+
+def device_updater(cfg) -> DeviceUpdater:
+    """The trainer's on-device updater for a run config (its transform, clip and decay mask)."""
+    return DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip, decay_mask(cfg.optim))

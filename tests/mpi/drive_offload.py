@@ -27,7 +27,7 @@ from mpi4py import MPI
 from jaxhybrid.optim.allreduce import iter_reduced_chunks
 from jaxhybrid.optim.offload import OffloadedOptimizer
 from jaxhybrid.optim.offload_updater import OffloadUpdater
-from jaxhybrid.optim.updater import DeviceUpdater
+from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
 from jaxhybrid.testing import assert_tree_close
 
 WORLD = MPI.COMM_WORLD
@@ -111,7 +111,7 @@ def case_pipeline(dtype: str = "float32") -> None:
         return params, state
 
     off = OffloadUpdater(tx, cfg)
-    p_dev, _ = run(DeviceUpdater(tx, cfg.optim.grad_clip))
+    p_dev, _ = run(DeviceUpdater(tx, cfg.optim.grad_clip, decay_mask(cfg.optim)))
     p_off, s_off = run(off)
     assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(p_off)), "the stages get the compute copy"
     tol, view = "exact", lambda t: t

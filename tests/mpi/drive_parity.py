@@ -23,7 +23,7 @@ from mpi4py import MPI
 from jaxhybrid.commands.train import enable_compilation_cache
 from jaxhybrid.config import config_from_dict
 from jaxhybrid.model import Model
-from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.optim import device_updater
 from jaxhybrid.pipeline.runner import PipelineEngine
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.testing import assert_tree_close
@@ -71,7 +71,7 @@ def train(engine, cfg, data):
     (``eval_loss``) on the first batch."""
     key = (cfg.optim, cfg.train.steps)
     if key not in _UPDATERS:  # one compiled optimizer per configuration, shared by the cases
-        _UPDATERS[key] = DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
+        _UPDATERS[key] = device_updater(cfg)
     updater = _UPDATERS[key]
     params = engine.init_params(jax.random.key(cfg.train.seed))
     state = updater.init(params)

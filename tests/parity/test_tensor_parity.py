@@ -24,7 +24,7 @@ import pytest
 
 from jaxhybrid.config import load_config
 from jaxhybrid.model import Model
-from jaxhybrid.optim import DeviceUpdater, build_transform
+from jaxhybrid.optim import device_updater
 from jaxhybrid.step import LocalEngine
 from jaxhybrid.tensor.engine import TensorEngine
 from jaxhybrid.tensor.mesh import factorizations
@@ -50,7 +50,7 @@ def _one_step(engine, cfg, params):
         assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
     val = engine.eval_loss(params, BATCH)  # forward only (validation) on the step's tokens
     host = jax.device_get((params, loss, grads))  # the update donates params
-    upd = DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
+    upd = device_updater(cfg)
     state = upd.init(params)
     sq, nonfinite = upd.stats(grads)
     new, _, _ = upd.apply(params, state, grads, 1.0, sq, nonfinite)
