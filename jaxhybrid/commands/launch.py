@@ -89,9 +89,19 @@ def job_cpus(cores: int = 0) -> list[int]:
 
 
 def find_mpiexec(explicit: str = "") -> str:
-    """The venv's mpiexec first (the mpich wheel's), then PATH."""
+    """``explicit`` (a path, or a name looked up on PATH as the shell would), else the venv's mpiexec
+    (the mpich wheel's), then PATH. An ``explicit`` one that cannot run is named here: Popen's own
+    error was a bare ``[Errno 2]`` (missing) or a traceback (a folder, a file without execute
+    permission), after the job's checks had passed."""
     if explicit:
-        return explicit
+        found = shutil.which(explicit)  # None unless an executable file (a name without "/" searches PATH)
+        if found:
+            return found
+        p = Path(explicit)
+        why = ("is not on PATH" if "/" not in explicit else "does not exist") if not p.exists() else \
+            "is a folder" if p.is_dir() else "is not executable"
+        raise ValueError(f"--mpiexec {explicit} {why}: give an MPI launcher (mpiexec or mpirun), or leave "
+                         f"--mpiexec out to use the one next to this Python")
     here = Path(sys.executable).parent / "mpiexec"
     if here.exists():
         return str(here)
@@ -161,13 +171,14 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
 def run(args: argparse.Namespace) -> int:
     check_counts(args.n, args.timeout)
     cpus = job_cpus(args.cores or 0)  # None: all (a typed --cores is >= 1)
+    mpiexec = find_mpiexec(args.mpiexec)  # the launcher's own options before train's
     train_args = train_arguments(args)
     job = None if args.script else train_config(train_args)  # a --script's arguments are its own
     per_rank = check_job(*job, args.n) if job else 1
     env = rank_environment(args.n, cpus, args.timeout, devices=per_rank, bind=not args.no_bind)
     if job:
         check_devices(job[1], args.n, env, per_rank)
-    cmd = build_command(args.n, train_args, find_mpiexec(args.mpiexec), args.script)
+    cmd = build_command(args.n, train_args, mpiexec, args.script)
     if args.dry_run:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT", RANK_CPUS_ENV)
         print(" ".join(f"{k}={env[k]!r}" for k in keys if k in env) + " " + " ".join(cmd))

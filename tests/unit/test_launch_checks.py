@@ -88,15 +88,42 @@ def test_cores_must_be_at_least_one(cores, capsys):
     assert f"jaxhybrid launch: error: argument --cores: must be an integer >= 1 (got '{cores}')" in err
 
 
+def _fake_mpiexec(tmp_path) -> Path:
+    exe = tmp_path / "mpiexec"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    return exe
+
+
 def test_cores_picks_the_first_allowed_cpus(tmp_path, capsys):
     first = launch.job_cpus()[0]
     for extra, want in ((["--cores", "1"], str(first)), ([], ",".join(map(str, launch.job_cpus())))):
-        _, args = build_parser(["launch", "-n", "1", *extra, "--mpiexec", "mpiexec", "--dry-run", "--config",
-                                str(RUNS / "tiny.yaml"), "--set", f"run.dir={tmp_path}"])
+        _, args = build_parser(["launch", "-n", "1", *extra, "--mpiexec", str(_fake_mpiexec(tmp_path)), "--dry-run",
+                                "--config", str(RUNS / "tiny.yaml"), "--set", f"run.dir={tmp_path}"])
         assert launch.run(args) == 0
         assert f"JAXHYBRID_RANK_CPUS='{want}'" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"^--cores 99999 must be in \[1, "):
         launch.job_cpus(99999)
+
+
+@pytest.mark.parametrize("given,why", [
+    ("/nonexistent/mpiexec", "does not exist"), ("no-such-mpiexec-xyz", "is not on PATH"),
+    ("{tmp}", "is a folder"), ("{tmp}/plain", "is not executable"),
+])
+def test_an_mpiexec_that_cannot_run_is_one_error_naming_it(tmp_path, capsys, given, why):
+    """--mpiexec was used as typed: a missing one gave Popen's bare "[Errno 2] No such file or directory",
+    a folder or a file without execute permission a PermissionError traceback, after the job's checks
+    (and --dry-run printed a command that could not run). Now one line naming it, exit code 2."""
+    from jaxhybrid.cli import main
+
+    (tmp_path / "plain").write_text("#!/bin/sh\n")
+    given = given.format(tmp=tmp_path)
+    rc = main(["launch", "-n", "1", "--mpiexec", given, "--dry-run", "--config", str(RUNS / "tiny.yaml"),
+               "--set", f"run.dir={tmp_path / 'run'}"])
+    assert (rc, capsys.readouterr().err) == (2, f"jaxhybrid launch: error: --mpiexec {given} {why}: give an MPI "
+                                                f"launcher (mpiexec or mpirun), or leave --mpiexec out to use the "
+                                                f"one next to this Python\n")
+    assert launch.find_mpiexec(str(_fake_mpiexec(tmp_path))) == str(tmp_path / "mpiexec")  # a runnable one: as given
 
 
 @pytest.mark.parametrize("argv,expected", [
