@@ -33,7 +33,9 @@ class DataConfig:
     path: str = ""  # token memmap (.bin) from `jaxhybrid prepare-data`; empty = built-in corpus
     tokenizer: str = "byte"  # byte | bpe (used when preparing the built-in corpus on the fly)
     seq_len: int = 128  # tokens per sequence (targets are the next tokens)
-    val_fraction: float = 0.02  # tail of the token stream held out for evaluation
+    # Tail of the built-in corpus held out for evaluation. A data.path's split was fixed by prepare-data
+    # --val-fraction: another value than the data's (and this default) is an error, not ignored.
+    val_fraction: float = 0.02
 
 
 @dataclass(frozen=True)

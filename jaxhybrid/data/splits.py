@@ -26,7 +26,25 @@ def open_dataset(cfg, split: str = "train"):
         vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
     ds = TokenDataset(path, split=split)
     ds.check_vocab(cfg.model.vocab_size)
+    if cfg.data.path:
+        check_val_fraction(cfg, ds)
     return ds
+
+
+def check_val_fraction(cfg, ds: TokenDataset) -> None:
+    """``data.val_fraction`` splits the built-in corpus only: a prepared dataset's split was fixed by
+    ``prepare-data --val-fraction``, which its meta records. A value that differs from the data's would
+    evaluate on another split than the config asks, with nothing said: refuse it. The default passes (a
+    value left out cannot be told from one typed equal to it)."""
+    from jaxhybrid.config import ConfigError, DataConfig
+
+    asked, held = cfg.data.val_fraction, ds.meta.get("val_fraction")
+    if held is None or asked in (DataConfig.val_fraction, held):
+        return
+    raise ConfigError(f"data.val_fraction={asked} has no effect: data.path={cfg.data.path} was prepared with "
+                      f"val_fraction {held} ({ds.meta['splits']['val']} val tokens), which fixed its split; leave "
+                      f"data.val_fraction out or set it to {held}, or prepare the data again with --val-fraction "
+                      f"{asked}")
 
 
 def check_data(cfg) -> None:

@@ -177,6 +177,27 @@ def test_a_train_split_shorter_than_one_sequence_is_found_once(tmp_path):
         check_job(*_job(tmp_path / "run", f"data.path={data}", "train.eval_every=0"), 4)
 
 
+def test_a_val_fraction_a_prepared_dataset_cannot_honour_is_an_error(tmp_path):
+    """data.val_fraction splits the built-in corpus only; with data.path it was ignored without a word
+    (prepare-data fixed the split). A value other than the data's and the default fails, naming both, in
+    the launcher and where a train process opens the data."""
+    from jaxhybrid.data import prepare_data
+    from jaxhybrid.data.splits import open_dataset
+
+    (tmp_path / "t.txt").write_text("some text to split\n" * 1000)
+    data = prepare_data(tmp_path / "d", [tmp_path / "t.txt"], val_fraction=0.1)
+    ns, cfg = _job(tmp_path / "run", f"data.path={data}", "data.val_fraction=0.3")
+    msg = (rf"^data.val_fraction=0.3 has no effect: data.path={data} was prepared with val_fraction 0.1 \(1900 "
+           r"val tokens\), which fixed its split; leave data.val_fraction out or set it to 0.1, or prepare the "
+           r"data again with --val-fraction 0.3$")
+    with pytest.raises(ConfigError, match=msg):
+        check_job(ns, cfg, 4)
+    with pytest.raises(ConfigError, match=msg):
+        open_dataset(cfg)
+    for same in ("0.1", "0.02"):  # the data's own, or the default (which cannot be told from one left out)
+        check_job(*_job(tmp_path / "run", f"data.path={data}", f"data.val_fraction={same}"), 4)
+
+
 def test_metrics_settings_are_checked_before_the_ranks_start(tmp_path, monkeypatch):
     """A metrics.hardware file that is missing or has no peak for the compute dtype, and TensorBoard
     without tensorboardX, fail before anything is built (they used to fail after the first compilation)."""
