@@ -60,7 +60,8 @@ class EventLoop(MessageDriven):
         self.transport, self.join = transport, join
         self.progress = progress or (lambda what: None)
         self.waiting = waiting or (lambda what: None)
-        # How a wait names the peer (by its rank in the pipeline group); the MPI runner says its world rank.
+        # How waits, receives and the journal name a peer (by its rank in the pipeline row); the MPI runner
+        # says its world rank, stage and replica, as every other message names a rank.
         self.peer_name = peer_name or (lambda r: f"pipeline rank {r}")
         self.weight_budget = weight_budget or self.num_stages
         self.recorder = Recorder(rank)
@@ -94,7 +95,7 @@ class EventLoop(MessageDriven):
         self.transport.flush()
         self.recorder.add("flush", "wait", t0, time.perf_counter())
         if self.residuals or self.wres or self.mailbox:
-            raise RuntimeError(f"rank {self.rank}: schedule {schedule.name!r} left work undone: residuals "
+            raise RuntimeError(f"pipeline rank {self.rank}: schedule {schedule.name!r} left work undone: residuals "
                                f"{sorted(self.residuals)}, weight residuals {sorted(self.wres)}, unread "
                                f"messages {[str(e) for e in self.mailbox]}")
         loss = None
@@ -138,8 +139,13 @@ class EventLoop(MessageDriven):
         self.recorder.add(f"recv {env}", "wait" if block else "recv", t0, time.perf_counter(),
                           (env.microbatch,), env.stage)
         self.mailbox[msg.envelope] = msg.payload
-        self.progress(f"received {msg.envelope} from rank {msg.source}")
+        self.progress(f"received {msg.envelope} from {self.peer_name(msg.source)}")
         return True
+
+    def report(self) -> str:
+        """The transport's last sends and receives with each peer named as the waits name it (the
+        watchdog's report)."""
+        return self.transport.journal.report(self.peer_name)
 
     def _take(self, env: Envelope) -> Any:
         if env not in self.mailbox:
@@ -172,7 +178,7 @@ class EventLoop(MessageDriven):
         elif t.kind is Kind.BW:
             self._weight(s, t.microbatches)
         else:
-            raise ValueError(f"rank {self.rank}: unknown task {t}")
+            raise ValueError(f"pipeline rank {self.rank}: unknown task {t}")
 
     def _inputs(self, s: int, mb: int) -> tuple[Any, Any]:
         """Stage ``s``'s input for microbatch ``mb`` (tokens, or the previous stage's activation) and

@@ -21,7 +21,7 @@ class MessageDriven:
 
     def _message_driven(self, schedule: Schedule) -> None:
         if len(self.stages) != 1:
-            raise ValueError(f"the message-driven policy runs one stage per rank; rank {self.rank} "
+            raise ValueError(f"the message-driven policy runs one stage per rank; pipeline rank {self.rank} "
                              f"owns stages {sorted(self.stages)}")
         (s,) = self.stages
         m = schedule.num_microbatches

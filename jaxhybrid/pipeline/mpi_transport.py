@@ -83,7 +83,7 @@ class _Base:
 
     def _raise_pending(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"rank {self.rank}: pipeline send failed: {self._error!r}") from self._error
+            raise RuntimeError(f"pipeline rank {self.rank}: send failed: {self._error!r}") from self._error
 
     def _host_wire(self, x) -> np.ndarray:
         """``x`` as a contiguous host buffer in the wire dtype: waits for ``x``, gathers its shards."""

@@ -82,7 +82,8 @@ class PipelineEngine:
             self.transport = make_transport(pl.transport, topology.p2p, template, sharding)
         else:
             self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
-        self.watchdog = Watchdog(self.who, pl.watchdog_s, self.transport.journal.report, comm=topology.world)
+        # The report is the loop's (built below, before the watchdog is armed): its peers by world rank.
+        self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world)
         from jaxhybrid.model.stage import weight_join
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -88,11 +88,14 @@ class Journal:
         with self.lock:
             self.recvs.append((time.monotonic(), source, str(env)))
 
-    def report(self) -> str:
+    def report(self, name: Callable[[int], str] = lambda r: f"pipeline rank {r}") -> str:
+        """The ring as text, each peer (a row rank, as the transport sees it) named by ``name``: under MPI
+        the event loop's ``Topology.name`` (world rank, stage, replica), as its waits say; a bare "rank 0"
+        read as world rank 0 in a replica other than the first."""
         now = time.monotonic()
         with self.lock:
-            s = ", ".join(f"{e} to rank {d} ({now - t:.1f}s ago)" for t, d, e in self.sends) or "none"
-            r = ", ".join(f"{e} from rank {d} ({now - t:.1f}s ago)" for t, d, e in self.recvs) or "none"
+            s = ", ".join(f"{e} to {name(d)} ({now - t:.1f}s ago)" for t, d, e in self.sends) or "none"
+            r = ", ".join(f"{e} from {name(d)} ({now - t:.1f}s ago)" for t, d, e in self.recvs) or "none"
         return f"last sends: {s}; last receives: {r}"
 
 

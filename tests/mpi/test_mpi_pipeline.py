@@ -105,10 +105,13 @@ def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
     ("kill", 2, 3, r"rank 3 \(stage 1, replica 1\) \(pid \d+\)[^\n]* ended abnormally, \w* ?the first rank"),
     ("hang", 1, 1, r"watchdog: rank 1 \(stage 1, replica 0\) made no progress|waiting for .* from rank 1 \(stage 1, "
                    r"replica 0\)"),
+    # The watchdog's journal names peers as the waits do (it said "to rank 1", a row rank: in replica 1
+    # that is world rank 3).
+    ("hang", 2, 3, r"made no progress.*last sends: \S+ mb\d->s\d to rank \d \(stage \d, replica \d\) \(\d"),
     # A rank frozen between steps (its optimizer, a save) leaves its peers in a collective, not in a
     # pipeline phase: the watchdog must cover that wait too (it used to run to MPIEXEC_TIMEOUT).
     ("hang-collective", 1, 1, r"watchdog: rank 0 \(stage 0, replica 0\) made no progress.*now: (sum|max) over"),
-], ids=["exception", "kill", "kill-2x2-rank3", "hang", "hang-collective"])
+], ids=["exception", "kill", "kill-2x2-rank3", "hang", "hang-2x2-rank3", "hang-collective"])
 def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     stamp = tmp_path / "stamp"
     cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", str(2 * data), "--timeout", "120", "--script",

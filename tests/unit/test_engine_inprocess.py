@@ -151,6 +151,37 @@ def test_in_process_transport_rejects_bad_destination():
         hub.transport(0).send(jnp.zeros(2), 5, Envelope(MsgKind.ACT, 0, 1))
 
 
+def test_receives_and_journal_name_peers_as_the_waits_do(reference):
+    """A replica-1 row of a 2 x 2 grid (world ranks 2, 3): waits named a peer by world rank, stage and
+    replica, but the watchdog's "now: received ... from rank 0" and its journal of last sends and
+    receives ("to rank 1") by row rank, which reads as ranks of replica 0. All use the one naming now."""
+    import functools
+    import re
+    from types import SimpleNamespace
+
+    from jaxhybrid.topology import Grid, Topology
+
+    model, params, batch, _, _ = reference
+    stages, sched = _stages(model, 2), make_schedule("1f1b", 2, M)
+    hub, mbs, said = InProcessHub(2), jnp.asarray(split_batch(batch, 0, 1, M)), {0: [], 1: []}
+    name = functools.partial(Topology.name, SimpleNamespace(grid=Grid(2, 2), replica=1))  # the runner's, sans MPI
+
+    def rank(r):
+        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), progress=said[r].append,
+                         waiting=said[r].append, peer_name=name)
+        loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
+        return loop.report()
+
+    reports = _on_rank_threads(2, rank)
+    for r, other in ((0, 1), (1, 0)):
+        peer = f"rank {2 + other} (stage {other}, replica 1)"
+        named = [x.split(" from ", 1)[1] for x in said[r] if " from " in x]  # waits and receives
+        assert any(x.startswith("received") for x in said[r]) and set(named) == {peer}, said[r]
+        assert re.fullmatch(rf"last sends: (\S+ mb\d->s{other} to {re.escape(peer)} \(\d+\.\ds ago\)(, )?)+; "
+                            rf"last receives: (\S+ mb\d->s{r} from {re.escape(peer)} \(\d+\.\ds ago\)(, )?)+",
+                            reports[r]), reports[r]
+
+
 def test_unfinished_schedule_is_reported(reference):
     """A schedule row that leaves residuals behind (a forward with no backward) raises, naming them."""
     from jaxhybrid.pipeline.tasks import Schedule, task
