@@ -37,7 +37,7 @@ class TokenDataset:
     """One split of a directory written by :func:`~jaxhybrid.data.prepare.prepare_data`, memory-mapped.
 
     Attributes:
-      tokens: read-only 1-D ``np.memmap`` (uint16 or uint32) of token ids.
+      tokens: read-only 1-D ``np.memmap`` of token ids (uint8, uint16 or uint32, as ``meta.json`` says).
       vocab_size: the tokenizer's vocabulary (ids are below it).
       meta: the directory's ``meta.json``.
     """
@@ -80,9 +80,12 @@ class TokenDataset:
         import hashlib
 
         n, edge = len(self), 1 << 18
-        h = hashlib.sha1(f"{n}:{self.tokens.dtype.name}".encode())
-        h.update(np.ascontiguousarray(self.tokens[:edge]).tobytes())
-        h.update(np.ascontiguousarray(self.tokens[max(edge, n - edge):]).tobytes())
+        # uint8 ids hash as uint16: byte data was stored as uint16 before, and the same tokens must keep the
+        # fingerprint its checkpoints hold, or a resume after preparing the data again would be refused.
+        wide = np.dtype(np.uint16) if self.tokens.dtype.itemsize < 2 else self.tokens.dtype
+        h = hashlib.sha1(f"{n}:{wide.name}".encode())
+        h.update(np.ascontiguousarray(self.tokens[:edge], dtype=wide).tobytes())
+        h.update(np.ascontiguousarray(self.tokens[max(edge, n - edge):], dtype=wide).tobytes())
         return h.hexdigest()[:16]
 
     def check_vocab(self, model_vocab: int) -> None:

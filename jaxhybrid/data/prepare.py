@@ -32,10 +32,15 @@ DEFAULT_BPE_VOCAB = 512  # the gpt-small-cpu preset's vocabulary; pass vocab_siz
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype holding ids ``0 .. vocab_size - 1``: uint16 up to 65536 symbols."""
+    """Smallest unsigned dtype holding ids ``0 .. vocab_size - 1``: uint8 for the byte tokenizer (half the
+    disk and page cache of uint16), uint16 up to 65536 symbols, else uint32. meta.json records it and the
+    reader takes it from there, so byte data prepared as uint16 by earlier versions still reads."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1")
-    return np.dtype(np.uint16) if vocab_size - 1 <= np.iinfo(np.uint16).max else np.dtype(np.uint32)
+    for t in (np.uint8, np.uint16):
+        if vocab_size - 1 <= np.iinfo(t).max:
+            return np.dtype(t)
+    return np.dtype(np.uint32)
 
 
 def _kjv_path() -> Path:

@@ -62,12 +62,13 @@ def test_prepare_small_file_byte(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     raw = text.encode("utf-8")
     n_val = int(len(raw) * 0.1)
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
+    assert meta["dtype"] == "uint8" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
     assert meta["n_tokens"] == len(raw) and meta["splits"] == {"train": len(raw) - n_val, "val": n_val}
     assert meta["source"] == [str(src.resolve())]
     train, val = TokenDataset(out, "train"), TokenDataset(out / "meta.json", "val")
-    assert train.tokens.dtype == np.uint16 and len(train) + len(val) == len(raw)
-    assert bytes(np.concatenate([train.tokens, val.tokens]).astype(np.uint8)) == raw  # val is the tail
+    assert train.tokens.dtype == np.uint8 and len(train) + len(val) == len(raw)
+    assert (out / "train.bin").stat().st_size == len(train)  # one byte a token
+    assert bytes(np.concatenate([train.tokens, val.tokens])) == raw  # val is the tail
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no temp files left
 
 
@@ -83,8 +84,29 @@ def test_prepare_small_files_bpe(tmp_path, corpus_head):
 
 
 def test_token_dtype_choice():
-    assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16  # ids up to 65535
+    assert token_dtype(1) == np.uint8 and token_dtype(256) == np.uint8  # bytes: ids up to 255 (were uint16)
+    assert token_dtype(257) == np.uint16 and token_dtype(65536) == np.uint16  # ids up to 65535
     assert token_dtype(65537) == np.uint32 and token_dtype(200_000) == np.uint32
+
+
+def test_byte_data_prepared_as_uint16_still_reads_and_resumes(tmp_path):
+    """Byte data prepared before bytes were stored as uint8: its meta.json says uint16, which the reader
+    follows, and its fingerprint (held by its checkpoints) is that of the same tokens prepared now, so a
+    resume after preparing the data again is not refused."""
+    src = _write(tmp_path, "in.txt", "".join(SAMPLES) * 50)
+    new = prepare_data(tmp_path / "new", [src], "byte", val_fraction=0.1)
+    old = tmp_path / "old"
+    old.mkdir()
+    meta = json.loads((new / "meta.json").read_text())
+    for split in ("train", "val"):
+        np.fromfile(new / f"{split}.bin", np.uint8).astype(np.uint16).tofile(old / f"{split}.bin")
+    (old / "meta.json").write_text(json.dumps({**meta, "dtype": "uint16"}))
+    a, b = TokenDataset(old), TokenDataset(new)
+    assert a.tokens.dtype == np.uint16 and np.array_equal(a.tokens, b.tokens)
+    assert a.fingerprint() == b.fingerprint()
+    saved = Sampler(a, 16, 4, 0).state_dict(step=3)
+    assert Sampler(b, 16, 4, 0).mismatches(saved) == [] and np.array_equal(Sampler(a, 16, 4, 0).batch(3),
+                                                                             Sampler(b, 16, 4, 0).batch(3))
 
 
 def test_builtin_corpus_byte_cached(tmp_path):
