@@ -5,8 +5,10 @@ from the previous stage runs a forward (on the last stage the backward at once),
 stage runs a backward, after which stage 0 injects the next microbatch (Alg. 2 lines 4-6, 24-26). With
 2BP the backward is the input-gradient pass only; weight passes wait in a queue and run while no message
 is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound);
-those still pending after the last backward run as one weight pass (2BP Sec. 3.2, Fig. 2), as the
-simulator's :class:`~jaxhybrid.pipeline.policies.MessageDrivenPolicy` assumes.
+those still pending after the last backward run as one weight pass (2BP Sec. 3.2, Fig. 2). The
+simulator's :class:`~jaxhybrid.pipeline.policies.MessageDrivenPolicy` models this order, budget included
+(``simulate(..., weight_budget=...)``); tests/unit/test_engine_vs_simulator.py holds the two to the same
+order and peak on :mod:`~jaxhybrid.pipeline.virtual_clock`. Change them together.
 """
 from __future__ import annotations
 

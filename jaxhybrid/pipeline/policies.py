@@ -10,6 +10,8 @@ Myelin Algorithm 2: the first stage injects ``pipeline_limit`` forwards (lines 4
 each of its backward passes (lines 24-26); the last stage runs its backward right after its forward
 (lines 15-17); every other step handles the earliest arrived message (line 12). Ties between messages
 that arrive at the same instant go to the backward one (it frees memory), then to the lower microbatch.
+With 2BP its weight passes follow the engine (:mod:`~jaxhybrid.pipeline.message_driven`): one fills idle
+time, and one runs right after a BI that leaves ``weight_budget`` of them pending (the memory bound).
 """
 from __future__ import annotations
 
@@ -110,10 +112,16 @@ class MessageDrivenPolicy:
       rows: per-rank tasks; BW entries are ignored (the rule places them), F/B/BI form the pools.
       stage_to_rank: rank of each stage.
       pipeline_limit: microbatches injected before the first backward (Myelin V-A: ``G_inter``).
+      weight_budget: 2BP: a rank holding this many microbatches' weight residuals after a BI runs the
+        oldest one's BW at once (before anything else, as the engine does); 0 means the engine's
+        default, the number of stages.
     """
 
-    def __init__(self, rows, stage_to_rank, pipeline_limit: int):
+    def __init__(self, rows, stage_to_rank, pipeline_limit: int, weight_budget: int = 0):
         nstages = len(stage_to_rank)
+        self.weight_budget = weight_budget or nstages
+        if self.weight_budget < 1:
+            raise ValueError(f"weight_budget={weight_budget} must be >= 1 (0 means: stages)")
         self.last = nstages - 1
         self.pool = [[t for t in row if t.kind is not Kind.BW] for row in rows]
         self.split = any(t.kind is Kind.BI for row in rows for t in row)
@@ -137,6 +145,9 @@ class MessageDrivenPolicy:
             self.pool[rank].remove(t)
         if t.kind is Kind.BI:
             self.bw.add(rank, t)
+            # Memory bound, before the injection below: the engine pays this BW inside its backward step.
+            if len(self.bw.pending[rank]) >= self.weight_budget:
+                self.bw.forced[rank].append(self.bw.pop_single(rank))
         if t.kind is Kind.F and t.stage == self.last:
             back = next((b for b in self.pool[rank] if b.kind in (Kind.B, Kind.BI)
                          and b.stage == self.last and b.microbatch == t.microbatch), None)

@@ -13,7 +13,8 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
 * ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages) microbatches
   in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
   engine and the simulator re-derive the order from arriving messages and treat the F/B/BI tasks of a
-  row as the rank's work, placing BWs by the 2BP rule.
+  row as the rank's work, placing BWs by the 2BP rule (with the engine's default ``weight_budget``,
+  stages; ``simulate(..., weight_budget=...)`` for another).
 
 ``split_backward=True`` applies 2BP: B becomes BI, and BWs run when a rank would otherwise idle (not
 for ``gpipe``, where 2BP delays them all, Sec. 3.2; override with ``fill_idle``), with those left after a

@@ -2,7 +2,8 @@
 
 ``simulate(schedule, costs)`` runs a static schedule's rows in order, each task as soon as its inputs
 have arrived (:mod:`~jaxhybrid.pipeline.simcore`), or a message-driven schedule by Myelin's rule
-(Algorithm 2, at most ``pipeline_limit`` microbatches in flight; BWs by the 2BP rule). The bubble
+(Algorithm 2, at most ``pipeline_limit`` microbatches in flight; BWs by the 2BP rule, at most
+``weight_budget`` pending, as the engine's :mod:`~jaxhybrid.pipeline.message_driven` holds). The bubble
 ratio is 2BP's: idle time over total runtime summed over all ranks, ``sum_r (makespan - busy_r) /
 (ranks x makespan)``. Memory (2BP Sec. 4.2): a microbatch is stashed on a stage from the start of its F
 until its B ends (fused) or its BW ends (2BP); bytes are ``activation_bytes`` from F until B/BI and
@@ -47,14 +48,15 @@ class SimResult:
                 "idle_total": self.idle_total, "per_rank": [asdict(r) for r in self.per_rank]}
 
 
-def run_order(schedule: Schedule, costs: Costs) -> Core:
-    """Executes ``schedule`` under ``costs``; raises ValueError naming the blocked tasks on deadlock."""
+def run_order(schedule: Schedule, costs: Costs, weight_budget: int = 0) -> Core:
+    """Executes ``schedule`` under ``costs``; raises ValueError naming the blocked tasks on deadlock.
+    ``weight_budget``: the engine's (``EventLoop(weight_budget=...)``, 0: stages) for message-driven 2BP."""
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"costs cover {costs.num_stages} stages, schedule {schedule.name!r} has "
                          f"{schedule.num_stages}")
     if schedule.policy == "message-driven":
         policy = MessageDrivenPolicy(schedule.rows, schedule.stage_to_rank,
-                                     schedule.pipeline_limit or schedule.num_stages)
+                                     schedule.pipeline_limit or schedule.num_stages, weight_budget)
     elif schedule.policy == "static":
         policy = StaticPolicy(schedule.rows)
     else:
@@ -113,20 +115,22 @@ def _events(core: Core) -> list[Event]:
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, latency: float | None = None,
-             bandwidth: float | None = None) -> SimResult:
+             bandwidth: float | None = None, weight_budget: int = 0) -> SimResult:
     """Simulates one step of ``schedule``.
 
     Args:
       schedule: from :func:`~jaxhybrid.pipeline.schedule.make_schedule` (or hand-written).
       costs: per-stage costs; default F = BI = BW = 1 (B = 2), unit activation bytes, free messages.
       latency, bandwidth: override ``costs.latency`` / ``costs.bandwidth``.
+      weight_budget: message-driven 2BP: most microbatches whose weight pass may wait, as the engine's
+        ``EventLoop(weight_budget=...)`` (0: the number of stages, the engine's default).
     """
     costs = costs or Costs.uniform(schedule.num_stages)
     if latency is not None or bandwidth is not None:
         from dataclasses import replace
         costs = replace(costs, latency=costs.latency if latency is None else float(latency),
                         bandwidth=costs.bandwidth if bandwidth is None else float(bandwidth))
-    core = run_order(schedule, costs)
+    core = run_order(schedule, costs, weight_budget)
     makespan = max((r.end for r in core.records), default=0.0)
     stats = []
     for rank in range(schedule.num_ranks):

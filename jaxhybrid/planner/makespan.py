@@ -75,11 +75,15 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     fill every extra microbatch adds the same period to the bottleneck rank, whatever the schedule; the
     tests hold it to a full simulation), and each rank's
     memory from the closed forms: GPipe stashes all m, 1F1B min(m, p - rank), and with 2BP the weight
-    residuals of all m, counted as if held with them (an upper bound)."""
+    residuals of all m, counted as if held with them (an upper bound). Myelin (Alg. 2) keeps at most its
+    pipeline limit (p) in flight on every stage, and its 2BP engine at most ``weight_budget`` (p) weight
+    residuals (:mod:`~jaxhybrid.pipeline.message_driven`): both bounds, counted as if held together."""
     m1, m2 = 2 * p, 3 * p  # past the fill: each further microbatch adds one steady-state period
     if p * m <= MAX_SIMULATED or m <= m2:
         return _simulate(schedule, p, m, split, bi, bw, msg)
     (t1, _), (t2, _) = (_simulate(schedule, p, k, split, bi, bw, msg) for k in (m1, m2))
     make = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
+    if schedule == "myelin":  # a later stage may hold all p in flight (p - rank is 1F1B's bound, not Alg. 2's)
+        return make, tuple(((min(m, p), min(m, p) if split else 0),) for _ in range(p))
     live = [m if schedule == "gpipe" else min(m, p - r) for r in range(p)]
     return make, tuple(((a, m if split else 0),) for a in live)

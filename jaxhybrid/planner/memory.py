@@ -45,7 +45,8 @@ def stashed_microbatches(schedule: str, stages: int, microbatches: int, split_ba
     """Peak microbatches each rank keeps, from the schedule generator's rows (the simulator's count).
 
     GPipe keeps all m; 1F1B keeps min(m, N - rank); with 2BP a microbatch stays until its weight pass
-    (the residuals of the input pass), which 2BP runs last, so every rank keeps all m.
+    (the residuals of the input pass), which 2BP runs last, so every rank keeps all m. Myelin + 2BP runs a
+    weight pass once ``weight_budget`` (N, the engine's default) are pending: 7, 6, 5, 4 at N = 4, m = 16.
     """
     if stages < 1 or microbatches < 1:
         raise ValueError(f"stages={stages} and microbatches={microbatches} must be >= 1")

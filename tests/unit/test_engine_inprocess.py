@@ -145,6 +145,27 @@ def test_message_driven_2bp_weight_budget(reference, budget):
         assert held == 0 and peak <= budget, f"rank {r}: held {held} at the end, peak {peak} > budget {budget}"
 
 
+@pytest.mark.parametrize("budget", [1, 0])
+def test_myelin_2bp_on_the_virtual_clock_holds_what_the_simulator_says(reference, budget):
+    """Real stages on :mod:`jaxhybrid.pipeline.virtual_clock` (deterministic virtual time): the engine runs
+    the simulated order, holds the simulated peak, and the gradients still match one device."""
+    from jaxhybrid.model.stage import assemble_grads
+    from jaxhybrid.pipeline.costs import Costs
+    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.pipeline.virtual_clock import run_engine
+
+    model, params, batch, loss, grads = reference
+    stages, sched, costs = _stages(model, 2), make_schedule("myelin", 2, M, split_backward=True), Costs.uniform(2)
+    results, orders, held = run_engine(sched, costs, stages, [st.slice_params(params) for st in stages],
+                                       jnp.asarray(split_batch(batch, 0, 1, M)), 1.0 / M, budget, weight_join("sum"))
+    sim = simulate(sched, costs, weight_budget=budget)
+    assert held == [st.peak_stashed for st in sim.per_rank]
+    assert [[(e.kind, e.microbatches) for e in row] for row in orders] == \
+        [[(t.kind.value, t.microbatches) for t in row] for row in sim.orders]
+    assert_tree_close(assemble_grads(stages, [results[r].grads[r] for r in range(2)]), grads, "fp32_parity",
+                      f"myelin 2bp budget {budget} on the virtual clock")
+
+
 def test_in_process_transport_rejects_bad_destination():
     hub = InProcessHub(2)
     with pytest.raises(ValueError, match="bad destination rank 5"):
@@ -213,6 +234,6 @@ def test_message_driven_2bp_joins_trailing_weight_passes(reference, p, budget):
         trailing = work[last_bi + 1:]
         assert len(trailing) <= 1, f"rank {r}: {len(trailing)} weight passes after the last BI: {[e.name for e in trailing]}"
     if p == 1:
-        sim = simulate(make_schedule("myelin", 1, M, split_backward=True))
+        sim = simulate(make_schedule("myelin", 1, M, split_backward=True), weight_budget=budget)
         got = [(e.kind, e.microbatches) for e in loops[0].recorder.events if e.kind in ("F", "BI", "BW")]
         assert got == [(t.kind.value, t.microbatches) for t in sim.orders[0]]

@@ -179,6 +179,22 @@ def test_long_schedules_extrapolate_the_simulated_makespan():
         assert got == pytest.approx(mk._simulate(sched, 16, 129, split, 1.0, 1.0, 0.0)[0], rel=1e-9), sched
 
 
+def test_myelin_2bp_memory_is_what_the_engine_holds():
+    """Myelin + 2BP: the engine pays a weight pass once ``weight_budget`` (= stages) are pending
+    (pipeline/message_driven.py), so the planner's states peak at 7, 6, 5, 4 microbatches at 4 stages and
+    M = 16 (the simulator without the budget: 16, 15, 15, 16). Past MAX_SIMULATED the closed form bounds
+    every simulated state: p in flight on any stage (Alg. 2's limit, not 1F1B's p - rank), p residuals."""
+    from jaxhybrid.planner import makespan as mk
+
+    _, states = mk.pipeline_makespan("myelin", 4, 16, True, 1.0, 1.0, 0.0)
+    assert [max(a + r for a, r in st) for st in states] == [7, 6, 5, 4]
+    for split in (True, False):
+        _, bound = mk.pipeline_makespan("myelin", 16, 129, split, 1.0, 1.0, 0.0)
+        assert bound[0] == ((16, 16 if split else 0),)
+        for rank, (full, (top,)) in enumerate(zip(mk._simulate("myelin", 16, 129, split, 1.0, 1.0, 0.0)[1], bound)):
+            assert all(a <= top[0] and r <= top[1] for a, r in full), (split, rank, full, top)
+
+
 def test_full_recompute_repeats_the_forward_collectives():
     """remat full runs each forward's tensor collectives again in the backward: comm_s counts them."""
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
