@@ -31,7 +31,8 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # token memmap (.bin) from `jaxhybrid prepare-data`; empty = built-in corpus
-    tokenizer: str = "byte"  # byte | bpe (used when preparing the built-in corpus on the fly)
+    # byte | bpe for the built-in corpus; a data.path's ids were fixed by prepare-data (another value is an error)
+    tokenizer: str = "byte"
     seq_len: int = 128  # tokens per sequence (targets are the next tokens)
     # Tail of the built-in corpus held out for evaluation. A data.path's split was fixed by prepare-data
     # --val-fraction: another value than the data's (and this default) is an error, not ignored.

@@ -27,24 +27,29 @@ def open_dataset(cfg, split: str = "train"):
     ds = TokenDataset(path, split=split)
     ds.check_vocab(cfg.model.vocab_size)
     if cfg.data.path:
-        check_val_fraction(cfg, ds)
+        check_prepared_settings(cfg, ds)
     return ds
 
 
-def check_val_fraction(cfg, ds: TokenDataset) -> None:
-    """``data.val_fraction`` splits the built-in corpus only: a prepared dataset's split was fixed by
-    ``prepare-data --val-fraction``, which its meta records. A value that differs from the data's would
-    evaluate on another split than the config asks, with nothing said: refuse it. The default passes (a
-    value left out cannot be told from one typed equal to it)."""
+def check_prepared_settings(cfg, ds: TokenDataset) -> None:
+    """``data.val_fraction`` and ``data.tokenizer`` shape the built-in corpus only: a prepared dataset's
+    split and ids were fixed by ``prepare-data --val-fraction/--tokenizer``, which its meta records. A value
+    that differs from the data's would evaluate on another split, or claim another tokenizer, than the
+    run uses, with nothing said: refuse it. A default passes (a value left out cannot be told from one
+    typed equal to it)."""
     from jaxhybrid.config import ConfigError, DataConfig
 
     asked, held = cfg.data.val_fraction, ds.meta.get("val_fraction")
-    if held is None or asked in (DataConfig.val_fraction, held):
-        return
-    raise ConfigError(f"data.val_fraction={asked} has no effect: data.path={cfg.data.path} was prepared with "
-                      f"val_fraction {held} ({ds.meta['splits']['val']} val tokens), which fixed its split; leave "
-                      f"data.val_fraction out or set it to {held}, or prepare the data again with --val-fraction "
-                      f"{asked}")
+    if held is not None and asked not in (DataConfig.val_fraction, held):
+        raise ConfigError(f"data.val_fraction={asked} has no effect: data.path={cfg.data.path} was prepared with "
+                          f"val_fraction {held} ({ds.meta['splits']['val']} val tokens), which fixed its split; "
+                          f"leave data.val_fraction out or set it to {held}, or prepare the data again with "
+                          f"--val-fraction {asked}")
+    asked, held = cfg.data.tokenizer, ds.meta.get("tokenizer")
+    if held is not None and asked not in (DataConfig.tokenizer, held):
+        raise ConfigError(f"data.tokenizer={asked} has no effect: data.path={cfg.data.path} holds {held} token ids "
+                          f"(prepare-data fixed them); leave data.tokenizer out or set it to {held}, or prepare the "
+                          f"data again with --tokenizer {asked}")
 
 
 def check_data(cfg) -> None:

@@ -177,8 +177,8 @@ def test_a_train_split_shorter_than_one_sequence_is_found_once(tmp_path):
         check_job(*_job(tmp_path / "run", f"data.path={data}", "train.eval_every=0"), 4)
 
 
-def test_a_val_fraction_a_prepared_dataset_cannot_honour_is_an_error(tmp_path):
-    """data.val_fraction splits the built-in corpus only; with data.path it was ignored without a word
+def test_a_val_fraction_or_tokenizer_a_prepared_dataset_cannot_honour_is_an_error(tmp_path):
+    """data.val_fraction and data.tokenizer shape the built-in corpus only; with data.path they were ignored without a word
     (prepare-data fixed the split). A value other than the data's and the default fails, naming both, in
     the launcher and where a train process opens the data."""
     from jaxhybrid.data import prepare_data
@@ -196,6 +196,10 @@ def test_a_val_fraction_a_prepared_dataset_cannot_honour_is_an_error(tmp_path):
         open_dataset(cfg)
     for same in ("0.1", "0.02"):  # the data's own, or the default (which cannot be told from one left out)
         check_job(*_job(tmp_path / "run", f"data.path={data}", f"data.val_fraction={same}"), 4)
+    ns, cfg = _job(tmp_path / "run", f"data.path={data}", "data.tokenizer=bpe")  # byte ids, prepared so
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer=bpe has no effect: data.path={data} holds byte token "
+                                          r"ids \(prepare-data fixed them\); leave data.tokenizer out or set it to byte"):
+        check_job(ns, cfg, 4)
 
 
 def test_metrics_settings_are_checked_before_the_ranks_start(tmp_path, monkeypatch):
