@@ -16,10 +16,13 @@ import optax
 
 
 def lr_schedule(o, total_steps: int) -> optax.Schedule:
-    """Linear warmup to ``o.lr`` then cosine decay to ``o.lr * o.min_lr_ratio`` at ``total_steps``."""
+    """Linear warmup to ``o.lr`` then cosine decay to ``o.lr * o.min_lr_ratio`` at ``total_steps``.
+
+    Warm-up step ``c`` (from 0) takes ``lr * (c + 1) / (warm + 1)``, as nanoGPT and Megatron-LM do: the first
+    step already moves the weights (a ramp from 0 spent step 1 on Adam's moments alone)."""
     warm = min(o.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warm else o.lr, peak_value=o.lr, warmup_steps=warm,
+        init_value=o.lr / (warm + 1), peak_value=o.lr, warmup_steps=warm,
         decay_steps=max(total_steps, warm + 1), end_value=o.lr * o.min_lr_ratio)
 
 

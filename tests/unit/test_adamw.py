@@ -1,6 +1,7 @@
-"""Which parameters AdamW decays (``optim.weight_decay_mask``): the rule, its bit-exact equality with optax's
-own ``adamw(mask=...)``, and the per-bucket runs the offloaded optimizer builds its mask from. The
-layouts' parity with the single device (pipeline, tensor, offload) runs with the default rule elsewhere."""
+"""The trainer's AdamW settings. Which parameters it decays (``optim.weight_decay_mask``): the rule, its
+bit-exact equality with optax's own ``adamw(mask=...)``, and the per-bucket runs the offloaded optimizer
+builds its mask from (the layouts' parity with the single device runs with the default rule elsewhere).
+Its learning-rate schedule: the warm-up's first step."""
 from __future__ import annotations
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 from jaxhybrid.config import ConfigError, OptimConfig, load_config
 from jaxhybrid.optim.buckets import BucketLayout, decay_bounds
-from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
+from jaxhybrid.optim.updater import DeviceUpdater, decay_mask, lr_schedule
 from jaxhybrid.testing import assert_tree_close
 
 SHAPES = {"embed": (11, 6), "ln": {"scale": (6,), "bias": (6,)}, "dense": {"kernel": (6, 5), "bias": (5,)}}
@@ -84,3 +85,12 @@ def test_decay_bounds_give_each_element_its_leafs_flag():
 def test_an_unknown_rule_is_named():
     with pytest.raises(ConfigError, match=r"optim.weight_decay_mask='bias'; choose matrices"):
         load_config(None, ["optim.weight_decay_mask=bias"])
+
+
+def test_warmup_starts_above_zero_and_reaches_the_peak():
+    """nanoGPT's and Megatron-LM's ramp, ``lr * (c + 1) / (warm + 1)``: step 1 trains; then the peak and the
+    cosine down to ``lr * min_lr_ratio``. Without warm-up the first step takes the peak."""
+    sched = lr_schedule(OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1), 10)
+    np.testing.assert_allclose([float(sched(c)) for c in range(5)], [0.2, 0.4, 0.6, 0.8, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(float(sched(10)), 0.1, rtol=1e-6)
+    assert float(lr_schedule(OptimConfig(lr=1.0, warmup_steps=0), 10)(0)) == 1.0
