@@ -76,11 +76,14 @@ class _DP:
         return k[ok]
 
     def v_count(self, l: int) -> int:
-        """Grid points of V worth computing at layer l: beyond them even the one-layer stage l..l, on the
-        special processor (the smallest memory of any branch), does not fit; the table stays ``inf``."""
-        grp = np.maximum(1, np.ceil((self.vg + self.ch.u[l]) / self.T - _EPS))
-        fits = self.ch.mem(l, l, grp - 1) <= self.ch.memory
-        return int(fits.sum())  # memory grows with V, so the fitting points are a prefix
+        """Grid points of V worth computing at layer l: beyond them no stage k..l fits even on the special
+        processor (M(k, l, g(k, l, V) - 1), Sec. 4.2.1, the smallest memory of either branch); the table
+        stays ``inf``. Every k counts: a longer stage can need less than l..l, whose 2 a_{l-1} buffer it
+        does not pay."""
+        k = self.k_range(l)
+        grp = np.maximum(1, np.ceil((self.vg[None, :] + self.ch.U(k, l)[:, None]) / self.T - _EPS))
+        fits = (self.ch.mem(k[:, None], l, grp - 1) <= self.ch.memory * (1 + _EPS)).any(axis=0)
+        return int(fits.sum())  # memory grows with V for each k, so the fitting points are a prefix
 
     def stage_terms(self, l: int, k: np.ndarray, nv: int | None = None):
         """Per (k, v) quantities of a stage k..l: loads, groups, memories, V' and grid shifts."""

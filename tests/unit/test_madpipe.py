@@ -217,3 +217,16 @@ def test_bench_partition_quick_json(capsys):
     assert set(out["geomean_by_memory_gb"]["transformer"]) == {"4", "8"}
     for c in out["cases"]:
         assert {"pipedream_valid_period_s", "madpipe_valid_period_s", "madpipe_wall_s"} <= set(c)
+
+
+def test_madpipe_dp_keeps_v_states_where_only_a_longer_stage_fits():
+    """Sec. 4.2.2 minimises over every stage k..l; a state may be dropped only if no k fits. The one-layer
+    stage 2..2 pays a 2 a_1 buffer that 1..2 does not, so it alone cannot rule out layer 2's states."""
+    three = Profile(0.01, tuple(LayerCost(n, 0.5, 0.5, 0.01, a) for n, a in (("a", 1.0), ("b", 0.1), ("c", 0.1))))
+    period, stages = madpipe_dp(Chain.from_profile(three, 1.5, 10.0), 2, 2.0, Grid(21, 11, 11))
+    assert period < 2.2 and [(s.first, s.last) for s in stages] == [(1, 2), (3, 3)]  # was 3.0: all on one
+    F, B, A = [0.6, 0.4, 0.8, 0.6, 0.6, 0.7], [1.3, 0.7, 1.6, 1.3, 1.1, 1.5], [0.06, 0.04, 0.08, 1.1, 0.1, 0.02]
+    six = Profile(0.01, tuple(LayerCost(f"l{i}", F[i], B[i], 0.01, A[i]) for i in range(6)))
+    chain = Chain.from_profile(six, 3.2, 10.0)
+    mp = madpipe(chain, 3, 6, Grid(21, 11, 11))
+    assert mp.valid_period == pytest.approx(4.1) and pipedream(chain, 3).valid_period == pytest.approx(5.4)
