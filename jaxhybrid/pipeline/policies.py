@@ -123,13 +123,18 @@ class MessageDrivenPolicy:
         if self.weight_budget < 1:
             raise ValueError(f"weight_budget={weight_budget} must be >= 1 (0 means: stages)")
         self.last = nstages - 1
-        self.pool = [[t for t in row if t.kind is not Kind.BW] for row in rows]
-        self.split = any(t.kind is Kind.BI for row in rows for t in row)
         rank0 = stage_to_rank[0]
-        injections = sorted((t for t in self.pool[rank0] if t.kind is Kind.F and t.stage == 0),
-                            key=lambda t: t.microbatch)
+        injections = sorted((t for t in rows[rank0] if t.kind is Kind.F and t.stage == 0), key=lambda t: t.microbatch)
         self.inject = collections.deque(injections)
-        self.pool[rank0] = [t for t in self.pool[rank0] if not (t.kind is Kind.F and t.stage == 0)]
+        # Per rank, the pool by microbatch, lowest first: a choice scans only the microbatches stage 0 has
+        # injected (no other task can be ready), so it costs the in-flight window, not the whole pool.
+        self.pool, injected = [], set(injections)
+        for row in rows:
+            by_mb: dict[int, list[Task]] = {}
+            for t in sorted((t for t in row if t.kind is not Kind.BW and t not in injected),
+                            key=lambda t: t.microbatch):
+                by_mb.setdefault(t.microbatch, []).append(t)
+            self.pool.append(by_mb)
         self.priority = [collections.deque() for _ in rows]
         for _ in range(min(pipeline_limit, len(self.inject))):
             self.priority[rank0].append(self.inject.popleft())
@@ -140,19 +145,25 @@ class MessageDrivenPolicy:
     def order(self) -> list[list[Task]]:
         return self.bw.order
 
+    def _take(self, rank: int, t: Task) -> None:
+        tasks = self.pool[rank].get(t.microbatch, ())
+        if t in tasks:
+            tasks.remove(t)
+            if not tasks:
+                del self.pool[rank][t.microbatch]
+
     def _started(self, rank: int, t: Task) -> Task:
-        if t in self.pool[rank]:
-            self.pool[rank].remove(t)
+        self._take(rank, t)
         if t.kind is Kind.BI:
             self.bw.add(rank, t)
             # Memory bound, before the injection below: the engine pays this BW inside its backward step.
             if len(self.bw.pending[rank]) >= self.weight_budget:
                 self.bw.forced[rank].append(self.bw.pop_single(rank))
         if t.kind is Kind.F and t.stage == self.last:
-            back = next((b for b in self.pool[rank] if b.kind in (Kind.B, Kind.BI)
-                         and b.stage == self.last and b.microbatch == t.microbatch), None)
+            back = next((b for b in self.pool[rank].get(t.microbatch, ()) if b.kind in (Kind.B, Kind.BI)
+                         and b.stage == self.last), None)
             if back is not None:  # Alg. 2 lines 15-17: the loss stage turns straight around
-                self.pool[rank].remove(back)
+                self._take(rank, back)
                 self.priority[rank].appendleft(back)
         if t.kind in (Kind.B, Kind.BI) and t.stage == 0 and self.inject:
             self.priority[self.rank0].append(self.inject.popleft())  # Alg. 2 lines 24-26
@@ -164,13 +175,17 @@ class MessageDrivenPolicy:
         if self.priority[rank]:
             return self._started(rank, self.priority[rank].popleft())
         best, best_key = None, None
-        for cand in self.pool[rank]:
-            ready = sim.ready_at(rank, cand)
-            if ready is None or ready > t:
-                continue
-            key = (ready, cand.kind is Kind.F, cand.microbatch, cand.stage)
-            if best_key is None or key < best_key:
-                best, best_key = cand, key
+        horizon = self.inject[0].microbatch if self.inject else None  # no task of it or later can be ready
+        for mb, tasks in self.pool[rank].items():
+            if horizon is not None and mb >= horizon:
+                break
+            for cand in tasks:
+                ready = sim.ready_at(rank, cand)
+                if ready is None or ready > t:
+                    continue
+                key = (ready, cand.kind is Kind.F, mb, cand.stage)
+                if best_key is None or key < best_key:
+                    best, best_key = cand, key
         if best is not None:
             return self._started(rank, best)
         if self.bw.pending[rank]:
@@ -187,4 +202,4 @@ class MessageDrivenPolicy:
     def blocked(self, rank: int) -> Task | None:
         if self.priority[rank]:
             return self.priority[rank][0]
-        return self.pool[rank][0] if self.pool[rank] else None
+        return next(iter(self.pool[rank].values()))[0] if self.pool[rank] else None

@@ -17,11 +17,13 @@ def sig2(x: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fused_schedule(schedule: str, p: int, m: int):
-    """Without 2BP the task order does not depend on the costs: built once per shape for every ratio."""
+def _fixed_schedule(schedule: str, p: int, m: int, split: bool):
+    """A schedule whose rows do not depend on the costs, built once per shape for every ratio: any without
+    2BP, and Myelin's, whose rows are only each rank's pool of tasks (the simulator's message-driven policy
+    re-derives the order under the costs, Alg. 2)."""
     from jaxhybrid.pipeline.schedule import make_schedule
 
-    return make_schedule(schedule, p, m, False)
+    return make_schedule(schedule, p, m, split)
 
 
 def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -60,7 +62,8 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
 
     costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
                   message_bytes=(msg,) * p, bandwidth=1.0)
-    order = make_schedule(schedule, p, m, split, costs=costs) if split else _fused_schedule(schedule, p, m)
+    fixed = not split or schedule == "myelin"
+    order = _fixed_schedule(schedule, p, m, split) if fixed else make_schedule(schedule, p, m, split, costs=costs)
     core = run_order(order, costs)
     return max(r.end for r in core.records), memory_states(core, p)
 

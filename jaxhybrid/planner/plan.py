@@ -1,7 +1,7 @@
 """Ranked plans: every feasible layout of G GPUs, best predicted step time first.
 
-A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe or 1F1B, with or
-without the 2BP split), activation recomputation (none, dots, or Myelin's checkpoint interval) and optimizer
+A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe, 1F1B or Myelin's
+message-driven Alg. 2, each with or without the 2BP split), activation recomputation (none, dots, or Myelin's checkpoint interval) and optimizer
 offload. Each is scored by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device
 exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
 ``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
@@ -21,6 +21,9 @@ from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
              "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
+# What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count, each with and
+# without 2BP: GPipe, 1F1B and Myelin Alg. 2 (pipeline_limit = stages, Myelin V-A; the engine's default).
+PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
@@ -69,7 +72,7 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
 
 
 def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True, offload: bool | None = None,
-            schedules=("1f1b", "gpipe"), remats=("none", "dots", "full"), max_microbatch: int = 64):
+            schedules=PLANNED_SCHEDULES, remats=("none", "dots", "full"), max_microbatch: int = 64):
     """All layouts of ``gpus`` GPUs that the config validation would accept."""
     offloads = (False, True) if offload is None else (offload,)
     for pipe in _divisors(gpus):
@@ -177,9 +180,10 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
     compute dtype the plan's times and memory were modelled with, so the run trains in it too."""
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
-    out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition},
-           "pipeline": {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
-                        "microbatches": plan["microbatches"]},
+    pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"], "microbatches": plan["microbatches"]}
+    if plan["schedule"] == "myelin":  # modelled with Alg. 2's limit at its default (stages), whatever the run set
+        pipe["pipeline_limit"] = 0
+    out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
            "optim": {"offload": plan["offload"]},
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
     return out | ({"precision": {"compute_dtype": dtype}} if dtype else {})

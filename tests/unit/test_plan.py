@@ -252,3 +252,25 @@ def test_data_allreduce_moves_float32_over_mpi_and_the_compute_dtype_on_a_mesh()
     ar = lambda lay, m: evaluate(cfg, lay, m, 1024)["data_allreduce_s"]  # noqa: E731
     assert ar(pipe, bf16) == pytest.approx(ar(pipe, fp32)) and ar(pipe, bf16) > 0
     assert ar(mesh, bf16) == pytest.approx(ar(mesh, fp32) / 2)
+
+
+def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tmp_path):
+    """Myelin's message-driven schedule (Alg. 2), fused and with 2BP, is searched like GPipe and 1F1B: the
+    engine runs it for any pipeline and microbatch count. Its plan file resets pipeline.pipeline_limit to
+    the default (stages) it was modelled with, whatever the run's YAML set."""
+    from jaxhybrid.config import load_config
+    from jaxhybrid.planner.plan import layouts
+
+    cfg = PRESETS["gpt2-small"]
+    searched = {(lay.schedule, lay.split_backward) for lay in layouts(cfg, 8, 16) if lay.pipeline > 1}
+    assert {("myelin", False), ("myelin", True)} <= searched
+    plans = rank_plans(cfg, 8, _machine(), global_batch=16, seq=1024, top=10_000)
+    myelin = [p for p in plans if p["schedule"] == "myelin"]
+    assert {p["split_backward"] for p in myelin} == {False, True}
+    yaml_path, plan_path = tmp_path / "run.yaml", tmp_path / "plan.json"
+    yaml_path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\npipeline: {pipeline_limit: 1}\n")
+    for p in (next(p for p in myelin if p["split_backward"]), next(p for p in myelin if not p["split_backward"])):
+        write_plan(plan_path, p, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+        run = load_config(yaml_path, [f"plan.file={plan_path}"])
+        assert (run.pipeline.schedule, run.pipeline.split_backward) == ("myelin", p["split_backward"])
+        assert run.pipeline.pipeline_limit == 0 and run.parallel.pipeline == p["pipeline"]
