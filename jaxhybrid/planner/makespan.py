@@ -68,20 +68,37 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
     return max(r.end for r in core.records), memory_states(core, p)
 
 
+def _extrapolation_points(schedule: str, p: int, m: int) -> tuple[int, int]:
+    """The two microbatch counts a long schedule's makespan is extrapolated from.
+
+    GPipe and 1F1B (static rows): ``2p`` and ``3p``; past the fill every further microbatch adds one
+    steady-state period to the bottleneck rank (within 0.2% of a full simulation at p = 8, 16 and
+    uneven costs). Myelin (Alg. 2) is periodic in ``m`` with period ``p``, not 1: stage 0 injects
+    ``pipeline_limit = p`` microbatches per round (V-A), and a round's first extra microbatch costs more
+    than the others (at p = 16, unit costs, M = 2p + 1 adds 6 and later ones 3), and its fill settles
+    only after several rounds (``2p``/``3p`` gave 486.4 against 459 simulated at p = 16, M = 129). So
+    both points are congruent to ``m`` modulo ``p``, the later one as far as ``MAX_SIMULATED`` tasks
+    (at least ``6p``), the earlier one about half-way back: whole rounds between them and ``m``."""
+    if schedule != "myelin":
+        return 2 * p, 3 * p
+    top = max(6 * p, p * (MAX_SIMULATED // (p * p)))
+    m2 = top - (top - m) % p
+    return m2 - p * max(1, m2 // (2 * p)), m2
+
+
 @functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
                       ) -> tuple[float, tuple[tuple[tuple[int, int], ...], ...]]:
     """(makespan with F = 1, per-rank :func:`memory_states`); rank r runs stage r.
 
     Up to :data:`MAX_SIMULATED` tasks, one run of the schedule simulator. Longer schedules: the makespan
-    is extrapolated from two simulated ones, ``m = 2p`` and ``3p``, linearly in ``m`` (past the pipeline's
-    fill every extra microbatch adds the same period to the bottleneck rank, whatever the schedule; the
-    tests hold it to a full simulation), and each rank's
+    is extrapolated linearly in ``m`` from two simulated ones (:func:`_extrapolation_points`; the tests
+    hold it to a full simulation), and each rank's
     memory from the closed forms: GPipe stashes all m, 1F1B min(m, p - rank), and with 2BP the weight
     residuals of all m, counted as if held with them (an upper bound). Myelin (Alg. 2) keeps at most its
     pipeline limit (p) in flight on every stage, and its 2BP engine at most ``weight_budget`` (p) weight
     residuals (:mod:`~jaxhybrid.pipeline.message_driven`): both bounds, counted as if held together."""
-    m1, m2 = 2 * p, 3 * p  # past the fill: each further microbatch adds one steady-state period
+    m1, m2 = _extrapolation_points(schedule, p, m)
     if p * m <= MAX_SIMULATED or m <= m2:
         return _simulate(schedule, p, m, split, bi, bw, msg)
     (t1, _), (t2, _) = (_simulate(schedule, p, k, split, bi, bw, msg) for k in (m1, m2))

@@ -171,12 +171,19 @@ def test_2bp_memory_peaks_where_activations_and_residuals_coexist():
 
 def test_long_schedules_extrapolate_the_simulated_makespan():
     """Beyond MAX_SIMULATED tasks the makespan is extrapolated linearly from two simulated ones: it equals
-    the simulation (1F1B + 2BP adds 3 per microbatch at unit costs, not GPipe-2BP's closed form)."""
+    the simulation (1F1B + 2BP adds 3 per microbatch at unit costs, not GPipe-2BP's closed form). Myelin
+    is periodic in M with period p (a round of pipeline_limit = p injections), so its points are
+    congruent to M modulo p: 2p and 3p gave 486.4 against 459 fused at unit costs."""
     from jaxhybrid.planner import makespan as mk
 
-    for sched, split in (("1f1b", True), ("gpipe", True), ("gpipe", False), ("1f1b", False)):
-        got = mk.pipeline_makespan(sched, 16, 129, split, 1.0, 1.0, 0.0)[0]
-        assert got == pytest.approx(mk._simulate(sched, 16, 129, split, 1.0, 1.0, 0.0)[0], rel=1e-9), sched
+    for sched in ("1f1b", "gpipe", "myelin"):
+        for split in (True, False):
+            got = mk.pipeline_makespan(sched, 16, 129, split, 1.0, 1.0, 0.0)[0]
+            assert got == pytest.approx(mk._simulate(sched, 16, 129, split, 1.0, 1.0, 0.0)[0], rel=1e-9), sched
+    for costs in ((1.5, 1.0, 0.2), (1.0, 0.5, 1.3), (0.8, 0.6, 0.4)):  # uneven costs, messages
+        for split, rel in ((False, 1e-9), (True, 0.01)):  # 2BP's weight passes settle more slowly
+            got = mk.pipeline_makespan("myelin", 16, 129, split, *costs)[0]
+            assert got == pytest.approx(mk._simulate("myelin", 16, 129, split, *costs)[0], rel=rel), (split, costs)
 
 
 def test_myelin_2bp_memory_is_what_the_engine_holds():
