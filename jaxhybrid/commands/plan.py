@@ -15,9 +15,9 @@ from pathlib import Path
 from jaxhybrid.commands.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.model.config import PRESETS, resolve_model
 from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
+from jaxhybrid.config import OptimConfig
 from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, config_layout, latency_notes, machine_from_hardware, \
-    rank_plans, write_plan
-from jaxhybrid.planner.step_model import evaluate
+    rank_plans, score_config, write_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
     """The config's own layout scored by the same step model, and where it would rank among all feasible
     ``plans`` (0: none predicted faster)."""
     lay = config_layout(cfg)
-    r = {**asdict(lay), **evaluate(cfg.model, lay, machine, seq)}
+    r = {**asdict(lay), **score_config(cfg, machine, seq)}
     r["fits"] = r["memory_per_device_bytes"] <= machine.memory_bytes
     r["rank"] = sum(p["predicted_step_s"] < r["predicted_step_s"] for p in plans)
     return r
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency, args.memory_fraction)
     gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
     seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
-    ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload)  # all
+    bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold
+    ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket)  # all
     plans = ranked[:args.top]
     notes, own = latency_notes(plans), None
     if cfg is not None:

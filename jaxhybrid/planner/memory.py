@@ -1,8 +1,9 @@
 """Memory per device: Myelin's parameter-state model (Sec. V-B), activations (Sec. V-A) and schedules.
 
-* Parameter state without offload: 20 phi bytes (fp32 theta and grad: 4 + 4, fp16 copies 2 + 2, Adam 8).
-* With the bucketed host offload: 4 phi + 16 bsize (fp16 theta and grad stay; one bucket of fp32 theta,
-  Adam state and descaled gradient visits the device at a time).
+* Parameter state: what the trainer's memory report counts (:func:`param_state_bytes`). Without offload
+  20 phi bytes (fp32 theta and grad: 4 + 4, fp16 copies 2 + 2, Adam 8; 16 phi in float32). With the
+  bucketed host offload 4 phi + 16 bsize (V-B: fp16 theta and grad stay; one bucket of fp32 theta, Adam
+  state and descaled gradient visits the device at a time) + 12 bsize per prefetched bucket.
 * AxoNN shards parameter state over the tensor grid: phi / (G_d G_r G_c) per device (Alg. 1, DIVIDE_WEIGHTS).
 * Stashed microbatches per pipeline rank come from the schedule module (:func:`stashed_microbatches`).
 * Checkpointing (Myelin Sec. V-A): M_activation = G_inter (N / (G_inter ac) + 1 + ac) layer outputs, with
@@ -16,21 +17,28 @@ __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_i
            "stashed_microbatches", "block_residual_bytes", "head_residual_bytes", "boundary_bytes"]
 
 
-def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0, tensor_size: int = 1) -> float:
-    """Bytes of parameters, gradients and Adam state on one device (Myelin Sec. V-B).
+def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0, tensor_size: int = 1,
+                      dtype_bytes: int = 2) -> float:
+    """Bytes of parameters, gradients and Adam state on one device (Myelin Sec. V-B), by the trainer's own
+    count (:func:`jaxhybrid.optim.memory_report.model_state_bytes`, which its ``memory.json`` reports): with
+    offload ``4 phi + 16 bsize`` plus ``12 bsize`` for the bucket the offloaded optimizer prefetches.
 
     Args:
       phi: parameters held by this pipeline stage (before tensor sharding).
       offload: Myelin's bucketed optimizer offload.
-      bucket_size: bsize, elements per offload bucket.
+      bucket_size: bsize, elements per offload bucket (``optim.bucket_size``); a device's buckets are at
+        most its shard, as the optimizer makes them.
       tensor_size: G_c x G_r x G_d; AxoNN shards all parameter state over the grid.
+      dtype_bytes: the compute dtype's (float32 keeps no separate compute copies: 16 phi without offload).
     """
+    from jaxhybrid.optim.memory_report import model_state_bytes
+
     if phi < 0 or bucket_size < 0 or tensor_size < 1:
         raise ValueError(f"phi={phi}, bucket_size={bucket_size} must be >= 0 and tensor_size={tensor_size} >= 1")
     shard = phi / tensor_size
-    if offload:
-        return 4 * shard + 16 * min(bucket_size, shard)
-    return 20 * shard
+    dtype = "float32" if dtype_bytes == 4 else "bfloat16"  # bfloat16 and float16 count alike
+    bsize = min(bucket_size, shard) if offload else 0
+    return float(model_state_bytes(shard, compute_dtype=dtype, offload=offload, bucket_size=bsize)["device_total"])
 
 
 def myelin_activation_units(n_layers: int, g_inter: int, ac: int) -> float:

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from jaxhybrid.config import OptimConfig
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
@@ -101,15 +102,17 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
 
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
-               tensor: bool = True, offload: bool | None = None) -> list[dict]:
+               tensor: bool = True, offload: bool | None = None, bucket_size: int = OptimConfig.bucket_size,
+               ) -> list[dict]:
     """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix, or when
-    ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`)."""
+    ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`). Offloaded layouts hold buckets
+    of ``bucket_size`` elements (the run's ``optim.bucket_size``: a plan file leaves it as it is)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
     for lay in layouts(cfg, gpus, global_batch, tensor, offload):
-        r = evaluate(cfg, lay, machine, seq)
+        r = evaluate(cfg, lay, machine, seq, bucket_size)
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
             smallest = (r["memory_per_device_bytes"], lay)
         if r["memory_per_device_bytes"] <= machine.memory_bytes:
@@ -118,7 +121,7 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
         raise ValueError(f"no layout of {gpus} GPUs is valid for {cfg.name} (n_layers={cfg.n_layers}, "
                          f"global batch {global_batch}); use a GPU count that divides the batch and the layers")
     if not plans:
-        more = _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor)
+        more = _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size)
         raise ValueError(
             f"{cfg.name} ({cfg.param_count() / 1e9:.3g}B parameters) does not fit on {gpus} GPUs with "
             f"{machine.memory_bytes / 1e9:.3g} GB usable each: the leanest layout ({_describe(smallest[1])}) needs "
@@ -155,7 +158,7 @@ def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
         g *= 2
 
 
-def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
+def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
     """Grow the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
     lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and the
     optimizer offloaded."""
@@ -169,7 +172,7 @@ def _smallest_gpus(cfg, gpus, machine, global_batch, seq, tensor) -> str:
                     if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (c, r)):
                         continue
                     lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, True, "full")
-                    if evaluate(cfg, lay, machine, seq)["memory_per_device_bytes"] <= machine.memory_bytes:
+                    if evaluate(cfg, lay, machine, seq, bucket_size)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
@@ -197,6 +200,11 @@ def config_layout(cfg) -> Layout:
     return Layout(p.pipeline, p.data, p.tensor_col, p.tensor_row, p.tensor_depth, cfg.microbatch_size,
                   pl.microbatches, pl.schedule, pl.split_backward and p.pipeline > 1, cfg.optim.offload,
                   cfg.train.remat)
+
+
+def score_config(cfg, machine: Machine, seq: int) -> dict:
+    """The step model's prediction for a run config's own layout, with its own offload bucket size."""
+    return evaluate(cfg.model, config_layout(cfg), machine, seq, cfg.optim.bucket_size)
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxhybrid.config import OptimConfig
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.metrics import attention_core_flops, forward_flops
 from jaxhybrid.model.config import ModelConfig, block_matmuls
@@ -105,8 +106,10 @@ class Machine:
     flash_attention: bool = False
 
 
-def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_size: int = 1 << 24) -> dict:
-    """Predicted step time, exposed communication and peak memory per device of one layout."""
+def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
+             bucket_size: int = OptimConfig.bucket_size) -> dict:
+    """Predicted step time, exposed communication and peak memory per device of one layout; with offload
+    the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's)."""
     b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
     tokens = b * seq
     d = cfg.d_model
@@ -188,7 +191,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int, bucket_s
     mem = 0.0
     for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
         last = s == len(parts) - 1
-        state = param_state_bytes(phi, lay.offload, bucket_size, ts)
+        state = param_state_bytes(phi, lay.offload, bucket_size, ts, db)
         if recompute:  # the head is in the last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             stash = math.ceil(n_ / ac) * bnd

@@ -281,3 +281,23 @@ def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tm
         run = load_config(yaml_path, [f"plan.file={plan_path}"])
         assert (run.pipeline.schedule, run.pipeline.split_backward) == ("myelin", p["split_backward"])
         assert run.pipeline.pipeline_limit == 0 and run.parallel.pipeline == p["pipeline"]
+
+
+def test_a_config_is_scored_with_its_own_offload_bucket_size():
+    """`plan --model CONFIG` scores the config's layout, and ranks plans, with its optim.bucket_size: each
+    offloaded device holds 28 bytes per bucket element (memory_report), so the 16M-element buckets of
+    myelin-50b-offload.yaml hold 28 x 15M bytes more than the default 1M-element ones."""
+    from pathlib import Path
+
+    from jaxhybrid.config import load_config
+    from jaxhybrid.planner.plan import score_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "runs" / "myelin-50b-offload.yaml"
+    cfg, small = load_config(path), load_config(path, ["optim.bucket_size=1048576"])
+    assert cfg.optim.offload and cfg.optim.bucket_size == 1 << 24
+    m, seq = _machine(), cfg.data.seq_len
+    got = score_config(cfg, m, seq)["memory_per_device_bytes"] - score_config(small, m, seq)["memory_per_device_bytes"]
+    assert got == pytest.approx(28 * ((1 << 24) - (1 << 20)))
+    ranked = {b: rank_plans(cfg.model, 16, m, 512, seq, top=1, tensor=False, offload=True, bucket_size=b)[0]
+              for b in (1 << 20, 1 << 24)}
+    assert ranked[1 << 24]["memory_per_device_bytes"] > ranked[1 << 20]["memory_per_device_bytes"]

@@ -11,8 +11,7 @@ import pytest
 
 from jaxhybrid.commands.launch_checks import check_job, train_config
 from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import check_gpus, config_layout, machine_from_hardware
-from jaxhybrid.planner.step_model import evaluate
+from jaxhybrid.planner.plan import check_gpus, machine_from_hardware, score_config
 
 RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
 CONFIGS = sorted(RUNS.glob("*.yaml"))
@@ -63,7 +62,7 @@ def test_cluster_config_fits_its_hardware_by_the_planner(path):
     nodes = re.search(r"--nodes=(\d+)", path.read_text())
     assert nodes and int(nodes.group(1)) == max(1, cfg.num_devices // gpn), "the sbatch line's node count"
     machine = machine_from_hardware(hw, min(gpn, cfg.num_devices), cfg.precision.compute_dtype, 0.5)
-    r = evaluate(cfg.model, config_layout(cfg), machine, cfg.data.seq_len)
+    r = score_config(cfg, machine, cfg.data.seq_len)
     assert r["memory_per_device_bytes"] <= machine.memory_bytes, (  # the usable share (planner.plan)
         f"{path.name}: {r['memory_per_device_bytes'] / 1e9:.1f} GB per device by the planner's model, "
         f"{machine.memory_bytes / 1e9:.0f} GB usable on {hw['name']}")
