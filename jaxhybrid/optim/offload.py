@@ -59,8 +59,8 @@ class OffloadedOptimizer:
       prefetch: buckets fetched ahead of the one updating.
       name: label for error messages (e.g. "adamw").
       decay: which parameters the weight decay applies to (``updater.decay_mask``; None: all), for a
-        transform whose only read of the parameters is its decoupled decay (AdamW): each bucket's
-        program shows it the masters zeroed where no decay applies.
+        transform whose only read of the parameters is its decoupled decay (AdamW): where no decay
+        applies, each bucket's program takes the step in which the transform saw zeros for the masters.
     """
 
     def __init__(self, inner: optax.GradientTransformation, bucket_size: int, *, grad_clip: float = 0.0,
@@ -82,7 +82,7 @@ class OffloadedOptimizer:
         self.decay = decay
         self.spec: FlatSpec | None = None
         self.layout: BucketLayout | None = None
-        self._decay_rows: list[jax.Array] = []
+        self._decay_rows: list[jax.Array | None] = []
         self.on_bucket: Callable[[int], None] | None = None  # instrumentation (memory probes)
         (self._update, self._upcast, self._write, self._factor, self._sq,
          self._init_bucket) = programs(inner, self.split, self.compute_dtype, self.grad_clip)
