@@ -28,7 +28,7 @@ from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, v
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
-from jaxhybrid.optim import build_transform, device_updater
+from jaxhybrid.optim import build_transform, device_updater, lr_schedule
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.run_dir import check_run_dir, write_run_config
@@ -91,6 +91,9 @@ class TrainState:
     params: Any
     opt_state: Any
     loss_scale: Any
+    # Optimizer updates applied so far: the learning-rate schedule's count, which a skipped (overflow) step
+    # does not advance. It differs from ``step`` after a skip, so the logged lr needs it, saved and restored.
+    updates: int = 0
 
 
 class Trainer:
@@ -110,6 +113,7 @@ class Trainer:
         self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
+        self.lr = lr_schedule(cfg.optim, cfg.train.steps)  # the updater's schedule, for the logged lr
         self.rank = int(getattr(self.engine, "rank", 0))
         self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")
                          and getattr(self.engine, "streams_reduced_chunks", False))
@@ -151,7 +155,7 @@ class Trainer:
 
     def save(self, ckpt: Checkpointer, st: TrainState) -> None:
         meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(),
-                "sampler": self.sampler.state_dict(st.step), "seed": self.cfg.train.seed}
+                "sampler": self.sampler.state_dict(st.step), "seed": self.cfg.train.seed, "updates": st.updates}
         ckpt.save(st.step, {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}, meta)
 
     def restore(self, ckpt: Checkpointer, st: TrainState) -> TrainState:
@@ -174,7 +178,10 @@ class Trainer:
         params = place_like(st.params, state["params"])
         opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"])
         self.sampler.load_state_dict(meta["sampler"])
-        return TrainState(int(meta["step"]), params, opt_state, st.loss_scale.load_state_dict(meta["loss_scale"]))
+        # Checkpoints from before "updates" was saved: every step counted (exact unless one was skipped).
+        updates = int(meta.get("updates", meta["step"]))
+        return TrainState(int(meta["step"]), params, opt_state, st.loss_scale.load_state_dict(meta["loss_scale"]),
+                          updates)
 
     # -- loop --------------------------------------------------------------------------------------
     def step(self, st: TrainState) -> tuple[TrainState, dict]:
@@ -195,9 +202,10 @@ class Trainer:
             sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
             params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
         finite = not bool(nonfinite)
-        info = {"loss": float(loss), "grad_norm": float(gnorm), "loss_scale": float(scale),
-                "skipped": not finite}
-        return TrainState(st.step + 1, params, opt_state, st.loss_scale.update(finite)), info
+        # lr: what this step's update applied (or would have, when skipped), as Megatron-LM logs it.
+        info = {"loss": float(loss), "grad_norm": float(gnorm), "lr": float(self.lr(st.updates)),
+                "loss_scale": float(scale), "skipped": not finite}
+        return TrainState(st.step + 1, params, opt_state, st.loss_scale.update(finite), st.updates + finite), info
 
     def evaluate(self, params) -> dict:
         """Validation loss (mean over the fixed val batches), its perplexity and the time it took."""
