@@ -32,6 +32,23 @@ def config_changes(old, new, keys=None) -> list[str]:
     return [f"{k}: {get(old, k)} -> {get(new, k)}" for k in keys if get(old, k) != get(new, k)]
 
 
+def unrecorded_settings(saved: Path, cfg) -> list[str]:
+    """Settings that the earlier ``config.yaml`` (a full dump) does not hold: it was written by a version
+    before they existed, whose behaviour its steps ran by (before optim.weight_decay_mask, every parameter
+    decayed). Loading fills in today's defaults, so :func:`config_changes` cannot see them; a resume names
+    them instead of changing the training without a word."""
+    from jaxhybrid.config import load_yaml
+
+    tree = load_yaml(saved) or {}
+    out = []
+    for sec in (f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))):
+        held = tree.get(sec) or {}
+        out += [f"{sec}.{f.name}: not in the earlier config.yaml (written before it existed) -> "
+                f"{getattr(getattr(cfg, sec), f.name)}" for f in dataclasses.fields(getattr(cfg, sec))
+                if f.name not in held and (sec, f.name) != ("run", "resume")]
+    return out
+
+
 def write_run_config(run_dir: Path, cfg, step: int) -> None:
     """``config.yaml``: the config this run trains with, ``run.resume`` false so that the file starts a run
     as it is (``--config run/config.yaml`` with another run.dir). A resume that changed settings (those a
@@ -43,7 +60,7 @@ def write_run_config(run_dir: Path, cfg, step: int) -> None:
 
     saved = run_dir / "config.yaml"
     old = saved_config(run_dir) if cfg.run.resume else None
-    changes = config_changes(old, cfg) if old is not None else []
+    changes = config_changes(old, cfg) + unrecorded_settings(saved, cfg) if old is not None else []
     if changes:
         saved.replace(run_dir / f"config.step{step}.yaml")
         print(f"jaxhybrid: resuming at step {step} with changed settings: {'; '.join(changes)} (the earlier "
