@@ -215,7 +215,8 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _summary(rec: dict[str, Any], short: bool = False) -> str:
-    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("lr", "lr {:.3g}"), ("tokens_per_s", "{:,.0f} tok/s"),
+    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("lr", "lr {:.3g}"),
+              ("tokens_per_s", "{:,.0f} tok/s"),
               ("tflops_per_device", "{:.3g} TFLOP/s/dev"), ("mfu", "mfu {:.1%}"), ("hfu", "hfu {:.1%}"),
               ("step_time_s", "{:.3f} s/step"),
               ("loss_scale", "scale {:g}")]

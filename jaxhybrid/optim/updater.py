@@ -18,8 +18,9 @@ import optax
 def lr_schedule(o, total_steps: int) -> optax.Schedule:
     """Linear warmup to ``o.lr`` then cosine decay to ``o.lr * o.min_lr_ratio`` at ``total_steps``.
 
-    Warm-up step ``c`` (from 0) takes ``lr * (c + 1) / (warm + 1)``, as nanoGPT and Megatron-LM do: the first
-    step already moves the weights (a ramp from 0 spent step 1 on Adam's moments alone)."""
+    Warm-up step ``c`` (from 0) takes ``lr * (c + 1) / (warm + 1)``, as nanoGPT does: the first step already
+    moves the weights. (A ramp from 0, as Megatron-LM's from its default ``init_lr`` 0, spends step 1 on
+    Adam's moments alone.)"""
     warm = min(o.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=o.lr / (warm + 1), peak_value=o.lr, warmup_steps=warm,

@@ -88,7 +88,7 @@ def test_an_unknown_rule_is_named():
 
 
 def test_warmup_starts_above_zero_and_reaches_the_peak():
-    """nanoGPT's and Megatron-LM's ramp, ``lr * (c + 1) / (warm + 1)``: step 1 trains; then the peak and the
+    """nanoGPT's ramp, ``lr * (c + 1) / (warm + 1)``: step 1 trains; then the peak and the
     cosine down to ``lr * min_lr_ratio``. Without warm-up the first step takes the peak."""
     sched = lr_schedule(OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1), 10)
     np.testing.assert_allclose([float(sched(c)) for c in range(5)], [0.2, 0.4, 0.6, 0.8, 1.0], rtol=1e-6)
