@@ -1,9 +1,9 @@
 """Ranked plans: every feasible layout of G GPUs, best predicted step time first.
 
 A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe, 1F1B or Myelin's
-message-driven Alg. 2, each with or without the 2BP split), activation recomputation (none, dots, or Myelin's checkpoint interval) and optimizer
-offload. Each is scored by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device
-exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
+message-driven Alg. 2, each with or without the 2BP split), activation recomputation (none, dots, or
+Myelin's checkpoint interval) and optimizer offload. Each is scored by
+:func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
 ``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
 """
 from __future__ import annotations

@@ -178,9 +178,9 @@ def test_a_train_split_shorter_than_one_sequence_is_found_once(tmp_path):
 
 
 def test_a_val_fraction_or_tokenizer_a_prepared_dataset_cannot_honour_is_an_error(tmp_path):
-    """data.val_fraction and data.tokenizer shape the built-in corpus only; with data.path they were ignored without a word
-    (prepare-data fixed the split). A value other than the data's and the default fails, naming both, in
-    the launcher and where a train process opens the data."""
+    """data.val_fraction and data.tokenizer shape the built-in corpus only; with data.path they were ignored
+    without a word (prepare-data fixed the split and the ids). A value other than the data's and the default
+    fails, naming both, in the launcher and where a train process opens the data."""
     from jaxhybrid.data import prepare_data
     from jaxhybrid.data.splits import open_dataset
 
