@@ -54,16 +54,16 @@ def build_engine(cfg: Config, model: Model):
 
 
 def build_updater(cfg: Config, engine):
+    if not cfg.optim.offload:
+        return device_updater(cfg)
     transform = build_transform(cfg.optim, cfg.train.steps)
-    if cfg.optim.offload and (cfg.tensor_size > 1 or cfg.on_mesh):  # each device offloads the shards it owns
+    if cfg.tensor_size > 1 or cfg.on_mesh:  # each device offloads the shards it owns
         from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
 
         return ShardedOffloadUpdater(transform, cfg)
-    if cfg.optim.offload:
-        from jaxhybrid.optim.offload_updater import OffloadUpdater
+    from jaxhybrid.optim.offload_updater import OffloadUpdater
 
-        return OffloadUpdater(transform, cfg)
-    return device_updater(cfg)
+    return OffloadUpdater(transform, cfg)
 
 
 def committed(tree, like=None):

@@ -10,6 +10,7 @@ mask) fails at construction with a ``ValueError`` naming it, instead of training
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -72,9 +73,13 @@ def decay_bounds(sizes: list[int], decayed: list[bool], layout: BucketLayout) ->
             else:
                 runs.append([offset, offset + size])
         offset += size
-    rows = []
+    ends, rows = [b for _, b in runs], []
     for s, e in layout.all_bounds():
-        rows.append([v - s for a, b in runs if a < e and b > s for v in (max(a, s), min(b, e))])
+        row, i = [], bisect.bisect_right(ends, s)  # the first run that ends inside or after this bucket
+        while i < len(runs) and runs[i][0] < e:
+            row += [max(runs[i][0], s) - s, min(runs[i][1], e) - s]
+            i += 1
+        rows.append(row)
     width = max(2, max(len(r) for r in rows))
     out = np.full((len(rows), width), np.iinfo(np.int32).max, np.int32)
     for i, r in enumerate(rows):
