@@ -3,8 +3,8 @@
 Myelin V-B per device: every device streams, in buckets, the fp32 master weights and optimizer state of
 the parameter shards it owns, and writes their compute-precision copies. AxoNN's layouts replicate some
 shards over mesh axes (norm weights, biases, the data axis), so each distinct shard of a leaf is owned
-by one of the devices holding it, the least loaded so far (largest shards first), so the host state
-splits evenly; the other holders receive the owner's updated shard by a device-to-device copy. Every
+by one of the devices holding it (:func:`~jaxhybrid.optim.shard_owners.assign_owners`); the other holders
+receive the owner's updated shard by a device-to-device copy. Every
 owner applies the same global clip factor (``sq`` is the squared norm of the global gradients), so the
 result equals the single-device optimizer's, shard by shard.
 
@@ -27,12 +27,8 @@ import numpy as np
 from jaxhybrid.optim.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
+from jaxhybrid.optim.shard_owners import assign_owners, shard_key
 from jaxhybrid.optim.updater import _stats, decay_mask
-
-
-def _key(index: tuple) -> tuple:
-    """A hashable, sortable form of a shard's index (a tuple of slices)."""
-    return tuple((s.start or 0, s.stop, s.step or 1) if isinstance(s, slice) else (s, s, 1) for s in index)
 
 
 def is_sharded(params: Any) -> bool:
@@ -69,33 +65,14 @@ class ShardedOffloadUpdater:
         self.shapes = [x.shape for x in leaves]
         self.shardings = [x.sharding for x in leaves]
         self.gspec = FlatSpec(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params))
-        self.index: dict[tuple[int, tuple], tuple] = {}  # (leaf, key) -> the slices
-        devices = {d.id: d for x in leaves for d in x.sharding.device_set}
-        shards = []  # (elements, leaf, key, holders) of every distinct shard
-        for k, x in enumerate(leaves):
-            holders: dict[tuple, list[int]] = {}
-            for sh in x.addressable_shards:
-                holders.setdefault(_key(sh.index), []).append(sh.device.id)
-                self.index[(k, _key(sh.index))] = sh.index
-            size = int(np.prod(x.sharding.shard_shape(x.shape)))
-            shards += [(size, k, key, sorted(ids)) for key, ids in holders.items()]
-        # Largest first, each to its least-loaded holder: the host state and bucket traffic split evenly
-        # (a fixed rule would hand every replicated shard to the same devices). Deterministic.
-        load = dict.fromkeys(devices, 0)
-        self.owned = {i: [] for i in sorted(devices)}
-        for size, k, key, ids in sorted(shards, key=lambda t: (-t[0], t[1], t[2])):
-            owner = min(ids, key=lambda i: (load[i], i))
-            load[owner] += size
-            self.owned[owner].append((k, key))
-        for items in self.owned.values():
-            items.sort()  # leaf order within a device: its flat vector follows the model's leaves
-        self.devices = devices
-        self.opts = {i: self._make(devices[i]) for i, items in self.owned.items() if items}
+        self.index, self.devices, self.owned = assign_owners(leaves)
+        self.opts = {i: self._make(self.devices[i]) for i, items in self.owned.items() if items}
 
     def _local(self, leaves: list) -> dict[int, list]:
         """Each owning device's data of its shards, from global arrays laid out like the params (one pass
         over every leaf's shards, then lookups)."""
-        data = {(sh.device.id, k, _key(sh.index)): sh.data for k, x in enumerate(leaves) for sh in x.addressable_shards}
+        data = {(sh.device.id, k, shard_key(sh.index)): sh.data
+                for k, x in enumerate(leaves) for sh in x.addressable_shards}
         out = {}
         for i in self.opts:
             missing = [(k, key) for k, key in self.owned[i] if (i, k, key) not in data]
@@ -152,7 +129,7 @@ class ShardedOffloadUpdater:
         for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
             parts = []
             for dev, index in sharding.addressable_devices_indices_map(shape).items():
-                x = pieces[(k, _key(index))]
+                x = pieces[(k, shard_key(index))]
                 if kind or not isinstance(x, jax.Array):
                     x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
                 elif x.devices() != {dev}:
@@ -247,7 +224,7 @@ class ShardedOffloadUpdater:
         leaves = jax.tree.leaves(tree)
         if len(leaves) != len(self.shapes):
             raise ValueError(f"checkpoint column has {len(leaves)} leaves; this model has {len(self.shapes)}")
-        return {(k, _key(sh.index)): np.asarray(sh.data, np.float32) for k, x in enumerate(leaves)
+        return {(k, shard_key(sh.index)): np.asarray(sh.data, np.float32) for k, x in enumerate(leaves)
                 for sh in x.addressable_shards}
 
     def master_params(self, opt_state: ShardedOffloadState) -> Any:
