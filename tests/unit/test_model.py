@@ -15,6 +15,7 @@ def test_forward_shapes_and_causal_mask(name):
     p = m.init(jax.random.key(0))
     tok = jax.random.randint(jax.random.key(1), (2, 16), 0, m.cfg.vocab_size)
 
+    @jax.jit  # one program: op by op, every op would compile (and enter the persistent cache) alone
     def hidden(t):
         h = m.apply_embed(p["embed"], t)
         for i in range(m.cfg.n_layers):
@@ -27,7 +28,7 @@ def test_forward_shapes_and_causal_mask(name):
     h2 = hidden(changed)
     np.testing.assert_array_equal(np.asarray(h[:, :10]), np.asarray(h2[:, :10]))  # the past never sees the future
     assert not np.allclose(np.asarray(h[:, 10:]), np.asarray(h2[:, 10:]))
-    loss = m.loss(p, tok, tok)
+    loss = jax.jit(m.loss)(p, tok, tok)
     assert loss.shape == () and abs(float(loss) - np.log(m.cfg.vocab_size)) < 0.5  # near-uniform at init
 
 
@@ -53,7 +54,7 @@ def test_tied_embeddings_share_gradient():
     p = m.init(jax.random.key(0))
     assert "kernel" not in p["head"]
     tok = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
-    g = jax.grad(m.loss)(p, tok, tok)
+    g = jax.jit(jax.grad(m.loss))(p, tok, tok)
     assert float(jnp.abs(g["embed"]["wte"]).sum()) > 0
 
 
@@ -81,7 +82,7 @@ def test_bf16_compute_keeps_fp32_params():
     p = m.init(jax.random.key(0))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p))
     tok = jax.random.randint(jax.random.key(1), (2, 8), 0, 256)
-    g = jax.grad(m.loss)(p, tok, tok)
+    g = jax.jit(jax.grad(m.loss))(p, tok, tok)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g))
 
 
