@@ -223,3 +223,13 @@ def optimal_checkpoint_interval(n_layers: int, pipeline: int) -> int:
     target = math.sqrt(n_layers)
     factors = [f for f in range(1, per_stage + 1) if per_stage % f == 0]
     return min(factors, key=lambda f: (abs(f - target), f))
+
+
+def whole_model_interval(cfg: "Config") -> int:
+    """Blocks per recomputed segment of an engine that runs the whole model (one device, the tensor mesh):
+    ``train.checkpoint_interval``, else with ``train.remat: full`` Myelin's ac for one stage (Sec. V-A),
+    else 1 (``dots`` and ``none`` wrap each block alone). A pipeline stage picks its own
+    (:class:`~jaxhybrid.model.stage.Stage`)."""
+    if cfg.train.checkpoint_interval:
+        return cfg.train.checkpoint_interval
+    return optimal_checkpoint_interval(cfg.model.n_layers, 1) if cfg.train.remat == "full" else 1

@@ -154,11 +154,36 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
             errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
-    if cfg.tensor_size > 1:
-        for ax_name, ax in (("tensor_col", p.tensor_col), ("tensor_row", p.tensor_row)):
-            bad = [f"{name}={dim}" for name, dim in (("model.d_model", m.d_model), ("model.d_ff", m.d_ff)) if dim % ax]
-            if bad:
-                fits = [d for d in range(1, ax + 1) if m.d_model % d == 0 and m.d_ff % d == 0]
-                errors.append(f"{' and '.join(bad)} not divisible by parallel.{ax_name}={ax}; the largest "
-                              f"parallel.{ax_name} up to {ax} that divides both is {fits[-1]}")
+    if t.checkpoint_interval and t.remat != "full":
+        errors.append(f"train.checkpoint_interval={t.checkpoint_interval} needs train.remat=full (Myelin's ac: "
+                      f"blocks per recomputed segment); got train.remat={t.remat!r}")
+    if cfg.tensor_size > 1 and not errors:  # the sizes below assume the batch rules above hold
+        errors += _tensor_layout_errors(cfg)
     return errors
+
+
+def _tensor_layout_errors(cfg: Config) -> list[str]:
+    """The tensor engines' own divisibility rules (:func:`~jaxhybrid.tensor.sharding.check_layout`) on the
+    mesh this config builds: one process's (data, depth, row, col) mesh in tensor mode, each rank's
+    (1, depth, row, col) mesh under a pipeline; with the sizes, one axis changed at a time, that fit."""
+    from jaxhybrid.tensor.mesh import MeshShape
+    from jaxhybrid.tensor.sharding import check_layout
+
+    p = cfg.parallel
+    data = p.data if cfg.on_mesh else 1
+    sizes = {"tensor_depth": p.tensor_depth, "tensor_row": p.tensor_row, "tensor_col": p.tensor_col}
+
+    def error(s: dict) -> str | None:
+        shape = MeshShape(data, s["tensor_depth"], s["tensor_row"], s["tensor_col"])
+        try:
+            check_layout(cfg.model, shape, cfg.microbatch_size * data, cfg.tensor.optimizations)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    message = error(sizes)
+    if message is None:
+        return []
+    fits = [f"parallel.{ax}={v}" for ax, n in sizes.items() if n > 1
+            for v in [next((v for v in range(n - 1, 0, -1) if error({**sizes, ax: v}) is None), None)] if v]
+    return [message + (f" Fits with one axis changed: {', '.join(fits)}." if fits else "")]

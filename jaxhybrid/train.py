@@ -24,7 +24,7 @@ from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer
 from jaxhybrid.checkpoint_export import check_init_from, params_for, read_meta
-from jaxhybrid.config import Config, ConfigError, optimal_checkpoint_interval, validate
+from jaxhybrid.config import Config, ConfigError, validate, whole_model_interval
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
@@ -37,7 +37,7 @@ from jaxhybrid.stop import StopOnSignal
 
 
 def build_engine(cfg: Config, model: Model):
-    """Pick the engine for the configured layout (the only place that looks at parallel.*)."""
+    """Pick the engine for the configured layout: an MPI pipeline, one tensor mesh, or one device."""
     remat = cfg.train.remat
     if cfg.world_size > 1:
         from jaxhybrid.pipeline.runner import PipelineEngine
@@ -48,9 +48,7 @@ def build_engine(cfg: Config, model: Model):
         from jaxhybrid.tensor.engine import TensorEngine
 
         return TensorEngine(cfg.model, cfg)
-    interval = cfg.train.checkpoint_interval or (
-        optimal_checkpoint_interval(cfg.model.n_layers, 1) if remat == "full" else 1)
-    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat, interval=interval)
+    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat, interval=whole_model_interval(cfg))
 
 
 def build_updater(cfg: Config, engine):

@@ -43,6 +43,8 @@ class ModelConfig:
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, k) < 1:
                 errs.append(f"model.{k}={getattr(self, k)} must be >= 1")
+        if self.n_kv_heads < 0:  # -2 would pass n_heads % kv_heads and fail deep inside the model's split
+            errs.append(f"model.n_kv_heads={self.n_kv_heads} must be >= 0 (0 = n_heads, multi-head attention)")
         for k in ("norm_eps", "rope_theta", "init_std"):  # they feed sqrt, log and init directly
             if not getattr(self, k) > 0:  # NaN fails too
                 errs.append(f"model.{k}={getattr(self, k)} must be > 0")

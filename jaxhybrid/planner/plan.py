@@ -8,12 +8,13 @@ Myelin's checkpoint interval) and optimizer offload. Each is scored by
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxhybrid.config import OptimConfig
+from jaxhybrid.config import OptimConfig, TensorConfig
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
@@ -88,17 +89,33 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
             if global_batch % data:
                 continue
             for gc, gr, gd in grids:
-                if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (gc, gr)):
-                    continue
                 for b in _divisors(global_batch // data):
                     m = global_batch // (data * b)
                     if b > max_microbatch or (pipe > 1 and m < pipe):
+                        continue
+                    mesh_data = data if pipe == 1 else 1  # tensor mode puts the replicas on the mesh
+                    if gc * gr * gd > 1 and not _tensor_fits(cfg, mesh_data, gd, gr, gc, b * mesh_data):
                         continue
                     scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
                         if split and pipe == 1:  # 2BP needs a pipeline to fill
                             continue
                         yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_fits(cfg: ModelConfig, data: int, depth: int, row: int, col: int, rows: int) -> bool:
+    """Whether the tensor engines accept the mesh (:func:`~jaxhybrid.tensor.sharding.check_layout`, the rule
+    the config validation applies): every split dim, the vocabulary over col among them, and the batch rows
+    over data x depth."""
+    from jaxhybrid.tensor.mesh import MeshShape
+    from jaxhybrid.tensor.sharding import check_layout
+
+    try:
+        check_layout(cfg, MeshShape(data, depth, row, col), rows, TensorConfig.optimizations)
+    except ValueError:
+        return False
+    return True
 
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxhybrid.config import whole_model_interval
 from jaxhybrid.model import Model
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.step import accumulated_step, mean_loss
@@ -79,9 +80,10 @@ class TensorEngine:
         self._batch_sharding = batch_sharding(self.mesh)
         self._init = jax.jit(self.reference.init, out_shardings=self.shardings)
         remat = tensor_remat(cfg.train.remat, self.ops.switches.cache_allgather)
+        interval = whole_model_interval(cfg)  # Myelin V-A's ac, as the single-device engine segments
         model = self.model
 
-        step = accumulated_step(lambda p, mb: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat))
+        step = accumulated_step(lambda p, mb: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat, interval=interval))
         rep = NamedSharding(self.mesh, P())
         self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
                              out_shardings=(rep, self.shardings), compiler_options=compiler_options)

@@ -32,8 +32,16 @@ BAD = [
     (["optim.bucket_size=0"], ["bucket_size=0"]),
     (["train.steps=0"], ["train.steps=0"]),
     (["model.n_heads=3"], ["d_model=64", "n_heads=3"]),
-    (["parallel.tensor_col=3"], ["model.d_model=64 and model.d_ff=256 not divisible by parallel.tensor_col=3",
-                                 "the largest parallel.tensor_col up to 3 that divides both is 2"]),
+    # The tensor engines' own layout rules, on the mesh the config builds, before anything is built.
+    (["parallel.tensor_col=3"], ["layer mlp.up: output features n=256 not divisible by col(3)",
+                                 "Fits with one axis changed: parallel.tensor_col=2."]),
+    (["parallel.tensor_col=2", "model.vocab_size=255"], ["model.vocab_size=255 not divisible by col(2)"]),
+    (["parallel.tensor_depth=3"], ["batch of 16 sequences per microbatch is not divisible by data(1) x depth(3)",
+                                   "parallel.tensor_depth=2"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=8", "parallel.tensor_depth=4"],  # each rank's mesh
+     ["batch of 2 sequences per microbatch is not divisible by data(1) x depth(4) = 4", "parallel.tensor_depth=2"]),
+    (["train.checkpoint_interval=2"], ["train.checkpoint_interval=2 needs train.remat=full", "'none'"]),
+    (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["parallel.partition=[1,1]", "parallel.pipeline=2", "pipeline.microbatches=2"], ["partition=[1, 1]"]),
     (["data.seq_len=4096"], ["seq_len=4096", "max_seq_len=128"]),
     (["model.name=gpt-huge"], ["gpt-huge", "gpt2-small"]),

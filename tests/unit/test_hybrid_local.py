@@ -16,9 +16,9 @@ from jaxhybrid.tensor.sharding import param_spec
 from jaxhybrid.testing import assert_tree_close
 
 
-def _cfg(*extra):
+def _cfg(*extra, check=True):
     return load_config(None, ["model.name=gpt-tiny", "model.n_layers=2", "parallel.pipeline=2",
-                              "pipeline.microbatches=2", "train.global_batch=4", "data.seq_len=8", *extra])
+                              "pipeline.microbatches=2", "train.global_batch=4", "data.seq_len=8", *extra], check=check)
 
 
 def test_rank_uses_its_node_local_block_of_devices():
@@ -31,11 +31,13 @@ def test_rank_uses_its_node_local_block_of_devices():
 
 
 def test_layout_checked_before_any_compile():
-    # microbatch of 2 sequences over depth 4: X's rows cannot be split.
-    cfg = _cfg("parallel.tensor_depth=4")
-    with pytest.raises(ValueError, match=r"batch of 2 sequences per microbatch is not divisible by data\(1\) x "
-                                         r"depth\(4\)"):
-        LocalTensor.from_config(cfg, devices=jax.devices()[:4])
+    """A microbatch of 2 sequences over depth 4: X's rows cannot be split. The config's validation says so
+    (before any rank starts), and so does the rank's mesh for a config built without it."""
+    needle = r"batch of 2 sequences per microbatch is not divisible by data\(1\) x depth\(4\)"
+    with pytest.raises(ValueError, match=needle):
+        _cfg("parallel.tensor_depth=4")
+    with pytest.raises(ValueError, match=needle):
+        LocalTensor.from_config(_cfg("parallel.tensor_depth=4", check=False), devices=jax.devices()[:4])
 
 
 def test_tied_copy_is_laid_out_like_the_table():

@@ -134,6 +134,39 @@ def test_switches_change_the_lowered_program():
     assert on.count("all_gather") < no_e.count("all_gather")  # E: no re-gather in the recomputation
 
 
+def _outer_remats(jaxpr) -> int:
+    """Checkpointed regions not nested in another one (the block segments, plus the norms and attention
+    cores outside any segment: a count that only the segmenting changes)."""
+    n = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "remat2":
+            n += 1
+            continue
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                sub = getattr(getattr(sub, "jaxpr", sub), "jaxpr", getattr(sub, "jaxpr", sub))
+                if hasattr(sub, "eqns"):
+                    n += _outer_remats(sub)
+    return n
+
+
+def test_full_remat_segments_follow_the_checkpoint_interval():
+    """train.remat=full recomputes segments of train.checkpoint_interval blocks, and without one Myelin's
+    optimal ac (Sec. V-A: 2 of gpt-tiny's 4 blocks), as the single-device engine does; the tensor engine
+    used to wrap every block alone whatever the setting."""
+    def segments_plus_rest(*extra):
+        cfg = _cfg((2, 1, 2, 2), "model.n_layers=4", "train.remat=full", *extra)
+        eng = TensorEngine(cfg.model, cfg)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              Model(cfg.model).abstract_params(), eng.shardings)
+        batch = jax.ShapeDtypeStruct((1, 8, 9), jnp.int32)
+        return _outer_remats(jax.make_jaxpr(eng._step)(params, batch, jnp.float32(1.0)).jaxpr)
+
+    one, optimal, every = (segments_plus_rest(*e) for e in (["train.checkpoint_interval=4"], [],
+                                                            ["train.checkpoint_interval=1"]))
+    assert (optimal - one, every - one) == (1, 3), (one, optimal, every)
+
+
 @pytest.mark.parametrize("kind,row_psums", [("layer_norm", (2, 3)), ("rms_norm", (1, 1))])
 def test_tensor_norms_match_reference_and_reduce_nothing_again(kind, row_psums):
     """TensorOps' norms (features split over row) equal the single-device ones, value and gradients, and
