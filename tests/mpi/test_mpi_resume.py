@@ -11,12 +11,12 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from jaxhybrid.checkpoint import read_state
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model import PRESETS
+from jaxhybrid.testing import assert_tree_close, without_key_bias
 from test_mpi_pipeline import ROOT, _env  # same env: MPIEXEC_TIMEOUT, 1 thread per rank
 
 pytestmark = pytest.mark.mpi
@@ -110,18 +110,10 @@ def _check_resume(a, b, n: int, resume) -> None:
         assert_tree_close(got, want, "exact", f"{rank.name} step-6 checkpoint after resume ")
 
 
-def _without_key_bias(state, d_model: int = 64):
-    """The checkpoint with the key part of every qkv bias zeroed. Its true gradient is zero (softmax does
-    not change when one constant is added to every score of a row), so what it holds is summation-order
-    noise that AdamW scales up to learning-rate-sized steps: measured 1e-7 against the 1e-4..1e-2 of the
-    query and value biases next to it, 2-5e-5 relative after 3-6 steps; every other leaf agrees to 4e-7."""
-    def zero_keys(path, x):
-        if "qkv" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
-            x = np.array(x)
-            x[d_model:2 * d_model] = 0
-        return x
-
-    return {"params": jax.tree_util.tree_map_with_path(zero_keys, state["params"]),
+def _without_key_bias(state):
+    """A checkpoint of tiny.yaml's or pipeline_2x2.yaml's model (gpt-tiny) without its qkv biases' key part
+    (:func:`jaxhybrid.testing.without_key_bias` says why)."""
+    return {"params": without_key_bias(state["params"], PRESETS["gpt-tiny"]),
             **{k: v for k, v in state.items() if k != "params"}}
 
 

@@ -37,7 +37,7 @@ def test_matrices_decay_and_vectors_do_not():
         for k in path:
             after = after[k.key]
         want = before * (1 - 0.1 * 0.5) if before.ndim >= 2 else before
-        np.testing.assert_allclose(after, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        assert_tree_close(after, want, "fp32_kernel", jax.tree_util.keystr(path))
     assert decay_mask(OptimConfig(weight_decay_mask="all")) is None
     assert decay_mask(OptimConfig(weight_decay=0.0)) is None  # nothing to mask
 

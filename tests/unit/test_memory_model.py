@@ -44,7 +44,7 @@ def test_myelin_checkpoint_interval_and_activation_formula():
     N, G = 48, 6
     ac = optimal_checkpoint_interval(N, G)
     assert ac == 8  # factors of 48 / 6 = 8: {1, 2, 4, 8}; sqrt(48) = 6.9 -> 8
-    assert myelin_activation_units(N, G, ac) == G * (N / (G * ac) + 1 + ac)
+    assert myelin_activation_units(N, G, ac) == 60  # G (N / (G ac) + 1 + ac) = 6 (1 + 1 + 8), by hand
     best = min(range(1, 9), key=lambda a: myelin_activation_units(N, G, a) if 8 % a == 0 else math.inf)
     # The printed formula is minimised at ac = sqrt(N / G_inter) (here 2 or 4), not at the sqrt(N) of
     # the text, which optimal_checkpoint_interval follows; both are recorded here.

@@ -317,7 +317,7 @@ def test_bfloat16_stages_match_bf16_vjp_and_track_float32(kind):
     # Same bf16 computation as plain jax.vjp of the slice, up to XLA's rounding/fusion choices.
     assert_tree_close(grads["bf16"], _reference(s16, params, x, tgt, one)[2], "bf16_parity", "bf16 vs bf16 vjp ")
     err = max_rel_err(grads["bf16"], grads["f32"])
-    assert TOLERANCES["fp32_kernel"] < err < 5e-2, err  # really ran in bf16, and still tracks float32
+    assert TOLERANCES["fp32_kernel"] < err <= TOLERANCES["bf16_parity"], err  # ran in bf16, tracks float32
     # The offloaded optimizer hands the stage its bf16 compute copy: the same loss, bf16 gradients.
     half = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
     y16, res = s16.forward(half, x, tgt)

@@ -6,6 +6,7 @@ import numpy as np
 
 from jaxhybrid.model.stage import TIED_KEY
 from jaxhybrid.pipeline.tied import norm_view, sum_tied
+from jaxhybrid.testing import assert_tree_close
 
 
 class _Pair:
@@ -29,7 +30,7 @@ def test_first_and_last_stage_hold_the_same_summed_table_gradient():
     out3 = sum_tied(last, 3, 4, True, row3)
     assert row0.calls == [(3, 3, True)] and row3.calls == [(0, 0, True)]
     np.testing.assert_array_equal(np.asarray(out0["embed"]["wte"]), np.asarray(out3[TIED_KEY]))
-    np.testing.assert_allclose(np.asarray(out0["embed"]["wte"]), g_first + g_last, rtol=1e-6)
+    assert_tree_close(np.asarray(out0["embed"]["wte"]), g_first + g_last, "exact", "summed table")
     assert out0["embed"]["wpe"] is first["embed"]["wpe"] and out3["head"] is last["head"]
     # The global norm counts the summed table once: on the first stage.
     assert TIED_KEY not in norm_view(out3, 3) and norm_view(out0, 0) is out0
