@@ -23,7 +23,7 @@ from jaxhybrid.model.config import ModelConfig
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.yaml, checkpoints, traces
-    name: str = "default"  # label printed in logs
+    name: str = ""  # the run's label: loss_curve.png's title; "" = the run directory's name
     resume: bool = False  # continue from the latest checkpoint in dir
     compilation_cache: str = "auto"  # persistent XLA cache dir for `jaxhybrid train`; auto: $JAXHYBRID_CACHE/xla; "": off
 

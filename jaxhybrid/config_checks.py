@@ -12,6 +12,7 @@ from functools import reduce
 from typing import TYPE_CHECKING, Any, Callable
 
 from jaxhybrid.config_parse import ConfigError
+from jaxhybrid.model.config import REMATS
 
 if TYPE_CHECKING:
     from jaxhybrid.config import Config
@@ -127,8 +128,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"precision.compute_dtype={pr.compute_dtype!r}; choose one of {', '.join(DTYPES)}")
     if pr.param_dtype != "float32":
         errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
-    if t.remat not in ("none", "dots", "full"):
-        errors.append(f"train.remat={t.remat!r}; choose none, dots or full")
+    if t.remat not in REMATS:
+        errors.append(f"train.remat={t.remat!r}; choose one of {', '.join(REMATS)}")
     if cfg.optim.weight_decay_mask not in ("matrices", "all"):
         errors.append(f"optim.weight_decay_mask={cfg.optim.weight_decay_mask!r}; choose matrices (kernels and "
                       f"embeddings decay, biases and norm scales do not) or all")

@@ -28,9 +28,10 @@ from typing import Any
 
 import yaml
 
+from jaxhybrid.model.config import REMATS
+
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 GPT3_TOKENS = 300e9  # Myelin Sec. VI-D: the GPT-3 training regime, 300 billion tokens
-REMAT = ("none", "dots", "full")
 
 
 def _check(batch: int, seq: int) -> None:
@@ -69,8 +70,8 @@ def model_flops_per_step(model, batch: int, seq: int) -> float:
 def recompute_flops_per_step(model, batch: int, seq: int, remat: str) -> float:
     """Flops that ``train.remat`` adds to a step by recomputing forward work in the backward: ``none`` 0,
     ``dots`` the attention cores (``l x 4 b s^2 d``), ``full`` the blocks' forward (not the head)."""
-    if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMAT)}")
+    if remat not in REMATS:
+        raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMATS)}")
     if remat == "none":
         _check(batch, seq)
         return 0.0

@@ -43,16 +43,19 @@ class MetricsWriter:
       start_step: steps already done (resume): earlier lines of ``metrics.jsonl`` with a later step
         (written after the checkpoint the run resumes from) are dropped, so each step appears once.
       stream: where progress goes (default stderr, keeping stdout for the command's JSON summary).
+      title: the loss curve's title (``run.name``); empty: the run directory's name.
     """
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True,
-                 is_writer: bool = True, log_every: int = 10, start_step: int = 0, stream: TextIO | None = None):
+                 is_writer: bool = True, log_every: int = 10, start_step: int = 0, stream: TextIO | None = None,
+                 title: str = ""):
         self.enabled = bool(is_writer)
         self._closed = False
         if not self.enabled:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.title = title or self.run_dir.name
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps, self.log_every, self.start_step = int(total_steps), max(1, int(log_every)), int(start_step)
         self.stream = stream or sys.stderr
@@ -120,7 +123,7 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.close()
         if plot:
-            plot_loss(self._series["loss"], self.run_dir / "loss_curve.png", title=self.run_dir.name,
+            plot_loss(self._series["loss"], self.run_dir / "loss_curve.png", title=self.title,
                       val=self._series["val_loss"])
 
     def __enter__(self) -> "MetricsWriter":

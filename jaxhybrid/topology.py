@@ -171,10 +171,6 @@ class Topology:
     def num_replicas(self) -> int:
         return self.grid.data
 
-    def describe(self) -> str:
-        return (f"rank {self.rank}: stage {self.stage}/{self.grid.pipeline} replica {self.replica}/"
-                f"{self.grid.data} blocks [{self.blocks[0]}, {self.blocks[1]})")
-
     def free(self) -> None:
         for c in (self.p2p, self.row, self.column, self.world):
             c.Free()

@@ -236,13 +236,12 @@ class Trainer:
             print(f"jaxhybrid: {peak_note}", file=sys.stderr, flush=True)
         n_dev = cfg.num_devices
         mw = MetricsWriter(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.metrics.tensorboard,
-                                       progress=cfg.metrics.progress, is_writer=writer,
-                                       log_every=cfg.train.log_every, start_step=st.step)
-        tokens = cfg.train.global_batch * cfg.data.seq_len
+                           progress=cfg.metrics.progress, is_writer=writer,
+                           log_every=cfg.train.log_every, start_step=st.step, title=cfg.run.name)
+        batch, seq = cfg.train.global_batch, cfg.data.seq_len
         # Model flops (mfu) count no recomputation; hardware flops (hfu) add what train.remat recomputes.
-        flops = metrics_lib.model_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len)
-        hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, cfg.train.global_batch, cfg.data.seq_len,
-                                                       cfg.train.remat)
+        flops = metrics_lib.model_flops_per_step(cfg.model, batch, seq)
+        hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, batch, seq, cfg.train.remat)
         losses, times, last_val = [], [], None
         try:
             with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
@@ -252,10 +251,11 @@ class Trainer:
                     dt = time.perf_counter() - t0
                     losses.append(info["loss"])
                     times.append(dt)
-                    rec = {"step": st.step, **info, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                    rec = {"step": st.step, **info, "step_time_s": dt,
+                           "tokens_per_s": metrics_lib.tokens_per_s(batch, seq, dt),
                            # mfu/hfu null: no peak for this device
                            **metrics_lib.step_flop_rates(flops, hw_flops, dt, n_dev, peak),
-                           "time_to_train_s": metrics_lib.time_to_train_s(dt, cfg.train.global_batch, cfg.data.seq_len)}
+                           "time_to_train_s": metrics_lib.time_to_train_s(dt, batch, seq)}
                     ev = cfg.train.eval_every
                     if ev and (st.step % ev == 0 or st.step == cfg.train.steps):
                         rec.update(self.evaluate(st.params))

@@ -30,6 +30,7 @@ import numpy as np
 from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
 from jaxhybrid.host_alloc import host_malloc_status
 from jaxhybrid.metrics import forward_flops
+from jaxhybrid.model.config import REMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatch-size", type=int, default=None, help="default: the config's, else 4")
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--remat", default="none", choices=["none", "dots", "full"])
+    p.add_argument("--remat", default="none", choices=REMATS)
     p.add_argument("--concat", type=int, default=4, help="K microbatches for the concatenated weight pass")
     p.add_argument("--repeats", type=int, default=25, help="timed rounds (median reported)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")

@@ -5,9 +5,12 @@ and 2BP's Transformer-7b (LLaMA-style, context 1024, d_model 4096).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+
+# Activation recomputation (``train.remat``): none keeps every activation; dots keeps the weighted sites'
+# outputs (matmul + bias) and the norms' statistics; full keeps each segment's input (Myelin V-A).
+REMATS = ("none", "dots", "full")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -127,6 +130,3 @@ def resolve_model(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]
 
-
-def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
-    return dataclasses.replace(cfg, **kw)

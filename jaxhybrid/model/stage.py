@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxhybrid.model import residuals as rs
+from jaxhybrid.model.config import REMATS
 from jaxhybrid.model.residuals import Residuals, WeightResiduals
 from jaxhybrid.model.stage_kernels import StageKernels
 from jaxhybrid.model.transformer import Model, block_name
 from jaxhybrid.model.weight_join import auto_weight_join, concat_weight_residuals, weight_join
 
 TIED_KEY = "embed_wte_copy"
-REMATS = ("none", "dots", "full")
 
 
 class Stage(StageKernels):
@@ -59,7 +59,7 @@ class Stage(StageKernels):
             raise ValueError(f"stage block range [{first_block}, {last_block}) is empty or outside the model's "
                              f"{n} blocks; need 0 <= first_block < last_block <= {n}")
         if remat not in REMATS:
-            raise ValueError(f"remat={remat!r}; choose none, dots or full")
+            raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMATS)}")
         if checkpoint_interval < 0 or (checkpoint_interval > 0 and remat != "full"):
             raise ValueError(f"checkpoint_interval={checkpoint_interval} with remat={remat!r}: the interval must be "
                              f">= 0 and is only used with remat='full'")
@@ -164,12 +164,6 @@ class Stage(StageKernels):
             return self.backward_input(res, jnp.ones_like(y))[1]
 
         return self.weight_residual_bytes(jax.eval_shape(chain, p, x, t))
-
-    def output_shape(self, mb: int, seq: int) -> jax.ShapeDtypeStruct:
-        """What forward returns for one microbatch: activations ``[mb, seq, d]`` or the scalar loss."""
-        if self.is_last:
-            return jax.ShapeDtypeStruct((), jnp.float32)
-        return jax.ShapeDtypeStruct((mb, seq, self.cfg.d_model), self.model.dtype)
 
 
 def assemble_grads(stages: list[Stage], grads_list: list[dict]) -> dict:

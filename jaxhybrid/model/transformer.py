@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.model.config import REMATS, ModelConfig
 from jaxhybrid.model.layers import DEFAULT_OPS, Dense, LayerNorm, Ops, RMSNorm, _init, gelu, rope, swiglu
 
 Array = jax.Array
@@ -209,12 +209,17 @@ class Model:
         return self.apply_head(params["head"], h, targets, wte)
 
 
-def remat_policy(name: str) -> Callable[[Callable], Callable] | None:
-    """Activation checkpointing wrappers: none, dots (save matmul outputs), full (save block inputs)."""
+def remat_policy(name: str, also_save: tuple[str, ...] = ()) -> Callable[[Callable], Callable] | None:
+    """The whole-model engines' recomputation wrapper of a segment of blocks: none (no wrapper), dots (save
+    the matmul outputs), full (save only the segment's input); ``also_save``: checkpoint names saved as
+    well (the tensor engine's gathered weights, AxoNN optimization E). Pipeline stages apply their own
+    (:mod:`jaxhybrid.model.residuals`)."""
+    if name not in REMATS:
+        raise ValueError(f"unknown remat policy {name!r}; choose one of {', '.join(REMATS)}")
     if name == "none":
         return None
-    if name == "dots":
-        return lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    if name == "full":
-        return jax.checkpoint
-    raise ValueError(f"unknown remat policy {name!r}; choose none, dots or full")
+    cp = jax.checkpoint_policies
+    policy = cp.dots_with_no_batch_dims_saveable if name == "dots" else cp.nothing_saveable
+    if also_save:
+        policy = cp.save_from_both_policies(policy, cp.save_only_these_names(*also_save))
+    return lambda f: jax.checkpoint(f, policy=policy)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jaxhybrid.config import OptimConfig, TensorConfig
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
-from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.model.config import REMATS, ModelConfig
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
@@ -74,7 +74,7 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
 
 
 def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True, offload: bool | None = None,
-            schedules=PLANNED_SCHEDULES, remats=("none", "dots", "full"), max_microbatch: int = 64):
+            schedules=PLANNED_SCHEDULES, remats=REMATS, max_microbatch: int = 64):
     """All layouts of ``gpus`` GPUs that the config validation would accept."""
     offloads = (False, True) if offload is None else (offload,)
     for pipe in _divisors(gpus):

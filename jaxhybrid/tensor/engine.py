@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxhybrid.config import whole_model_interval
-from jaxhybrid.model import Model
+from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.step import accumulated_step, mean_loss
 from jaxhybrid.tensor.linear import ALLGATHER_NAME
@@ -22,25 +22,12 @@ from jaxhybrid.tensor.mesh import MeshShape, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
 from jaxhybrid.tensor.sharding import batch_sharding, check_layout, param_shardings
 
-_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-             "full": jax.checkpoint_policies.nothing_saveable}
-
 
 def tensor_remat(name: str, cache_allgather: bool):
-    """The block-recomputation wrapper; with optimization E the gathered weights are saved, not re-gathered.
-
-    Same policies as :func:`jaxhybrid.model.remat_policy` (none | dots | full) plus, for E, the named
-    all-gather outputs of :mod:`jaxhybrid.tensor.linear` (AxoNN Sec. IV-E).
-    """
-    if name == "none":
-        return None
-    if name not in _POLICIES:
-        raise ValueError(f"unknown remat policy {name!r}; choose none, dots or full")
-    policy = _POLICIES[name]
-    if cache_allgather:
-        policy = jax.checkpoint_policies.save_from_both_policies(
-            policy, jax.checkpoint_policies.save_only_these_names(ALLGATHER_NAME))
-    return lambda f: jax.checkpoint(f, policy=policy)
+    """The block-recomputation wrapper: :func:`jaxhybrid.model.remat_policy`'s, and with optimization E the
+    gathered weights (the named all-gather outputs of :mod:`jaxhybrid.tensor.linear`) saved, not re-gathered
+    (AxoNN Sec. IV-E)."""
+    return remat_policy(name, (ALLGATHER_NAME,) if cache_allgather else ())
 
 
 def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:

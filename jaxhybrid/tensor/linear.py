@@ -68,9 +68,6 @@ class Layout:
     def transposed(self) -> bool:
         return self.in_ax == COL
 
-    def flip(self) -> "Layout":
-        return Layout(self.out_ax, self.in_ax)
-
     def x_spec(self, ndim: int = 3) -> P:
         return P(BATCH, *([None] * (ndim - 2)), self.in_ax)
 

@@ -245,3 +245,15 @@ def test_non_writer_rank_writes_nothing(tmp_path):
         w.log(step, rec)
     w.close(plot=True)
     assert not (tmp_path / "rank1").exists()
+
+
+def test_loss_curve_title_is_the_run_name_else_the_directory(tmp_path, monkeypatch):
+    import jaxhybrid.metrics_writer as mwmod
+
+    titles = []
+    monkeypatch.setattr(mwmod, "plot_loss", lambda points, path, title="", val=(): titles.append(title))
+    for name, title in (("a", "gpt-tiny sweep 3"), ("b", "")):
+        with MetricsWriter(tmp_path / name, total_steps=1, tensorboard=False, progress=False, title=title) as w:
+            w.log(1, {"loss": 1.0})
+            w.close(plot=True)
+    assert titles == ["gpt-tiny sweep 3", "b"]
