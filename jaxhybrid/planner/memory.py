@@ -4,7 +4,9 @@
   20 phi bytes (fp32 theta and grad: 4 + 4, fp16 copies 2 + 2, Adam 8; 16 phi in float32). With the
   bucketed host offload 4 phi + 16 bsize (V-B: fp16 theta and grad stay; one bucket of fp32 theta, Adam
   state and descaled gradient visits the device at a time) + 12 bsize per prefetched bucket.
-* AxoNN shards parameter state over the tensor grid: phi / (G_d G_r G_c) per device (Alg. 1, DIVIDE_WEIGHTS).
+* AxoNN shards parameter state over the tensor grid (Alg. 1, DIVIDE_WEIGHTS), matrices over G_d G_r G_c
+  and vectors over one axis: the step model counts phi per device leaf by leaf
+  (:mod:`jaxhybrid.planner.param_shards`), not phi / (G_d G_r G_c).
 * Stashed microbatches per pipeline rank come from the schedule module (:func:`stashed_microbatches`).
 * Checkpointing (Myelin Sec. V-A): M_activation = G_inter (N / (G_inter ac) + 1 + ac) layer outputs, with
   ac the factor of N / G_inter closest to sqrt(N).
@@ -24,11 +26,13 @@ def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0,
     offload ``4 phi + 16 bsize`` plus ``12 bsize`` for the bucket the offloaded optimizer prefetches.
 
     Args:
-      phi: parameters held by this pipeline stage (before tensor sharding).
+      phi: parameters held by this pipeline stage, before tensor sharding; or one device's share
+        (:func:`~jaxhybrid.planner.param_shards.stage_params_per_device`) with ``tensor_size`` 1.
       offload: Myelin's bucketed optimizer offload.
       bucket_size: bsize, elements per offload bucket (``optim.bucket_size``); a device's buckets are at
         most its shard, as the optimizer makes them.
-      tensor_size: G_c x G_r x G_d; AxoNN shards all parameter state over the grid.
+      tensor_size: G_c x G_r x G_d to divide all of ``phi`` evenly over; the trainer does so only for
+        matrices (its vectors are held in full over some axes), hence the step model's per-device phi.
       dtype_bytes: the compute dtype's (float32 keeps no separate compute copies: 16 phi without offload).
     """
     from jaxhybrid.optim.memory_report import model_state_bytes

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxhybrid.config import OptimConfig
+from jaxhybrid.config import OptimConfig, TensorConfig
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.metrics import attention_core_flops, forward_flops
 from jaxhybrid.model.config import ModelConfig, block_matmuls
@@ -20,6 +20,7 @@ from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, l
 from jaxhybrid.planner.makespan import pipeline_makespan, sig2
 from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
     optimal_checkpoint_interval, param_state_bytes
+from jaxhybrid.planner.param_shards import stage_params_per_device
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -41,19 +42,6 @@ class Layout:
     @property
     def tensor(self) -> int:
         return self.tensor_col * self.tensor_row * self.tensor_depth
-
-
-def block_params(cfg: ModelConfig) -> int:
-    return (cfg.param_count() - _embed_params(cfg) - _head_params(cfg)) // cfg.n_layers
-
-
-def _embed_params(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.d_model + (cfg.max_seq_len * cfg.d_model if cfg.kind == "gpt2" else 0)
-
-
-def _head_params(cfg: ModelConfig) -> int:
-    # With a pipeline the last stage holds its own copy of a tied table; count it there.
-    return cfg.vocab_size * cfg.d_model + 2 * cfg.d_model
 
 
 def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple[int, ...]:
@@ -107,9 +95,11 @@ class Machine:
 
 
 def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
-             bucket_size: int = OptimConfig.bucket_size) -> dict:
+             bucket_size: int = OptimConfig.bucket_size, letters: str = TensorConfig.optimizations) -> dict:
     """Predicted step time, exposed communication and peak memory per device of one layout; with offload
-    the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's)."""
+    the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's);
+    ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A). ``param_state_bytes``
+    is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports."""
     b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
     tokens = b * seq
     d = cfg.d_model
@@ -164,10 +154,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         make, states = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches, lay.split_backward,
                                          sig2(BI / F), sig2(BW / F), sig2(msg / F))
         makespan = make * F
-    phi_blk = block_params(cfg)
-    stage_phi = [n_ * phi_blk for n_ in parts]
-    stage_phi[0] += _embed_params(cfg)
-    stage_phi[-1] += _head_params(cfg) if (lay.pipeline > 1 or not cfg.tie_embeddings) else 2 * d
+    # Each leaf as the trainer shards it: vectors are not split over the whole grid (param_shards).
+    stage_phi = stage_params_per_device(cfg, parts, lay.tensor_col, lay.tensor_row, lay.tensor_depth, letters)
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
@@ -175,7 +163,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         data_ar *= 4 / db  # (optim/allreduce.py); a tensor mesh reduces in the compute dtype (eq. 8 as is)
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
-        offload_s = 2 * 12 * max(stage_phi) / ts / machine.net.host_to_device
+        offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device
     # Serial, not overlapped (V-C): with global-norm clipping (optim.grad_clip, on by default) every chunk
     # is reduced before the first bucket updates, and only ``prefetch`` buckets are fetched meanwhile.
     step = makespan + data_ar + offload_s
@@ -188,10 +176,11 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
     bnd = boundary_bytes(seq, b, d, db) / act_shard
     head_act, head_res = (v / act_shard for v in head_residual_bytes(cfg, seq, b, db))  # dots: as none
-    mem = 0.0
+    mem = param_state = 0.0
     for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
         last = s == len(parts) - 1
-        state = param_state_bytes(phi, lay.offload, bucket_size, ts, db)
+        state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
+        param_state = max(param_state, state)
         if recompute:  # the head is in the last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             stash = math.ceil(n_ / ac) * bnd
@@ -206,5 +195,4 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
             "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "data_allreduce_s": data_ar,
-            "offload_s": offload_s,
-            "partition": list(parts)}
+            "offload_s": offload_s, "param_state_bytes": param_state, "partition": list(parts)}
