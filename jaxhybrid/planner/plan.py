@@ -201,8 +201,8 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
     pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"], "microbatches": plan["microbatches"]}
-    if plan["schedule"] == "myelin":  # modelled with Alg. 2's limit at its default (stages), whatever the run set
-        pipe["pipeline_limit"] = 0
+    if plan["schedule"] == "myelin":  # the limit it was modelled with (the search's: 0, stages), whatever the run set
+        pipe["pipeline_limit"] = plan.get("pipeline_limit", 0)
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
            "optim": {"offload": plan["offload"]},
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
@@ -212,11 +212,12 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
 def config_layout(cfg) -> Layout:
     """The :class:`Layout` a run config trains with (the inverse of :func:`plan_overrides`), so the step
     model can score a hand-written config beside the planner's own plans. The step model splits the blocks
-    its own way (:func:`~jaxhybrid.planner.step_model.partition_blocks`), not by ``parallel.partition``."""
+    its own way (:func:`~jaxhybrid.planner.step_model.partition_blocks`), not by ``parallel.partition``.
+    ``pipeline.pipeline_limit`` counts only under Myelin's message-driven schedule (the engine's rule)."""
     p, pl = cfg.parallel, cfg.pipeline
     return Layout(p.pipeline, p.data, p.tensor_col, p.tensor_row, p.tensor_depth, cfg.microbatch_size,
                   pl.microbatches, pl.schedule, pl.split_backward and p.pipeline > 1, cfg.optim.offload,
-                  cfg.train.remat)
+                  cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0)
 
 
 def score_config(cfg, machine: Machine, seq: int) -> dict:

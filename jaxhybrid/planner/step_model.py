@@ -38,6 +38,7 @@ class Layout:
     split_backward: bool
     offload: bool
     remat: str
+    pipeline_limit: int = 0  # Myelin's microbatches in flight (V-A); 0: stages, the engine's default
 
     @property
     def tensor(self) -> int:
@@ -152,7 +153,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         makespan, states = lay.microbatches * (F + BI + BW), (((1, 0),),)
     else:
         make, states = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches, lay.split_backward,
-                                         sig2(BI / F), sig2(BW / F), sig2(msg / F))
+                                         sig2(BI / F), sig2(BW / F), sig2(msg / F), lay.pipeline_limit)
         makespan = make * F
     # Each leaf as the trainer shards it: vectors are not split over the whole grid (param_shards).
     stage_phi = stage_params_per_device(cfg, parts, lay.tensor_col, lay.tensor_row, lay.tensor_depth, letters)
