@@ -62,7 +62,7 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
 
     costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
                   message_bytes=(msg,) * p, bandwidth=1.0)
-    fixed = not split or schedule == "myelin"
+    fixed = not split or schedule in ("myelin", "zb-h1")  # ZB-H1 places its BWs by rule, not by costs
     order = _fixed_schedule(schedule, p, m, split, limit) if fixed else make_schedule(schedule, p, m, split, costs=costs)
     core = run_order(order, costs)
     return max(r.end for r in core.records), memory_states(core, p)
@@ -99,7 +99,8 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     is extrapolated linearly in ``m`` from two simulated ones (:func:`_extrapolation_points`; the tests
     hold it to a full simulation), and each rank's
     memory from the closed forms: GPipe stashes all m, 1F1B min(m, p - rank), and with 2BP the weight
-    residuals of all m, counted as if held with them (an upper bound). Myelin (Alg. 2) keeps at most its
+    residuals of all m, counted as if held with them (an upper bound); ZB-H1 1F1B's activations and
+    ``rank + 1`` residuals (both its exact peaks, simulated at p up to 16). Myelin (Alg. 2) keeps at most its
     pipeline limit in flight on every stage, and its 2BP engine at most ``weight_budget`` (p) weight
     residuals (:mod:`~jaxhybrid.pipeline.message_driven`): both bounds, counted as if held together.
 
@@ -114,4 +115,6 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     if schedule == "myelin":  # a later stage may hold all in flight (p - rank is 1F1B's bound, not Alg. 2's)
         return make, tuple(((min(m, limit or p), min(m, p) if split else 0),) for _ in range(p))
     live = [m if schedule == "gpipe" else min(m, p - r) for r in range(p)]
+    if schedule == "zb-h1":  # 1F1B's activations; stage r delays its BWs by r backward passes (r + 1 held)
+        return make, tuple(((a, min(m, r + 1)),) for r, a in enumerate(live))
     return make, tuple(((a, m if split else 0),) for a in live)

@@ -1,7 +1,7 @@
 """Ranked plans: every feasible layout of G GPUs, best predicted step time first.
 
 A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe, 1F1B or Myelin's
-message-driven Alg. 2, each with or without the 2BP split), activation recomputation (none, dots, or
+message-driven Alg. 2, each with or without the 2BP split; ZB-H1 with it), activation recomputation (none, dots, or
 Myelin's checkpoint interval) and optimizer offload. Each is scored by
 :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
 ``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
@@ -23,9 +23,9 @@ from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
              "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
-# What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count, each with and
-# without 2BP: GPipe, 1F1B and Myelin Alg. 2 (pipeline_limit = stages, Myelin V-A; the engine's default).
-PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin")
+# What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count >= stages: GPipe,
+# 1F1B, Myelin Alg. 2 (limit = stages, V-A) with and without 2BP; ZB-H1 (Qi et al.) splits always.
+PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin", "zb-h1")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
@@ -98,7 +98,7 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         continue
                     scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
-                        if split and pipe == 1:  # 2BP needs a pipeline to fill
+                        if (split and pipe == 1) or (sched == "zb-h1" and not split):  # 2BP needs a pipeline; ZB-H1 is 2BP
                             continue
                         yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
 
