@@ -63,7 +63,8 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
     costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
                   message_bytes=(msg,) * p, bandwidth=1.0)
     fixed = not split or schedule in ("myelin", "zb-h1")  # ZB-H1 places its BWs by rule, not by costs
-    order = _fixed_schedule(schedule, p, m, split, limit) if fixed else make_schedule(schedule, p, m, split, costs=costs)
+    order = (_fixed_schedule(schedule, p, m, split, limit) if fixed
+             else make_schedule(schedule, p, m, split, costs=costs))
     core = run_order(order, costs)
     return max(r.end for r in core.records), memory_states(core, p)
 

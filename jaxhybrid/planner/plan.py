@@ -1,36 +1,29 @@
 """Ranked plans: every feasible layout of G GPUs, best predicted step time first.
 
-A layout is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a schedule (GPipe, 1F1B or Myelin's
-message-driven Alg. 2, each with or without the 2BP split; ZB-H1 with it), activation recomputation (none, dots, or
-Myelin's checkpoint interval) and optimizer offload. Each is scored by
-:func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
-``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
+A layout (:mod:`jaxhybrid.planner.layouts`) is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a
+schedule (GPipe, 1F1B or Myelin's message-driven Alg. 2, each with or without the 2BP split; ZB-H1 with it),
+activation recomputation (none, dots, or Myelin's checkpoint interval) and optimizer offload. Each is scored
+by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device exceeds the hardware's are
+dropped. A plan file (``--out``) carries the config overrides that ``jaxhybrid train --set
+plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
 """
 from __future__ import annotations
 
-import functools
-import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxhybrid.config import OptimConfig, TensorConfig
+from jaxhybrid.config import OptimConfig
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
-from jaxhybrid.model.config import REMATS, ModelConfig
+from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.costs import read_json
+from jaxhybrid.planner.layouts import divisors, layouts, tensor_fits
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
              "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
-# What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count >= stages: GPipe,
-# 1F1B, Myelin Alg. 2 (limit = stages, V-A) with and without 2BP; ZB-H1 (Qi et al.) splits always.
-PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin", "zb-h1")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_gpus(gpus: int, gpus_per_node: int) -> None:
@@ -69,53 +62,8 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     if not isinstance(flash, bool):
         raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
     peak = float(hw["peak_tflops"][dtype]) * 1e12
-    return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction, Network.from_hardware(hw, gpus_per_node),
-                   DTYPE_BYTES[dtype], flash)
-
-
-def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True, offload: bool | None = None,
-            schedules=PLANNED_SCHEDULES, remats=REMATS, max_microbatch: int = 64):
-    """All layouts of ``gpus`` GPUs that the config validation would accept."""
-    offloads = (False, True) if offload is None else (offload,)
-    for pipe in _divisors(gpus):
-        if pipe > cfg.n_layers:
-            continue
-        for data in _divisors(gpus // pipe):
-            rest = gpus // (pipe * data)
-            grids = [(1, 1, 1)] if not tensor else [
-                (c, r, rest // (c * r)) for c in _divisors(rest) for r in _divisors(rest // c)]
-            if not tensor and rest != 1:
-                continue
-            if global_batch % data:
-                continue
-            for gc, gr, gd in grids:
-                for b in _divisors(global_batch // data):
-                    m = global_batch // (data * b)
-                    if b > max_microbatch or (pipe > 1 and m < pipe):
-                        continue
-                    mesh_data = data if pipe == 1 else 1  # tensor mode puts the replicas on the mesh
-                    if gc * gr * gd > 1 and not _tensor_fits(cfg, mesh_data, gd, gr, gc, b * mesh_data):
-                        continue
-                    scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
-                    for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
-                        if (split and pipe == 1) or (sched == "zb-h1" and not split):  # 2BP needs a pipeline; ZB-H1 is 2BP
-                            continue
-                        yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_fits(cfg: ModelConfig, data: int, depth: int, row: int, col: int, rows: int) -> bool:
-    """Whether the tensor engines accept the mesh (:func:`~jaxhybrid.tensor.sharding.check_layout`, the rule
-    the config validation applies): every split dim, the vocabulary over col among them, and the batch rows
-    over data x depth."""
-    from jaxhybrid.tensor.mesh import MeshShape
-    from jaxhybrid.tensor.sharding import check_layout
-
-    try:
-        check_layout(cfg, MeshShape(data, depth, row, col), rows, TensorConfig.optimizations)
-    except ValueError:
-        return False
-    return True
+    return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction,
+                   Network.from_hardware(hw, gpus_per_node), DTYPE_BYTES[dtype], flash)
 
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
@@ -168,7 +116,7 @@ def _describe(lay: Layout) -> str:
 def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
     """GPU counts above ``gpus`` that :func:`check_gpus` accepts: the larger divisors of a node, then
     doubling whole nodes."""
-    yield from (d for d in _divisors(gpus_per_node) if d > gpus)
+    yield from (d for d in divisors(gpus_per_node) if d > gpus)
     g = max(gpus, gpus_per_node) * 2
     while g <= limit:
         yield g
@@ -177,18 +125,19 @@ def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
 
 def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
     """Grow the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
-    lower memory per device), microbatch 1, as many microbatches as stages, recomputation on, and the
-    optimizer offloaded."""
+    lower memory per device), the smallest microbatch (1, or the depth's size), as many microbatches as
+    stages, recomputation on, and the optimizer offloaded."""
     for g in _larger_counts(gpus, machine.net.gpus_per_node, gpus * 4096):
-        for pipe in _divisors(g):
+        for pipe in divisors(g):
             rest = g // pipe
             if pipe > cfg.n_layers or (not tensor and rest > 1):
                 continue
-            for c in _divisors(rest):
-                for r in _divisors(rest // c):
-                    if any(dim % ax for dim in (cfg.d_model, cfg.d_ff) for ax in (c, r)):
+            for c in divisors(rest):
+                for r in divisors(rest // c):
+                    d = rest // (c * r)  # depth splits the microbatch's rows: at least d of them
+                    if rest > 1 and not tensor_fits(cfg, 1, d, r, c, d):
                         continue
-                    lay = Layout(pipe, 1, c, r, rest // (c * r), 1, pipe, "1f1b", False, True, "full")
+                    lay = Layout(pipe, 1, c, r, d, d, pipe, "1f1b", False, True, "full")
                     if evaluate(cfg, lay, machine, seq, bucket_size)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
@@ -200,7 +149,8 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
     compute dtype the plan's times and memory were modelled with, so the run trains in it too."""
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
-    pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"], "microbatches": plan["microbatches"]}
+    pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
+            "microbatches": plan["microbatches"]}
     if plan["schedule"] == "myelin":  # the limit it was modelled with (the search's: 0, stages), whatever the run set
         pipe["pipeline_limit"] = plan.get("pipeline_limit", 0)
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,

@@ -266,7 +266,7 @@ def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tm
     engine runs it for any pipeline and microbatch count. Its plan file resets pipeline.pipeline_limit to
     the default (stages) it was modelled with, whatever the run's YAML set."""
     from jaxhybrid.config import load_config
-    from jaxhybrid.planner.plan import layouts
+    from jaxhybrid.planner.layouts import layouts
 
     cfg = PRESETS["gpt2-small"]
     searched = {(lay.schedule, lay.split_backward) for lay in layouts(cfg, 8, 16) if lay.pipeline > 1}

@@ -11,7 +11,8 @@ from jaxhybrid.pipeline.schedule import make_schedule
 from jaxhybrid.pipeline.simulate import simulate
 from jaxhybrid.planner import makespan as mk
 from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import layouts, machine_from_hardware, rank_plans, write_plan
+from jaxhybrid.planner.layouts import layouts
+from jaxhybrid.planner.plan import machine_from_hardware, rank_plans, write_plan
 
 
 def _costs(p, bi, bw, msg):
