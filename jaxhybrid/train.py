@@ -24,63 +24,16 @@ from jaxhybrid import data as data_lib
 from jaxhybrid import metrics as metrics_lib
 from jaxhybrid.checkpoint import Checkpointer
 from jaxhybrid.checkpoint_export import check_init_from, params_for, read_meta
-from jaxhybrid.config import Config, ConfigError, validate, whole_model_interval
+from jaxhybrid.build import build_engine, build_updater, committed
+from jaxhybrid.config import Config, ConfigError, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
-from jaxhybrid.optim import build_transform, device_updater, lr_schedule
+from jaxhybrid.optim import lr_schedule
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.run_dir import check_run_dir, write_run_config
-from jaxhybrid.step import LocalEngine
 from jaxhybrid.stop import StopOnSignal
-
-
-def build_engine(cfg: Config, model: Model):
-    """Pick the engine for the configured layout: an MPI pipeline, one tensor mesh, or one device."""
-    remat = cfg.train.remat
-    if cfg.world_size > 1:
-        from jaxhybrid.pipeline.runner import PipelineEngine
-        from jaxhybrid.topology import Topology
-
-        return PipelineEngine(cfg, model, Topology.from_config(cfg))
-    if cfg.on_mesh:
-        from jaxhybrid.tensor.engine import TensorEngine
-
-        return TensorEngine(cfg.model, cfg)
-    return LocalEngine(model, cfg.pipeline.microbatches, remat=remat, interval=whole_model_interval(cfg))
-
-
-def build_updater(cfg: Config, engine):
-    if not cfg.optim.offload:
-        return device_updater(cfg)
-    transform = build_transform(cfg.optim, cfg.train.steps)
-    if cfg.tensor_size > 1 or cfg.on_mesh:  # each device offloads the shards it owns
-        from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
-
-        return ShardedOffloadUpdater(transform, cfg)
-    from jaxhybrid.optim.offload_updater import OffloadUpdater
-
-    return OffloadUpdater(transform, cfg)
-
-
-def committed(tree, like=None):
-    """Commit uncommitted device arrays. Freshly created arrays are uncommitted and the jit cache keys on
-    that, so without this every jitted step would compile twice (steps 1 and 2). Leaves that are not yet
-    placed go where ``like``'s leaves live: replicated over its mesh (tensor mode) or on its device."""
-    ref = next((x for x in jax.tree.leaves(like if like is not None else tree) if isinstance(x, jax.Array)), None)
-    if ref is None:
-        return tree
-    home = ref.sharding
-    if isinstance(home, jax.sharding.NamedSharding):
-        home = jax.sharding.NamedSharding(home.mesh, jax.sharding.PartitionSpec())
-
-    def place(x):
-        if not isinstance(x, jax.Array) or getattr(x, "committed", True):
-            return x
-        return jax.device_put(x, x.sharding if len(x.sharding.device_set) > 1 else home)
-
-    return jax.tree.map(place, tree)
 
 
 @dataclass

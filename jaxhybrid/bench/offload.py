@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.optim.offload import OffloadedOptimizer
     from jaxhybrid.optim.offload_updater import OffloadUpdater
     from jaxhybrid.step import LocalEngine
-    from jaxhybrid.train import committed
+    from jaxhybrid.build import committed
 
     over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])
     cfg = load_config(args.config, over + [f"precision.compute_dtype={args.compute_dtype}"])
