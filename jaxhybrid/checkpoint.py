@@ -139,4 +139,7 @@ class Checkpointer:
         return out["state"], out["meta"]
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for and close the manager (idempotent: the trainer closes before its stop barrier too)."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.manager.close()

@@ -223,6 +223,11 @@ class Trainer:
                             self.save(ckpt, st)
                         print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
                               f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
+                        # Under `python -m mpi4py` the first rank to exit with status 130 aborts the job: every
+                        # rank closes its files, then they meet, so none is killed inside its save or plot.
+                        ckpt.close()
+                        mw.close(plot=cfg.metrics.plot)
+                        self.engine.global_max(0.0)
                         raise KeyboardInterrupt(stop.requested)
                 if cfg.checkpoint.at_end:
                     self.save(ckpt, st)
