@@ -104,7 +104,10 @@ class EventLoop(MessageDriven):
             for x in self.losses[1:]:
                 loss = loss + x
         self.wall_s = time.perf_counter() - start
-        return StepResult(loss, self.grads, self.wall_s)
+        # The step's arrays leave with the result: kept here, the unreduced gradients stayed on the device
+        # through the all-reduce, the update and any save, beside the reduced ones (a stage's gradients twice).
+        grads, self.grads, self.params, self.losses = self.grads, {}, None, []
+        return StepResult(loss, grads, self.wall_s)
 
     def evaluate(self, params: dict[int, Any], tokens: jax.Array) -> jax.Array | None:
         """Forward only over every microbatch (validation): each owned stage runs ``Stage.evaluate``

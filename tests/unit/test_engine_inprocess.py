@@ -102,6 +102,16 @@ def test_event_loop_matches_single_device(reference, p, name, split, join):
     assert all(res.wall_s > 0 for res in results)
 
 
+def test_the_loop_keeps_nothing_of_a_step_it_returned(reference):
+    """After run() the step's gradients, parameters and losses are the caller's alone: a loop that kept its
+    gradient dict held the unreduced tree beside the all-reduced one through the update and any save."""
+    model, params, batch, *_ = reference
+    loops = [None, None]
+    _, results = _run_pipeline(model, params, batch, 2, "1f1b", True, loops=loops)
+    for r, loop in enumerate(loops):
+        assert results[r].grads and (loop.grads, loop.params, loop.losses) == ({}, None, [])
+
+
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_forward_only_evaluation_matches_single_device(reference, p):
     """EventLoop.evaluate (validation: Stage.evaluate per stage, activations over the transport, no
