@@ -115,7 +115,7 @@ class TensorConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2  # newest checkpoints kept, >= 1 (orbax max_to_keep: 0 would delete the final one too)
+    keep: int = 2  # newest checkpoints kept per rank, >= 1; >= 2 with several ranks (orbax max_to_keep)
     at_end: bool = True
 
 

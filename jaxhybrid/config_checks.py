@@ -155,6 +155,11 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
             errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
+    if cfg.checkpoint.keep < 2 and cfg.world_size > 1:
+        # Each rank's manager deletes its older step once its newer one is saved: a save that some ranks
+        # finished and others did not (a crash, a kill) would leave no step that every rank holds.
+        errors.append(f"checkpoint.keep={cfg.checkpoint.keep} with {cfg.world_size} ranks: a save cut off on "
+                      f"some ranks would leave no step every rank holds to resume from; use keep >= 2")
     if t.checkpoint_interval and t.remat != "full":
         errors.append(f"train.checkpoint_interval={t.checkpoint_interval} needs train.remat=full (Myelin's ac: "
                       f"blocks per recomputed segment); got train.remat={t.remat!r}")

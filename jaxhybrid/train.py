@@ -116,16 +116,21 @@ class Trainer:
         step = int(-self.engine.global_max(jnp.float32(-mine)))
         if step < 0:
             raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
-        dropped = ckpt.discard_after(step)
-        if dropped:
-            print(f"jaxhybrid: rank {self.rank} resumes from step {step}, the newest every rank saved; deleted "
-                  f"its newer checkpoints {dropped} (an unfinished save of the last run)", file=sys.stderr, flush=True)
+        if step not in ckpt.steps():  # only where a rank deleted it (keep=1, or by hand)
+            raise ConfigError(f"rank {self.rank} holds checkpoints {ckpt.steps()} in {ckpt.dir} but not step {step}, "
+                              f"the newest that every rank saved: no step is common to all ranks")
         if hasattr(self.updater, "restore_like"):  # a state format that depends on the writer's process count
             opt_like = self.updater.restore_like(st.opt_state, ckpt.state_metadata(step)["opt_state"])
         else:
             opt_like = self.updater.state_dict(st.opt_state)
         like = {"params": st.params, "opt_state": opt_like}
         state, meta = ckpt.restore(step, like)
+        # Newer steps (a save the last run did not finish on every rank) go once this one has restored: the
+        # run saves them again, and they stay for a look if the restore fails.
+        dropped = ckpt.discard_after(step)
+        if dropped:
+            print(f"jaxhybrid: rank {self.rank} resumes from step {step}, the newest every rank saved; deleted "
+                  f"its newer checkpoints {dropped} (an unfinished save of the last run)", file=sys.stderr, flush=True)
         params = place_like(st.params, state["params"])
         opt_state = self.updater.load_state_dict(st.opt_state, state["opt_state"])
         self.sampler.load_state_dict(meta["sampler"])

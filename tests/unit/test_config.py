@@ -42,6 +42,8 @@ BAD = [
      ["batch of 2 sequences per microbatch is not divisible by data(1) x depth(4) = 4", "parallel.tensor_depth=2"]),
     (["train.checkpoint_interval=2"], ["train.checkpoint_interval=2 needs train.remat=full", "'none'"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
+    (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
+     ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
     (["parallel.partition=[1,1]", "parallel.pipeline=2", "pipeline.microbatches=2"], ["partition=[1, 1]"]),
     (["data.seq_len=4096"], ["seq_len=4096", "max_seq_len=128"]),
     (["model.name=gpt-huge"], ["gpt-huge", "gpt2-small"]),

@@ -196,6 +196,23 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     assert (old.train.steps, new.train.steps, new.optim.lr, new.run.resume) == (4, 5, 2e-3, False)
 
 
+def test_resume_names_a_step_not_every_rank_holds_and_deletes_nothing(tmp_path):
+    """keep=1 on one rank, whose save of step 4 deleted step 2, while another rank's newest is step 2: no
+    step is common, and the error says so before anything is deleted (it used to delete step 4 first and
+    then fail in orbax with a missing folder)."""
+    from jaxhybrid.checkpoint import committed_steps
+
+    run = tmp_path / "run"
+    Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=1")).run()
+    assert committed_steps(run) == {"rank_0": [4]}
+    t = Trainer(_cfg(tmp_path, "train.steps=5", "checkpoint.keep=1", "run.resume=true"))
+    t.engine.global_max = lambda v: jnp.maximum(v, -2.0)  # another rank's newest checkpoint is step 2
+    with pytest.raises(ValueError, match=r"rank 0 holds checkpoints \[4\] .* but not step 2, the newest that "
+                                         r"every rank saved"):
+        t.run()
+    assert committed_steps(run) == {"rank_0": [4]}
+
+
 def test_interrupt_stops_after_the_step_with_it_saved(tmp_path, monkeypatch, capsys):
     """Ctrl-C mid-step: the step finishes (it donated the state before it, which can no longer be saved),
     is saved, and the command ends with one line and status 130, no traceback."""
