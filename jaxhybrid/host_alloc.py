@@ -106,11 +106,14 @@ def default_cpu_devices(n: int) -> None:
 
 
 def cpu_devices(environ) -> int:
-    """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``
-    or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``."""
-    m = re.search(DEVICE_COUNT_FLAG + r"=(\d+)", environ.get("XLA_FLAGS", ""))
+    """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``,
+    which JAX's CPU client takes over the flag when it is set, else ``--xla_force_host_platform_device_count``
+    in ``XLA_FLAGS``, else 1."""
     n = environ.get("JAX_NUM_CPU_DEVICES", "").strip()  # JAX names a malformed value itself, later
-    return max(int(n) if n.isdigit() else 1, int(m.group(1)) if m else 1)
+    if n.isdigit():
+        return max(1, int(n))
+    m = re.search(DEVICE_COUNT_FLAG + r"=(\d+)", environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else 1
 
 
 def configure_host_malloc(environ=None) -> dict:

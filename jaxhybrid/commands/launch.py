@@ -125,8 +125,10 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     """Environment for ``n`` ranks sharing ``cpus``: thread pools of ``max(1, len(cpus) // n)`` threads,
     CPU-only XLA flags, ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only
     shapes the CPU platform: on a GPU node the ranks still use their GPUs), and with ``bind`` the CPU
-    list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). Settings already made by
-    the user win."""
+    list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). The thread counts always
+    follow the share of cores (a user's larger ``OMP_NUM_THREADS`` would oversubscribe the pinned cores);
+    XLA flags, a device count (``XLA_FLAGS`` or ``JAX_NUM_CPU_DEVICES``, which JAX prefers) and a CPU list
+    that the user set win."""
     check_counts(n, timeout)
     env = dict(os.environ if base is None else base)
     threads = max(1, len(cpus) // n)
@@ -136,7 +138,7 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     flags = env.get("XLA_FLAGS", "")
     # Only "--" flags: XLA stops parsing XLA_FLAGS at the first token without dashes, silently.
     extra = [f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"]
-    if devices > 1:
+    if devices > 1 and not env.get("JAX_NUM_CPU_DEVICES", "").strip():
         extra.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()
     if timeout:

@@ -80,6 +80,8 @@ def test_one_arena_only_for_a_single_cpu_device():
     assert cpu_devices({"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"}) == 8
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "4"}) == 4
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "four"}) == 1  # not this module's error to raise
+    # JAX's CPU client takes jax_num_cpu_devices over the flag (a rank saw 2 devices, not 8).
+    assert cpu_devices({"JAX_NUM_CPU_DEVICES": "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}) == 2
 
 
 CLI_PROBE = textwrap.dedent("""

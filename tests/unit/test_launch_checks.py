@@ -70,6 +70,18 @@ def test_devices_the_ranks_will_see_are_checked_on_cpu(tmp_path, env, fails):
         check_devices(cfg, 2, one, 4)
 
 
+def test_a_users_device_count_is_what_the_ranks_get_and_is_checked(tmp_path):
+    """JAX_NUM_CPU_DEVICES wins over the launcher's device flag in JAX: the launcher leaves the flag out and
+    checks the user's count (it added the flag, counted 2, and every rank then saw 1 and failed)."""
+    from jaxhybrid.commands.launch import rank_environment
+
+    ns, cfg = _job(tmp_path, config="hybrid.yaml")
+    env = rank_environment(4, [0, 1], 0, base={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}, devices=2)
+    assert "device_count" not in env["XLA_FLAGS"]
+    with pytest.raises(ValueError, match="your JAX_NUM_CPU_DEVICES=1"):
+        check_devices(cfg, 4, env, 2)
+
+
 def test_rank_count_is_checked_first(tmp_path):
     """-n 0 is named as such, not as a world size the config's grid does not match."""
     _, args = build_parser(["launch", "-n", "0", "--config", str(RUNS / "pipeline_2x2.yaml")])
