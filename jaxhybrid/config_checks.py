@@ -63,6 +63,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("precision.loss_scale_init", *_gt(0)),
     ("pipeline.pipeline_limit", *_ge(0, " (0 = the number of stages)")),
     ("pipeline.watchdog_s", *_gt(0)),
+    ("pipeline.watchdog_compile_s", *_gt(0)),
     ("checkpoint.every", *_ge(0, " (0 = only at the end)")),
     # orbax's max_to_keep: 0 would delete every checkpoint, the final one included, as it is written.
     ("checkpoint.keep", *_ge(1)),

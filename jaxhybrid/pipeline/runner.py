@@ -83,7 +83,8 @@ class PipelineEngine:
         else:
             self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
         # The report is the loop's (built below, before the watchdog is armed): its peers by world rank.
-        self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world)
+        self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world,
+                                 compile_deadline_s=pl.watchdog_compile_s)
         from jaxhybrid.model.stage import weight_join
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,

@@ -57,16 +57,23 @@ class Watchdog:
     Args:
       who: how this rank is named in messages (e.g. ``"rank 3 (stage 1, replica 1)"``).
       deadline_s: seconds without progress before aborting (``pipeline.watchdog_s``).
+      compile_deadline_s: the deadline the first time each phase is armed (``pipeline.watchdog_compile_s``;
+        default ``deadline_s``): the rank compiles its kernels then, and its peers wait for every stage's
+        compiles in turn (the last stage for the forwards before it, the first for every other stage's
+        forward and backward), which on a large model can take longer than a hang should.
       report: returns extra text (the last sends and receives) for the message.
       comm: communicator to abort (``MPI.COMM_WORLD``); None exits this process only (tests).
       on_fire: replaces the abort (tests of the in-process engine).
     """
 
     def __init__(self, who: str, deadline_s: float, report: Callable[[], str] = lambda: "",
-                 comm: Any = None, on_fire: Callable[[str], None] | None = None):
+                 comm: Any = None, on_fire: Callable[[str], None] | None = None, compile_deadline_s: float = 0.0):
         if deadline_s <= 0:
             raise ValueError(f"pipeline.watchdog_s={deadline_s} must be > 0")
         self.who, self.deadline_s, self.report, self.comm = who, deadline_s, report, comm
+        self.compile_deadline_s = compile_deadline_s
+        self._deadline = deadline_s
+        self._seen: set[str] = set()  # phases armed before: compiled
         self.on_fire = on_fire
         self._last = time.monotonic()
         self._doing = "idle"
@@ -85,6 +92,9 @@ class Watchdog:
         self._doing = doing
 
     def arm(self, doing: str = "pipeline step") -> None:
+        first = doing not in self._seen
+        self._seen.add(doing)
+        self._deadline = max(self.deadline_s, self.compile_deadline_s) if first else self.deadline_s
         self.beat(doing)
         self._armed = True
 
@@ -114,13 +124,14 @@ class Watchdog:
 
     def message(self) -> str:
         idle = time.monotonic() - self._last
+        first = " (the first time: compiling)" if self._deadline != self.deadline_s else ""
         return (f"jaxhybrid watchdog: {self.who} made no progress for {idle:.1f} s (deadline "
-                f"{self.deadline_s:g} s); now: {self._doing}; {self.report()}")
+                f"{self._deadline:g} s{first}); now: {self._doing}; {self.report()}")
 
     def _watch(self) -> None:
         step = min(0.1, self.deadline_s / 4)
         while not self._stop.wait(step):
-            if self._armed and time.monotonic() - self._last > self.deadline_s:
+            if self._armed and time.monotonic() - self._last > self._deadline:
                 msg = self.message()
                 if self.on_fire is not None:
                     self._armed = False

@@ -42,7 +42,10 @@ def main() -> int:
     engine = PipelineEngine(cfg, Model(cfg.model), Topology.from_config(cfg))
     params = engine.init_params(jax.random.key(0))
     batch = np.random.default_rng(0).integers(0, 64, (4 * a.data, 9)).astype(np.int32)
-    engine.loss_and_grads(params, batch, 1.0)  # step 0: compiles
+    # Step 0, as the trainer runs it (its phase and collectives): the first time each is armed it has
+    # pipeline.watchdog_compile_s, for compiling; after that the deadline under test.
+    engine.loss_and_grads(params, batch, 1.0)
+    engine.global_sum(engine.global_max(0.0))
     engine.watchdog.deadline_s = a.deadline
     MPI.COMM_WORLD.Barrier()
     if a.mode == "hang-collective":

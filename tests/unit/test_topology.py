@@ -311,3 +311,27 @@ def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
     hydra = ["=   PID 102 RUNNING AT node7"]
     (tmp_path / "rank1.pid").write_text("102 rank 1 (stage 1, replica 0)")
     assert failure_summary(watch, hydra) == "rank 1 (stage 1, replica 0) (pid 102) ended abnormally (hydra's report)"
+
+
+def test_watchdog_gives_each_phase_its_compile_deadline_once():
+    """The first time a phase is armed its ranks compile (and wait for each other's compiles): it gets
+    pipeline.watchdog_compile_s; the next time the plain deadline, so a hang is still caught fast."""
+    import time
+
+    from jaxhybrid.pipeline.watchdog import Watchdog
+
+    fired = []
+    dog = Watchdog("rank 0", 0.2, on_fire=fired.append, compile_deadline_s=30.0)
+    try:
+        dog.arm("pipeline phase")
+        time.sleep(0.6)
+        assert fired == []  # compiling: within the first deadline
+        dog.disarm()
+        dog.arm("pipeline phase")
+        time.sleep(0.6)
+        assert len(fired) == 1 and "(deadline 0.2 s); now: pipeline phase" in fired[0], fired
+        dog.arm("validation forward")  # another phase's first time
+        time.sleep(0.6)
+        assert len(fired) == 1
+    finally:
+        dog.close()
