@@ -26,9 +26,17 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 
 
 def slurm_task(env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``srun`` started this process as one task of a job step."""
+    """Whether ``srun`` started this process as one task of a job step. Not when an MPI launcher's rank or
+    size disagrees with Slurm's: then mpirun (``jaxhybrid launch``) started it inside a Slurm shell (an
+    ``srun --pty bash`` step, or an sbatch script, which runs as task 0), whose ``SLURM_PROCID``/``SLURM_NTASKS``
+    every rank inherits; read as the ranks', every process took itself for task 0 of that step. ``srun
+    --mpi=pmi2``/``pmix`` sets both alike."""
     env = _env(env)
-    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return False
+    rank, size = _first_int(env, MPI_RANK_VARS), _first_int(env, MPI_SIZE_VARS)
+    return ((rank is None or str(rank) == env["SLURM_PROCID"])
+            and (size is None or str(size) == env["SLURM_NTASKS"]))
 
 
 def mpi_rank_set(env: Mapping[str, str] | None = None) -> bool:

@@ -166,6 +166,25 @@ def test_launcher_environment_is_read_in_one_place():
     assert le.local_rank({"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "5"}) == 2  # the MPI launcher's wins
 
 
+def test_mpirun_inside_a_slurm_shell_is_not_taken_for_srun_tasks(monkeypatch):
+    """`jaxhybrid launch -n 2 -- --distributed` from an `srun --pty bash` step (or an sbatch script, task 0):
+    every rank inherits SLURM_PROCID=0 and SLURM_NTASKS, and read as srun tasks each process started JAX's
+    runtime alone (4 != 2 devices) or waited for peers that never came. hydra's PMI_RANK/PMI_SIZE name the
+    job; srun --mpi=pmi2 sets both alike, and stays srun's."""
+    from jaxhybrid import launch_env as le
+    from jaxhybrid.tensor import distributed
+
+    shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    for rank in ("0", "1"):
+        env = {**shell, "PMI_RANK": rank, "PMI_SIZE": "2", "MPI_LOCALRANKID": rank}
+        assert not le.slurm_task(env) and le.world_size(env) == 2 and le.local_rank(env) == int(rank)
+    assert le.slurm_task({**shell, "PMI_RANK": "0", "PMI_SIZE": "1"})  # srun -n 1 --mpi=pmi2
+    assert le.slurm_task({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "PMIX_RANK": "3"})  # srun --mpi=pmix
+    mpi = {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}
+    monkeypatch.setattr(distributed, "_from_mpi", lambda: mpi)  # the MPI job's peers, not JAX's Slurm reading
+    assert distributed.peer_arguments(env={**shell, "PMI_RANK": "1", "PMI_SIZE": "2"}) == mpi
+
+
 @pytest.mark.parametrize("cpus,n,expected", [
     ([0, 1], 4, [[0], [1], [0], [1]]),  # more ranks than CPUs: one each, round-robin
     ([0, 1, 2, 3, 4, 5, 6], 3, [[0, 1, 2], [3, 4], [5, 6]]),  # blocks as even as possible
