@@ -98,7 +98,10 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, rank: int = 0, keep: int = 2):
         self.dir = Path(run_dir).absolute() / "checkpoints" / f"rank_{rank}"
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        # cleanup_tmp_directories: a save cut off mid-write (a killed job) leaves <step>.orbax-checkpoint-tmp-*;
+        # kept, orbax's later deletion of that step removed the stale folder instead of the step saved again,
+        # which then outlived checkpoint.keep. No save of this job is under way yet when the manager opens.
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.dir, options=opts)
 

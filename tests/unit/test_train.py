@@ -213,6 +213,27 @@ def test_resume_names_a_step_not_every_rank_holds_and_deletes_nothing(tmp_path):
     assert committed_steps(run) == {"rank_0": [4]}
 
 
+def test_a_save_cut_off_mid_write_leaves_no_checkpoint_behind(tmp_path):
+    """A job killed while orbax wrote step 3 leaves ``3.orbax-checkpoint-tmp-<time>``. When the resumed run
+    saved step 3 again, orbax's clean-up of that step later deleted the stale temporary folder instead of
+    ``3``, which stayed on disk beyond checkpoint.keep (a whole checkpoint per rank) and came back at the
+    next resume. The checkpointer now removes unfinished saves when it opens the folder."""
+    from jaxhybrid.checkpoint import Checkpointer, committed_steps
+
+    ck = Checkpointer(tmp_path, 0, keep=2)
+    for s in (1, 2):
+        ck.save(s, {"w": np.full(3, s, np.float32)}, {"step": s})
+    ck.close()
+    rank_dir = tmp_path / "checkpoints" / "rank_0"
+    (rank_dir / "3.orbax-checkpoint-tmp-1700000000000" / "state").mkdir(parents=True)  # killed mid-save
+    ck = Checkpointer(tmp_path, 0, keep=2)
+    for s in (3, 4, 5):
+        ck.save(s, {"w": np.full(3, s, np.float32)}, {"step": s})
+    ck.close()
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["4", "5"]
+    assert committed_steps(tmp_path) == {"rank_0": [4, 5]}
+
+
 def test_interrupt_stops_after_the_step_with_it_saved(tmp_path, monkeypatch, capsys):
     """Ctrl-C mid-step: the step finishes (it donated the state before it, which can no longer be saved),
     is saved, and the command ends with one line and status 130, no traceback."""
