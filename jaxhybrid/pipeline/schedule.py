@@ -83,12 +83,14 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
         raise ValueError(f"costs cover {costs.num_stages} stages, the schedule has {stages}")
     identity = tuple(range(stages))
     back = Kind.BI if split_backward else Kind.B
+    if key in ("myelin", "zb-h1") and (opts.get("memory_saving") or opts.get("bw_flush_every")):
+        # Myelin's BWs follow the 2BP rule (weight_budget), zb-h1's its own table: ignored, the flag would
+        # give a result other than the one asked for.
+        raise ValueError(f"{key} places its own weight gradients; memory_saving/bw_flush_every apply "
+                         "to naive, gpipe, 1f1b and 1f1b-star with split_backward")
     if key == "myelin":
         return _myelin(stages, microbatches, split_backward, pipeline_limit, costs)
     if key == "zb-h1":
-        if opts.get("memory_saving") or opts.get("bw_flush_every"):
-            raise ValueError("zb-h1 places its own weight gradients; memory_saving/bw_flush_every apply "
-                             "to naive, gpipe, 1f1b and 1f1b-star with split_backward")
         rows = gen.zb_h1_rows(stages, microbatches)
         return Schedule(key, _freeze(rows), identity, microbatches, True, "static", pipeline_limit)
     if key == "naive":

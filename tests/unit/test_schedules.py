@@ -128,6 +128,12 @@ def test_memory_saving_variant_runs_bw_half_way():
     assert all(task("BW", (0, 1, 2, 3), s) in half.rows[s] for s in range(4))
     with pytest.raises(ValueError, match="split_backward"):
         make_schedule("1f1b", 4, 8, memory_saving=True)
+    # Schedules that place their own weight passes refuse it rather than ignore it: `jaxhybrid simulate
+    # --schedule myelin --split-backward --memory-saving` printed the plain Myelin + 2BP peaks.
+    for name in ("myelin", "zb-h1"):
+        for opt in ({"memory_saving": True}, {"bw_flush_every": 2}):
+            with pytest.raises(ValueError, match=f"{name} places its own weight gradients"):
+                make_schedule(name, 4, 8, True, **opt)
 
 
 def test_2bp_trailing_bws_are_concatenated():
