@@ -195,7 +195,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         from jaxhybrid.planner.plan import load_plan_overrides
 
         # The plan's layout and memory were modelled for one model: a run of another must not take it.
-        plan = load_plan_overrides(cfg.plan.file, model=cfg.model.name)
+        plan = load_plan_overrides(cfg.plan.file, model=cfg.model.name, shape=dataclasses.asdict(cfg.model))
         base = load_yaml(path) if path else {}
         cfg = apply_updates(Config(), merge(merge(base, plan), cli))
     if check:

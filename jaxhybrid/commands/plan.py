@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                              f"{float(hw['memory_bytes']) / 1e9:.3g} GB (--memory-fraction)")
     if args.out:
         write_plan(args.out, plans[0], {"model": model.name, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
-                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype})
+                                        "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype,
+                                        "model_config": asdict(model)})  # a run of other sizes is refused
     keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s", "pipeline_s",
                         "data_allreduce_s", "offload_s")
     if args.json:

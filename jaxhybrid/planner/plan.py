@@ -180,10 +180,13 @@ def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
     Path(path).write_text(json.dumps({**meta, "plan": plan, "config": config}, indent=1))
 
 
-def load_plan_overrides(path: str | Path, model: str | None = None) -> dict:
+def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict | None = None) -> dict:
     """Read a plan file from ``jaxhybrid plan --out`` and return its nested config overrides. With ``model``
     (the run's ``model.name``), a plan made for another model is a ConfigError naming both: its layout,
-    partition and memory were modelled for that one. A plan without a "model" entry is not checked."""
+    partition and memory were modelled for that one. With ``shape`` (the run's model settings, as
+    ``dataclasses.asdict`` gives them), so is a plan for the same preset with other sizes (a run config's
+    ``model.d_model``, ``n_layers``, ...), each named. A plan without a "model" ("model_config") entry is not
+    checked for it."""
     from jaxhybrid.config_parse import ConfigError
 
     p = Path(path)
@@ -196,4 +199,15 @@ def load_plan_overrides(path: str | Path, model: str | None = None) -> dict:
     if model is not None and planned is not None and planned != model:
         raise ConfigError(f"plan.file={p} was made for model {planned!r}, but this run trains model.name="
                           f"{model!r}; write a plan for it (jaxhybrid plan --model {model} ... --out {p.name})")
+    if shape is not None and isinstance(data.get("model_config"), dict):
+        # The settings that shape the parameters, as train.init_from compares them (rope_theta, ... aside).
+        from jaxhybrid.checkpoint_export import _shape_settings
+
+        mine = _shape_settings(shape)
+        diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in _shape_settings(data["model_config"]).items()
+                if mine.get(k) != v]
+        if diff:
+            raise ConfigError(f"plan.file={p} was made for another size of model {planned!r}: {'; '.join(diff)}; "
+                              f"write a plan for this run's (jaxhybrid plan --model YOUR_CONFIG.yaml ... --out "
+                              f"{p.name})")
     return cfg

@@ -220,3 +220,26 @@ def test_plan_for_another_model_is_refused(tmp_path):
     assert f"plan.file={plan} was made for model 'gpt-tiny'" in str(e.value)
     assert "model.name='llama-tiny'" in str(e.value)
     assert load_config(None, ["model.name=gpt-tiny", f"plan.file={plan}"]).model.name == "gpt-tiny"
+
+
+def test_plan_for_other_sizes_of_the_same_preset_is_refused(tmp_path):
+    """A plan carries its model's sizes: `jaxhybrid plan --model wide.yaml` (gpt-tiny at d_model 128, 8 blocks)
+    was taken by a stock gpt-tiny run, which failed on the plan's partition without naming the plan, and a
+    stock plan by a gpt-tiny run at d_model 32 was applied without a word (its memory and partition were
+    modelled for the other widths)."""
+    import json
+
+    from jaxhybrid.cli import main
+
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("model: {name: gpt-tiny, d_model: 128, n_layers: 8, d_ff: 512}\ndata: {seq_len: 64}\n")
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(wide), "--gpus", "2", "--gpus-per-node", "2", "--hardware", "h100-node",
+                 "--top", "1", "--out", str(plan)]) == 0
+    assert json.loads(plan.read_text())["model_config"]["d_model"] == 128
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"plan.file={plan}"])
+    assert str(e.value).startswith(f"plan.file={plan} was made for another size of model 'gpt-tiny': model.d_model "
+                                   f"128 there, 64 here; model.n_layers 8 there, 4 here; model.d_ff 512 there, 256 here")
+    cfg = load_config(wide, [f"plan.file={plan}", "model.rope_theta=500000"])  # sizes alike: taken
+    assert cfg.model.d_model == 128 and cfg.parallel.pipeline == json.loads(plan.read_text())["plan"]["pipeline"]
