@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
+from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.host_alloc import host_malloc_status
 from jaxhybrid.metrics import forward_flops
 from jaxhybrid.model.config import REMATS
@@ -39,12 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="config override as in train, e.g. --set model.d_model=768 (a preset's width changed)")
     p.add_argument("--model", default=None, help="model preset (overrides the config's)")
     p.add_argument("--blocks", default="4", help="N (a middle stage of N blocks) or LO:HI (block range)")
-    p.add_argument("--microbatch-size", type=int, default=None, help="default: the config's, else 4")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
+    p.add_argument("--microbatch-size", type=positive_int, default=None, help="default: the config's, else 4")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the config's data.seq_len")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--remat", default="none", choices=REMATS)
-    p.add_argument("--concat", type=int, default=4, help="K microbatches for the concatenated weight pass")
-    p.add_argument("--repeats", type=int, default=25, help="timed rounds (median reported)")
+    p.add_argument("--concat", type=positive_int, default=4, help="K microbatches for the concatenated weight pass")
+    p.add_argument("--repeats", type=positive_int, default=25, help="timed rounds (median reported)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -79,9 +80,6 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "float32")
     mb = args.microbatch_size or (cfg.microbatch_size if cfg else 4)
     seq = args.seq_len or (cfg.data.seq_len if cfg else min(128, mcfg.max_seq_len))
-    if mb < 1 or seq < 1 or args.concat < 1 or args.repeats < 1:
-        raise ValueError(f"--microbatch-size {mb}, --seq-len {seq}, --concat {args.concat}, --repeats "
-                         f"{args.repeats} must all be >= 1")
     lo, hi = _block_range(args.blocks, mcfg.n_layers)
     model = Model(mcfg, compute_dtype=dtype)
     stage = Stage(model, lo, hi, remat=args.remat)

@@ -34,6 +34,11 @@ def _usage_error(capsys, name: str, *rest: str) -> str:
     ("pipeline", ("--stages", "2"), "--seq", "0", 1),
     ("pipeline", (), "--stages", "0", 1),
     ("partition", ("--quick",), "--iterations", "0", 1),
+    # bench stage read --microbatch-size 0 and --seq-len 0 as unset: it timed 4 x 128 tokens without a word.
+    ("stage", (), "--microbatch-size", "0", 1),
+    ("stage", (), "--seq-len", "0", 1),
+    ("stage", (), "--concat", "0", 1),
+    ("stage", (), "--repeats", "0", 1),
 ])
 def test_bench_counts_are_checked_when_parsed(capsys, name, argv, flag, value, floor):
     assert _usage_error(capsys, name, *argv, flag, value) == \
