@@ -40,6 +40,22 @@ def test_run_dir_is_checked_once_before_the_ranks_start(tmp_path):
             check_job(*_job("/proc/nope"), 4)
 
 
+@pytest.mark.parametrize("config,sets,flags,n,needle", [
+    ("pipeline_2x2.yaml", ("parallel.tensor_depth=2", "train.global_batch=4", "pipeline.microbatches=2"), (), 4,
+     r"batch of 1 sequences per microbatch is not divisible by data\(1\) x depth\(2\) = 2"),
+    ("hybrid.yaml", ("model.vocab_size=255",), (), 4, r"model.vocab_size=255 not divisible by col\(2\)"),
+    ("tiny.yaml", ("parallel.data=2", "parallel.tensor_depth=2", "train.global_batch=6", "pipeline.microbatches=3"),
+     ("--distributed",), 2, r"batch of 2 sequences per microbatch is not divisible by data\(2\) x depth\(2\) = 4"),
+])
+def test_a_mesh_that_cannot_split_the_model_is_refused_before_the_ranks_start(tmp_path, config, sets, flags, n,
+                                                                               needle):
+    """A pipeline x tensor layout whose local mesh cannot split the microbatch or the vocabulary passed the
+    launcher: each rank built its mesh after MPI had made its communicators, printed the same ValueError with
+    a traceback and aborted the job (and --distributed processes after joining the runtime)."""
+    with pytest.raises(ConfigError, match=r"^tensor layout: .*" + needle):
+        check_job(*_job(tmp_path / "run", *sets, config=config, flags=flags), n)
+
+
 def test_plan_file_and_train_arguments_are_read_once(tmp_path):
     with pytest.raises(FileNotFoundError, match="plan file not found: nope.json"):
         _job(tmp_path, "plan.file=nope.json")

@@ -128,6 +128,17 @@ def test_plan_file_round_trips_into_a_valid_config(tmp_path):
         load_plan_overrides(tmp_path / "bad.json")
 
 
+@pytest.mark.parametrize("model,gpus,batch,seq", [("gpt2-1.3b", 8, 8, 1024), ("gpt-tiny", 16, 4, 128)])
+def test_every_ranked_plan_is_one_the_trainer_runs(model, gpus, batch, seq):
+    """The ranking kept layouts whose mesh the trainer refuses (tensor.sharding.check_layout, which the config
+    validation applies), and ranked them first: col 2 over GPT-2's 50257-token vocabulary for gpt2-1.3b on 8
+    GPUs at global batch 8, depth 2 over a microbatch of one sequence for gpt-tiny on 16 GPUs at batch 4."""
+    plans = rank_plans(PRESETS[model], gpus, _machine(), global_batch=batch, seq=seq, top=10_000)
+    assert any(p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1 for p in plans)
+    for p in plans:
+        config_from_dict({"model": model, "data": {"seq_len": seq}, **plan_overrides(p, batch)})
+
+
 def test_plan_cli_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jaxhybrid", "plan", "--model", "gpt2-small", "--gpus", "4",
                           "--gpus-per-node", "4", "--hardware", "perlmutter", "--top", "3", "--global-batch", "8",
