@@ -144,9 +144,10 @@ def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
 
 
-def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> dict:
-    """The nested config overrides of a plan (keys of :class:`jaxhybrid.config.Config`); ``dtype`` is the
-    compute dtype the plan's times and memory were modelled with, so the run trains in it too."""
+def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_len: int | None = None) -> dict:
+    """The nested config overrides of a plan (keys of :class:`jaxhybrid.config.Config`); ``dtype`` and
+    ``seq_len`` are the compute dtype and sequence length the plan's times and memory were modelled with, so
+    the run trains with them too (a run at 4x the tokens would hold 4x the activations the plan counted)."""
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
     pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
@@ -156,7 +157,8 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None) -> d
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
            "optim": {"offload": plan["offload"]},
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
-    return out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
+    return (out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
+            | ({"data": {"seq_len": seq_len}} if seq_len else {}))
 
 
 def config_layout(cfg) -> Layout:
@@ -176,7 +178,7 @@ def score_config(cfg, machine: Machine, seq: int) -> dict:
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:
-    config = plan_overrides(plan, meta["global_batch"], meta.get("dtype"))
+    config = plan_overrides(plan, meta["global_batch"], meta.get("dtype"), meta.get("seq_len"))
     Path(path).write_text(json.dumps({**meta, "plan": plan, "config": config}, indent=1))
 
 

@@ -118,7 +118,8 @@ def test_plan_file_round_trips_into_a_valid_config(tmp_path):
     write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024,
                              "dtype": "bfloat16"})
     over = load_plan_overrides(path)
-    cfg = config_from_dict({"model": "gpt2-small", "data": {"seq_len": 1024}, **over})
+    cfg = config_from_dict({"model": "gpt2-small", **over})
+    assert cfg.data.seq_len == 1024  # the length the plan was modelled at (the config's default is 128)
     assert cfg.parallel.pipeline == piped["pipeline"] and cfg.pipeline.schedule == piped["schedule"]
     assert cfg.microbatch_size == piped["microbatch_size"] and cfg.optim.offload == piped["offload"]
     assert list(cfg.parallel.partition) == piped["partition"]
