@@ -104,8 +104,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     p = cfg.parallel
     if world_size is not None and world_size != cfg.world_size:
         errors.append(f"parallel.pipeline({p.pipeline}) x parallel.data({p.data}) = {cfg.world_size} "
-                      f"!= world size {world_size}; start {cfg.world_size} ranks (jaxhybrid launch -n "
-                      f"{cfg.world_size}) or change the grid"
+                      f"!= world size {world_size}; "
+                      + (f"start {cfg.world_size} ranks (jaxhybrid launch -n {cfg.world_size})" if cfg.world_size > 1
+                         else "run it as one process (jaxhybrid train, or jaxhybrid launch -n 1)")
+                      + " or change the grid"
                       + ("; or parallel.mesh_data=true for data replicas on this process's devices"
                          if world_size == 1 and p.pipeline == 1 else ""))
     if errors:

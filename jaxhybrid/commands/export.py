@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     meta = export_run(args.run_dir, args.out, args.step)
     lay = meta["layout"]
     print(f"exported step {meta['step']} of {meta['source']} ({meta['model']['name']}, {meta['params']:,} "
-          f"parameters in float32; trained on pipeline={lay['pipeline']} data={lay['data']} tensor="
-          f"{'x'.join(map(str, lay['tensor']))}{' offload' if lay['offload'] else ''}) to {args.out}; "
+          f"parameters in float32; trained on pipeline={lay['pipeline']} data={lay['data']} tensor col x row x "
+          f"depth={'x'.join(map(str, lay['tensor']))}{' offload' if lay['offload'] else ''}) to {args.out}; "
           f"start a run from it with --set train.init_from={args.out}")
     return 0

@@ -98,6 +98,9 @@ def test_world_size_mismatch():
     with pytest.raises(ConfigError, match=r"= 8 != world size 1; start 8 ranks .*; or parallel.mesh_data=true for "
                                           r"data replicas on this process's devices"):
         validate(load_config(None, ["parallel.data=8"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"= 1 != world size 2; run it as one process \(jaxhybrid train, or "
+                                          r"jaxhybrid launch -n 1\) or change the grid"):  # not "start 1 ranks"
+        validate(load_config(None, []), world_size=2)
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):
