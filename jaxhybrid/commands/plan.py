@@ -73,8 +73,10 @@ def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
 
 def _row(label: str, p: dict) -> str:
     yes = {True: "y", False: "n"}
+    limit = (p["pipeline_limit"] or p["pipeline"]) if p["schedule"] == "myelin" and p["pipeline"] > 1 else "-"
     return (f"{label:>2} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
-            f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {yes[p['split_backward']]:>3} "
+            f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {limit:>3} "
+            f"{yes[p['split_backward']]:>3} "
             f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
             f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
 
@@ -117,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
           f"tokens, {dtype} at {args.efficiency:.0%} of peak; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
-          f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch")
-    print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'2BP':>3} "
-          f"{'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
+          f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch; lim: Myelin's "
+          f"microbatches in flight (pipeline_limit)")
+    print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'lim':>3} "
+          f"{'2BP':>3} {'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):
         print(_row(str(i), p))
     if own is not None:

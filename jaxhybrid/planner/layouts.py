@@ -2,10 +2,12 @@
 AxoNN's G_c x G_r x G_d mesh under it, a microbatch size, a schedule, 2BP, recomputation and offload).
 
 A layout is kept only where the config validation would accept it, by the same rules: the schedule's
-(microbatches >= stages) and the tensor engines' divisibility rules (:func:`tensor_fits`).
+(microbatches >= stages) and the tensor engines' divisibility rules (:func:`tensor_fits`). :func:`search`
+walks it for the planner, scoring a larger Myelin limit (V-A) only where it may pay.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -14,8 +16,31 @@ from jaxhybrid.model.config import REMATS, ModelConfig
 from jaxhybrid.planner.step_model import Layout
 
 # What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count >= stages: GPipe,
-# 1F1B, Myelin Alg. 2 (limit = stages, V-A) with and without 2BP; ZB-H1 (Qi et al.) splits always.
+# 1F1B, Myelin Alg. 2 (at the limits of :func:`myelin_limits`) with and without 2BP; ZB-H1 (Qi et al.)
+# splits always.
 PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin", "zb-h1")
+
+
+# A larger Myelin limit is scored only where the pipeline time exceeds its floor by more than this, the
+# most it could gain: below the step model's resolution (its cost ratios are rounded to 2 digits).
+LIMIT_SLACK = 0.01
+
+
+def myelin_limits(p: int, m: int, split: bool) -> tuple[int, ...]:
+    """The ``pipeline_limit`` values searched for Myelin's Alg. 2 with p stages and m microbatches, smallest
+    first: 0 (the engine's default: p, as V-A fixes it), 3p/2 and, without 2BP, 2p; at most m (more is m).
+
+    V-A fixes the limit at G_inter so that every GPU can compute; but p in flight keep p stages busy only
+    if a microbatch's round trip has no waits, and its 2(p - 1) messages and the interleaving of forwards
+    and backwards on each stage add some. Simulated (p = 2 to 16, M = 32 to 128, BI/F 1 to 2, message/F
+    0.05 to 1), 3p/2 took 0.72-1.0 of p's makespan, 2p most of the rest and 3p at most 4.5% more (only at
+    message = F). With 2BP, whose engine holds at most p microbatches' weight residuals, 2p gained at most
+    0.4% over 3p/2 (searching myelin-50b-offload.yaml and axonn-gpt-10b-4d.yaml). p/2 halves the
+    activations in flight for 1.5x-2x the makespan: in four memory-tight searches (myelin-100b on 16 GPUs,
+    with and without tensor layouts; myelin-50b and axonn-gpt-40b on 8) it let 8-47 layouts fit that did
+    not at p, none within 1.5x of the best plan, so it is not searched."""
+    larger = {min(m, k * p // 2) for k in ((3,) if split else (3, 4))}
+    return (0,) + tuple(sorted(lim for lim in larger if lim > p))
 
 
 def divisors(n: int) -> list[int]:
@@ -50,7 +75,30 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         # 2BP needs a pipeline to fill; ZB-H1 always splits.
                         if (split and pipe == 1) or (sched == "zb-h1" and not split):
                             continue
-                        yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat)
+                        for lim in myelin_limits(pipe, m, split) if sched == "myelin" else (0,):
+                            yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat, lim)
+
+
+def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: float, tensor: bool = True,
+           offload: bool | None = None):
+    """``(layout, score(layout), fits)`` for the :func:`layouts` worth scoring; ``fits``: within
+    ``memory_bytes`` and, for a larger Myelin limit, faster than the limit before it (else it holds more
+    for nothing). A larger limit is scored only where the one before it fits, is faster than its own
+    predecessor (or is the default), and is more than :data:`LIMIT_SLACK` above the pipeline time no limit
+    beats (``pipeline_floor_s``). Each is a simulation: searching myelin-50b-offload.yaml and
+    axonn-gpt-10b-4d.yaml on 16 GPUs, 57 of 675 and 115 of 923 larger limits gained over 0.5%; the floor
+    kept 62 and 132 to simulate, 52 and 88 of those, and the ones it skipped gained at most 0.6% and 0.9%.
+    The searches then take 12-18% more CPU time than with the default limit alone, not about twice."""
+    last = (None, False, 0.0)  # (layout at the default limit, worth a larger limit, step time)
+    for lay in layouts(cfg, gpus, global_batch, tensor, offload):
+        base = dataclasses.replace(lay, pipeline_limit=0)
+        if lay.pipeline_limit and not (last[0] == base and last[1]):
+            continue  # layouts() yields a layout's limits in a row, the default first
+        r = score(lay)
+        fits = r["memory_per_device_bytes"] <= memory_bytes and \
+            (not lay.pipeline_limit or r["predicted_step_s"] < last[2])
+        last = (base, fits and r["pipeline_s"] > (1 + LIMIT_SLACK) * r["pipeline_floor_s"], r["predicted_step_s"])
+        yield lay, r, fits
 
 
 @functools.lru_cache(maxsize=4096)

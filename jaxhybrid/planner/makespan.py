@@ -19,11 +19,28 @@ def sig2(x: float) -> float:
 @functools.lru_cache(maxsize=4096)
 def _fixed_schedule(schedule: str, p: int, m: int, split: bool, limit: int = 0):
     """A schedule whose rows do not depend on the costs, built once per shape for every ratio: any without
-    2BP, and Myelin's, whose rows are only each rank's pool of tasks (the simulator's message-driven policy
-    re-derives the order under the costs and ``limit``, Alg. 2)."""
+    2BP, and Myelin's, whose rows are only each rank's pool of tasks: the simulator's message-driven policy
+    re-derives the order under the costs and ``limit`` (Alg. 2) and reads the rows only as a pool, so
+    they are the pool as it is, not ordered by a run of the policy at unit costs (make_schedule's rows)."""
+    from jaxhybrid.pipeline.generators import gpipe_rows
     from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.pipeline.tasks import Kind, Schedule
 
-    return make_schedule(schedule, p, m, split, pipeline_limit=limit)
+    if schedule == "myelin":
+        rows = tuple(map(tuple, gpipe_rows(p, m, Kind.BI if split else Kind.B)))
+        return Schedule("myelin", rows, tuple(range(p)), m, split, "message-driven", limit)
+    return make_schedule(schedule, p, m, split)
+
+
+def makespan_floor(p: int, m: int, split: bool, bi: float, bw: float, msg: float) -> float:
+    """A makespan (F = 1) that no schedule or limit beats: the last stage starts only once the first
+    forward has crossed the p - 1 stages and messages before it; it then runs all m microbatches' F and
+    B (or BI, and BW: m (1 + bi + bw)), and its last backward still crosses the p - 1 stages back, with
+    stage 0's BW of it after that under 2BP. Where a simulated makespan is within 1% of it, a larger
+    Myelin limit (V-A) can gain at most 1% (the planner's search does not try one then)."""
+    if not split:
+        bi, bw = bi + bw, 0.0
+    return (p - 1) * (1 + msg) + max(m * (1 + bi + bw), m * (1 + bi) + (p - 1) * (bi + msg) + bw)
 
 
 def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:

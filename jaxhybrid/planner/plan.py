@@ -1,11 +1,11 @@
 """Ranked plans: every feasible layout of G GPUs, best predicted step time first.
 
 A layout (:mod:`jaxhybrid.planner.layouts`) is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a
-schedule (GPipe, 1F1B or Myelin's message-driven Alg. 2, each with or without the 2BP split; ZB-H1 with it),
-activation recomputation (none, dots, or Myelin's checkpoint interval) and optimizer offload. Each is scored
-by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory per device exceeds the hardware's are
-dropped. A plan file (``--out``) carries the config overrides that ``jaxhybrid train --set
-plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
+schedule (GPipe, 1F1B or Myelin's message-driven Alg. 2 at a few pipeline limits, V-A, each with or without
+the 2BP split; ZB-H1 with it), activation recomputation (none, dots, or Myelin's checkpoint interval) and
+optimizer offload. Each is scored by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory
+per device exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
+``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.costs import read_json
-from jaxhybrid.planner.layouts import divisors, layouts, tensor_fits
+from jaxhybrid.planner.layouts import divisors, search, tensor_fits
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
-             "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
+             "pipeline_limit", "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
@@ -76,11 +76,11 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
-    for lay in layouts(cfg, gpus, global_batch, tensor, offload):
-        r = evaluate(cfg, lay, machine, seq, bucket_size)
+    for lay, r, fits in search(cfg, gpus, global_batch, lambda lay: evaluate(cfg, lay, machine, seq, bucket_size),
+                               machine.memory_bytes, tensor, offload):
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
             smallest = (r["memory_per_device_bytes"], lay)
-        if r["memory_per_device_bytes"] <= machine.memory_bytes:
+        if fits:
             plans.append({**asdict(lay), **r})
     if smallest is None:
         raise ValueError(f"no layout of {gpus} GPUs is valid for {cfg.name} (n_layers={cfg.n_layers}, "
@@ -152,7 +152,7 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
     pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
             "microbatches": plan["microbatches"]}
-    if plan["schedule"] == "myelin":  # the limit it was modelled with (the search's: 0, stages), whatever the run set
+    if plan["schedule"] == "myelin":  # the limit it was modelled with (0: stages), whatever the run set
         pipe["pipeline_limit"] = plan.get("pipeline_limit", 0)
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
            "optim": {"offload": plan["offload"]},

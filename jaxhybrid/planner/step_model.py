@@ -17,7 +17,7 @@ from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.metrics import attention_core_flops, forward_flops
 from jaxhybrid.model.config import ModelConfig, block_matmuls
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
-from jaxhybrid.planner.makespan import pipeline_makespan, sig2
+from jaxhybrid.planner.makespan import makespan_floor, pipeline_makespan, sig2
 from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
     optimal_checkpoint_interval, param_state_bytes
 from jaxhybrid.planner.param_shards import stage_params_per_device
@@ -100,7 +100,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     """Predicted step time, exposed communication and peak memory per device of one layout; with offload
     the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's);
     ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A). ``param_state_bytes``
-    is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports."""
+    is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
+    ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`)."""
     b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
     tokens = b * seq
     d = cfg.d_model
@@ -151,10 +152,12 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # GPipe's order would hold all M.
     if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
         makespan, states = lay.microbatches * (F + BI + BW), (((1, 0),),)
+        floor = makespan
     else:
+        ratios = sig2(BI / F), sig2(BW / F), sig2(msg / F)
         make, states = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches, lay.split_backward,
-                                         sig2(BI / F), sig2(BW / F), sig2(msg / F), lay.pipeline_limit)
-        makespan = make * F
+                                         *ratios, lay.pipeline_limit)
+        makespan, floor = make * F, makespan_floor(lay.pipeline, lay.microbatches, lay.split_backward, *ratios) * F
     # Each leaf as the trainer shards it: vectors are not split over the whole grid (param_shards).
     stage_phi = stage_params_per_device(cfg, parts, lay.tensor_col, lay.tensor_row, lay.tensor_depth, letters)
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
@@ -195,5 +198,6 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
-            "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "data_allreduce_s": data_ar,
-            "offload_s": offload_s, "param_state_bytes": param_state, "partition": list(parts)}
+            "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "pipeline_floor_s": floor,
+            "data_allreduce_s": data_ar, "offload_s": offload_s, "param_state_bytes": param_state,
+            "partition": list(parts)}
