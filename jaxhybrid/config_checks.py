@@ -175,20 +175,14 @@ def _tensor_layout_errors(cfg: Config) -> list[str]:
     """The tensor engines' own divisibility rules (:func:`~jaxhybrid.tensor.sharding.check_layout`) on the
     mesh this config builds: one process's (data, depth, row, col) mesh in tensor mode, each rank's
     (1, depth, row, col) mesh under a pipeline; with the sizes, one axis changed at a time, that fit."""
-    from jaxhybrid.tensor.mesh import MeshShape
-    from jaxhybrid.tensor.sharding import check_layout
+    from jaxhybrid.tensor.sharding import run_layout_error
 
     p = cfg.parallel
-    data = p.data if cfg.on_mesh else 1
     sizes = {"tensor_depth": p.tensor_depth, "tensor_row": p.tensor_row, "tensor_col": p.tensor_col}
 
     def error(s: dict) -> str | None:
-        shape = MeshShape(data, s["tensor_depth"], s["tensor_row"], s["tensor_col"])
-        try:
-            check_layout(cfg.model, shape, cfg.microbatch_size * data, cfg.tensor.optimizations)
-        except ValueError as e:
-            return str(e)
-        return None
+        return run_layout_error(cfg.model, p.pipeline, p.data, s["tensor_depth"], s["tensor_row"], s["tensor_col"],
+                                cfg.microbatch_size, cfg.tensor.optimizations)
 
     message = error(sizes)
     if message is None:

@@ -67,8 +67,7 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                     m = global_batch // (data * b)
                     if b > max_microbatch or (pipe > 1 and m < pipe):
                         continue
-                    mesh_data = data if pipe == 1 else 1  # tensor mode puts the replicas on the mesh
-                    if gc * gr * gd > 1 and not tensor_fits(cfg, mesh_data, gd, gr, gc, b * mesh_data):
+                    if gc * gr * gd > 1 and not tensor_fits(cfg, pipe, data, gd, gr, gc, b):
                         continue
                     scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
@@ -102,15 +101,9 @@ def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: 
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_fits(cfg: ModelConfig, data: int, depth: int, row: int, col: int, rows: int) -> bool:
-    """Whether the tensor engines accept the mesh (:func:`~jaxhybrid.tensor.sharding.check_layout`, the rule
-    the config validation applies): every split dim, the vocabulary over col among them, and the batch rows
-    over data x depth."""
-    from jaxhybrid.tensor.mesh import MeshShape
-    from jaxhybrid.tensor.sharding import check_layout
+def tensor_fits(cfg: ModelConfig, pipeline: int, data: int, depth: int, row: int, col: int, microbatch: int) -> bool:
+    """Whether the tensor engines accept the mesh the layout builds: the rule the config validation applies
+    (:func:`~jaxhybrid.tensor.sharding.run_layout_error`), cached per layout shape."""
+    from jaxhybrid.tensor.sharding import run_layout_error
 
-    try:
-        check_layout(cfg, MeshShape(data, depth, row, col), rows, TensorConfig.optimizations)
-    except ValueError:
-        return False
-    return True
+    return run_layout_error(cfg, pipeline, data, depth, row, col, microbatch, TensorConfig.optimizations) is None

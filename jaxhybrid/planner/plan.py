@@ -135,7 +135,7 @@ def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
             for c in divisors(rest):
                 for r in divisors(rest // c):
                     d = rest // (c * r)  # depth splits the microbatch's rows: at least d of them
-                    if rest > 1 and not tensor_fits(cfg, 1, d, r, c, d):
+                    if rest > 1 and not tensor_fits(cfg, pipe, 1, d, r, c, d):
                         continue
                     lay = Layout(pipe, 1, c, r, d, d, pipe, "1f1b", False, True, "full")
                     if evaluate(cfg, lay, machine, seq, bucket_size)["memory_per_device_bytes"] <= machine.memory_bytes:

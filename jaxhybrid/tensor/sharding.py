@@ -76,6 +76,19 @@ def check_layout(c: ModelConfig, shape: MeshShape, batch_rows: int, letters: str
                          "parallel.tensor_* sizes or model dims.")
 
 
+def run_layout_error(c: ModelConfig, pipeline: int, data: int, depth: int, row: int, col: int, microbatch: int,
+                     letters: str = "ABCDE") -> str | None:
+    """:func:`check_layout`'s message for the mesh a run builds, None when it fits: with one pipeline stage
+    (tensor mode) one (data, depth, row, col) mesh over the replicas' rows, else each pipeline rank's
+    (1, depth, row, col) mesh over its own microbatch (``microbatch``: sequences per replica)."""
+    mesh_data = data if pipeline == 1 else 1
+    try:
+        check_layout(c, MeshShape(mesh_data, depth, row, col), microbatch * mesh_data, letters)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def param_spec(path: tuple[str, ...], letters: str) -> P:
     """PartitionSpec of one parameter from its path in the flat ``Model.init`` dict."""
     if path[0] == "embed":
