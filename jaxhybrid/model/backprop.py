@@ -194,6 +194,10 @@ class TapOps(Ops):
         return getattr(object.__getattribute__(self, "inner"), name)
 
     @property
+    def saved_names(self) -> tuple[str, ...]:
+        return self.inner.saved_names
+
+    @property
     def reference(self) -> bool:
         """Whether the wrapped ops are exactly the reference :class:`Ops`, whose linear sites are plain
         ``x @ W + b`` (tensor-parallel ops replay their own code, collectives included)."""

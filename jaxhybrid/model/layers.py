@@ -30,6 +30,12 @@ class Ops:
     ``mlp.down``) so a parallel ops object can choose a layout per site (e.g. AxoNN optimization A).
     """
 
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """``checkpoint_name`` tags of values a recomputation policy must keep rather than recompute
+        (a parallel ops object's gathered weights, AxoNN optimization E); none for one device."""
+        return ()
+
     def dense(self, x: Array, kernel: Array, bias: Array | None = None, *, name: str = "") -> Array:
         y = jnp.einsum("...i,io->...o", x, kernel)
         return y if bias is None else y + bias

@@ -72,9 +72,11 @@ def resolve_records(records: list, vjp: Any) -> list:
     return [leaves[r.index] if isinstance(r, VjpRef) else r for r in records]
 
 
-def remat_save_policy(remat: str):
+def remat_save_policy(remat: str, also_save: tuple[str, ...] = ()):
     """The jax.checkpoint policy that decides what the forward keeps for the input pass; None (remat
     "none"): no checkpoint, plain ``jax.vjp``, which keeps every intermediate the input pass reads.
+    ``also_save``: the ops object's :attr:`~jaxhybrid.model.layers.Ops.saved_names` (a tensor-parallel
+    stage's gathered weights: AxoNN optimization E, so the input pass does not gather them again).
 
     Why not a save-everything policy: plain ``jax.vjp`` keeps the same arrays, but XLA builds a leaner
     forward of it (XLA's count of bytes accessed, 4-block stages at 4 x 128 tokens, float32:
@@ -88,7 +90,7 @@ def remat_save_policy(remat: str):
         # statistics. Why not ``dots_with_no_batch_dims_saveable``: it saves the bare matmul outputs, and
         # recomputing ``matmul + tap`` then keeps each site's tap, a zero array of the site output's size,
         # as a residual too (gpt-small-cpu block: 48.4 -> 32.3 bytes per token and model width in bf16).
-        return jax.checkpoint_policies.save_only_these_names(SITE_OUTPUT, NORM_STATS)
+        return jax.checkpoint_policies.save_only_these_names(SITE_OUTPUT, NORM_STATS, *also_save)
     raise ValueError(f"remat={remat!r} has no save policy (full uses segment recomputation)")
 
 

@@ -97,7 +97,8 @@ class StagePasses(StageChecks):
         # The vjp of the cast copy (Model.cast_matrices): its casts are inputs, so they become slots.
         self.trace_counts["forward"] += 1
         pc = self.model.cast_matrices(params)
-        y, vjp, records, index = self._tapped_vjp(0, pc, x, targets, rs.remat_save_policy(self.remat))
+        policy = rs.remat_save_policy(self.remat, self.model.ops.saved_names)
+        y, vjp, records, index = self._tapped_vjp(0, pc, x, targets, policy)
         vjp = rs.strip_params(vjp, pc)
         return y, vjp, rs.share_records(records, vjp), Static(index)
 

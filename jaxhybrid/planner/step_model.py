@@ -83,6 +83,18 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
     return {"none": none, "kept": kept, "weight_residuals": wres, "gathered_w": gathered}
 
 
+def gathered_weights(lay: Layout, letters: str) -> dict:
+    """Where a layer's all-gathered W (AxoNN Alg. 1 line 13) lives, as the engines keep it (measured in
+    their lowered programs: ``tests/unit/test_plan_gathered.py``). ``kept``: stored with each block's
+    activations per microbatch, not gathered again: remat none, and dots with optimization E (Sec. IV-E,
+    the ops' ``saved_names`` in either engine's save policy). ``cached_full``: remat full in the whole-model
+    engine with E: every block's gathered W is saved through the recomputation; a pipeline stage's
+    segments recompute everything, the all-gathers included."""
+    e = "E" in letters
+    return {"kept": lay.remat == "none" or (lay.remat == "dots" and e),
+            "cached_full": lay.remat == "full" and lay.pipeline == 1 and e}
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a layout runs on: peak flop/s of the dtype times an efficiency, memory, network, and whether
@@ -119,25 +131,40 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
                                           lay.data, tr), bw_, db) for k, n, tr in mm]  # per matmul, eq. 9
     per_blk = {key: sum(t[key] for t in times) for key in times[0] if key != "total"}
     head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, lay.tensor_col, lay.tensor_row,
-                                        lay.tensor_depth, lay.data), bw_, db)
-    # Bottleneck stage: per-microbatch F, BI, BW (2BP: BI ~ the input-gradient matmuls, BW ~ the weight ones).
-    # The last stage's load includes the head, which can outweigh several blocks (GPT-2 small's: 4.5):
-    # the most blocks is not the slowest stage then. On a tie, the stage with more blocks (more collectives).
-    last_s = len(parts) - 1
-    slow = max(range(len(parts)), key=lambda s_: (parts[s_] * f_blk + (f_head if s_ == last_s else 0.0), parts[s_]))
-    nb = parts[slow]
-    last_extra = f_head if slow == last_s else 0.0
-    fwd_comm = nb * (per_blk["all_gather"] + per_blk["all_reduce_fwd"])
-    bwd_comm = nb * (per_blk["reduce_scatter"] + per_blk["all_reduce_bwd"])
-    recompute = lay.remat == "full"
+                                        lay.tensor_depth, lay.data), bw_, db)  # the vocabulary projection
     # The stage's attention kernel, by attention_kernel's own rule (a 2-byte dtype: bf16 or fp16).
     flash = machine.flash_attention and cfg.attention != "xla" and \
         not cudnn_unmet("bfloat16" if db == 2 else "float32", cfg.head_dim)
-    F = nb * f_blk + last_extra + fwd_comm
     f_attn = attn_flops / (machine.flops_per_s * ts)  # attention core: no weights, backward = 2 x forward
-    BI = nb * (f_blk + f_attn) + last_extra + nb * per_blk["all_reduce_bwd"] + (F if recompute else 0.0)
-    BI += nb * f_attn if lay.remat == "dots" else 0.0  # dots recomputes the attention core
-    BW = nb * (f_blk - f_attn) + last_extra + nb * per_blk["reduce_scatter"]
+    g = gathered_weights(lay, letters)
+    last_s = len(parts) - 1
+
+    def phases(n_: int, last: bool) -> tuple[dict, dict]:
+        """(compute, comm) seconds of F, BI, BW per microbatch for a stage of ``n_`` blocks (2BP: BI ~ the
+        input-gradient matmuls, BW ~ the weight ones); the last stage also runs the head, whose collectives
+        are eqs. 4-7 of the vocabulary projection like any layer's (AxoNN Sec. V, eq. 9 over all layers)."""
+        h = 1.0 if last else 0.0
+        ag, ar_f = n_ * per_blk["all_gather"] + h * head["all_gather"], n_ * per_blk["all_reduce_fwd"] + h * head["all_reduce_fwd"]
+        comp = {"F": n_ * f_blk + h * f_head, "BI": n_ * (f_blk + f_attn) + h * f_head, "BW": n_ * (f_blk - f_attn) + h * f_head}
+        comm = {"F": ag + ar_f, "BI": n_ * per_blk["all_reduce_bwd"] + h * head["all_reduce_bwd"],
+                "BW": n_ * per_blk["reduce_scatter"] + h * head["reduce_scatter"]}
+        if lay.remat == "full":  # the backward runs the forward again: the whole model's blocks, a stage's head too
+            rh = h if lay.pipeline > 1 else 0.0
+            comp["BI"] += n_ * f_blk + rh * f_head
+            comm["BI"] += (0.0 if g["cached_full"] else n_ * per_blk["all_gather"] + rh * head["all_gather"]) + \
+                n_ * per_blk["all_reduce_fwd"] + rh * head["all_reduce_fwd"]
+        elif lay.remat == "dots":  # recomputes the attention core (and, without E, re-gathers the weights)
+            comp["BI"] += n_ * f_attn
+            comm["BI"] += 0.0 if g["kept"] else n_ * per_blk["all_gather"]
+        return comp, comm
+
+    # Bottleneck stage: the last stage's head can outweigh several blocks (GPT-2 small's: 4.5), so the most
+    # blocks is not the slowest stage then. On a tie, the stage with more blocks (more collectives).
+    loads = [phases(n_, s_ == last_s) for s_, n_ in enumerate(parts)]
+    slow = max(range(len(parts)), key=lambda s_: (sum(loads[s_][0].values()) + sum(loads[s_][1].values()), parts[s_]))
+    comp, comm_ = loads[slow]
+    nb = parts[slow]
+    F, BI, BW = (comp[k] + comm_[k] for k in ("F", "BI", "BW"))
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
     msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
     span = 2 * ts
@@ -165,14 +192,19 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
                   for s_, n_ in enumerate(parts))
     if lay.pipeline > 1 or ts == 1:  # replicas are MPI ranks: MPI reduces no half floats, so float32 travels
         data_ar *= 4 / db  # (optim/allreduce.py); a tensor mesh reduces in the compute dtype (eq. 8 as is)
+    else:
+        # The tensor engine reduces each layer's gradient over data inside its backward (tensor/linear.py),
+        # so each microbatch of its accumulation scan runs eq. 8 (once per step would need the gradients
+        # unreduced across the scan: JAX's unreduced shardings, which need Explicit mesh axes).
+        data_ar *= lay.microbatches
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device
     # Serial, not overlapped (V-C): with global-norm clipping (optim.grad_clip, on by default) every chunk
     # is reduced before the first bucket updates, and only ``prefetch`` buckets are fetched meanwhile.
     step = makespan + data_ar + offload_s
-    # remat full runs each forward's collectives again in the backward (BI's F above).
-    tensor_comm = (lay.microbatches + lay.pipeline - 1) * (fwd_comm * (2 if recompute else 1) + bwd_comm)
+    # remat full runs each forward's collectives again in the backward (phases' BI).
+    tensor_comm = (lay.microbatches + lay.pipeline - 1) * sum(comm_.values())
     comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
     blk = block_bytes_per_device(cfg, lay, seq, db, flash)
@@ -185,12 +217,17 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         last = s == len(parts) - 1
         state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
         param_state = max(param_state, state)
-        if recompute:  # the head is in the last segment: recomputed with it
+        if lay.remat == "full":  # the head is in the last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
-            stash = math.ceil(n_ / ac) * bnd
-            transient = min(ac, n_) * (blk_none + blk_gathered) + (head_act if last else 0.0)
+            if g["cached_full"]:  # E: every block's gathered W is saved from the forward to its backward
+                stash, transient = math.ceil(n_ / ac) * bnd + n_ * blk_gathered, min(ac, n_) * blk_none
+            else:
+                stash, transient = math.ceil(n_ / ac) * bnd, min(ac, n_) * (blk_none + blk_gathered)
+            transient += head_act if last else 0.0
         else:
-            stash, transient = n_ * (blk_kept + blk_gathered) + (head_act if last else 0.0), 0.0
+            kept_w = blk_gathered if g["kept"] else 0.0  # else gathered again, one layer at a time
+            stash = n_ * (blk_kept + kept_w) + (head_act if last else 0.0)
+            transient = blk_gathered - kept_w
         wres = n_ * residual + (head_res if last else 0.0)
         if last:
             transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient

@@ -20,12 +20,12 @@ per node the outer mesh axes (data, then depth) cross nodes and column, the inne
 inside a node, which is the hierarchy of AxoNN Sec. V. ``tests/mpi/test_mpi_resume.py`` trains a
 (2, 1, 2, 2) mesh over two CPU processes against the one-process run and resumes it.
 """
-from jaxhybrid.tensor.engine import TensorEngine, order_microbatches, tensor_remat
+from jaxhybrid.tensor.engine import TensorEngine, order_microbatches
 from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
 from jaxhybrid.tensor.mesh import AXES, MeshShape, factorizations, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
 from jaxhybrid.tensor.sharding import check_layout, param_shardings, param_spec
 
-__all__ = ["TensorEngine", "order_microbatches", "tensor_remat", "NORMAL", "TRANSPOSED", "Layout", "Linear3D",
+__all__ = ["TensorEngine", "order_microbatches", "NORMAL", "TRANSPOSED", "Layout", "Linear3D",
            "Switches", "AXES", "MeshShape", "factorizations", "make_mesh", "TensorOps", "check_layout",
            "param_shardings", "param_spec"]

@@ -17,17 +17,9 @@ from jaxhybrid.config import whole_model_interval
 from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.step import accumulated_step, mean_loss
-from jaxhybrid.tensor.linear import ALLGATHER_NAME
 from jaxhybrid.tensor.mesh import MeshShape, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
 from jaxhybrid.tensor.sharding import batch_sharding, check_layout, param_shardings
-
-
-def tensor_remat(name: str, cache_allgather: bool):
-    """The block-recomputation wrapper: :func:`jaxhybrid.model.remat_policy`'s, and with optimization E the
-    gathered weights (the named all-gather outputs of :mod:`jaxhybrid.tensor.linear`) saved, not re-gathered
-    (AxoNN Sec. IV-E)."""
-    return remat_policy(name, (ALLGATHER_NAME,) if cache_allgather else ())
 
 
 def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:
@@ -66,7 +58,8 @@ class TensorEngine:
         self.shardings = param_shardings(self.reference.abstract_params(), self.mesh, self.ops.letters)
         self._batch_sharding = batch_sharding(self.mesh)
         self._init = jax.jit(self.reference.init, out_shardings=self.shardings)
-        remat = tensor_remat(cfg.train.remat, self.ops.switches.cache_allgather)
+        # Optimization E: the gathered weights are saved across recomputation (AxoNN Sec. IV-E).
+        remat = remat_policy(cfg.train.remat, self.ops.saved_names)
         interval = whole_model_interval(cfg)  # Myelin V-A's ac, as the single-device engine segments
         model = self.model
 

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxhybrid.config_checks import check_optimizations
 from jaxhybrid.model.layers import Ops, layer_norm, rms_norm
-from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
+from jaxhybrid.tensor.linear import ALLGATHER_NAME, NORMAL, TRANSPOSED, Layout, Linear3D, Switches
 from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW
 
 STREAM = ROW  # mesh axis that splits the residual stream's features
@@ -66,6 +66,13 @@ class TensorOps(Ops):
     @property
     def switches(self) -> Switches:
         return Switches.from_letters(self.letters)
+
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """Optimization E: the gathered weights (named in :mod:`jaxhybrid.tensor.linear`) are kept across
+        recomputation, not gathered again. Only with a depth axis: without one the "gathered" W is the
+        parameter itself, and saving the shard_map's copy would stash one more weight per microbatch."""
+        return (ALLGATHER_NAME,) if self.switches.cache_allgather and self.mesh.shape[DEPTH] > 1 else ()
 
     def layout(self, site: str) -> Layout:
         """Optimization A: stream writers transposed, everything else normal."""
