@@ -71,23 +71,39 @@ def zb_h1_rows(stages: int, microbatches: int) -> Rows:
     return rows
 
 
-def madpipe_groups(stage_costs: Sequence[tuple[float, float]], period: float) -> tuple[int, ...]:
-    """MadPipe Sec. 4.1 grouping: from the last stage backwards, add stages to the current group while
-    its load ``sum U(s) = U_F(s) + U_B(s)`` stays ``<= period``; returns the group number ``g`` of each
-    stage (group 1 holds the last stage). A stage of group ``g`` stores exactly ``g`` activations.
+def resource_groups(loads: Sequence[float], period: float) -> list[int]:
+    """MadPipe Sec. 4.1's rule over a chain of resources (stages, or stages and links interleaved): from the
+    last resource backwards, add resources to the current group while its total load stays ``<= period``
+    (a relative slack of 1e-12 absorbs float sums); the group number of each resource (1: the last one's).
+    Raises ValueError if one resource alone exceeds the period."""
+    if max(loads) > period * (1 + 1e-12):
+        raise ValueError(f"period {period:.6g} is below the largest stage or link load {max(loads):.6g}")
+    groups, g, acc = [0] * len(loads), 1, 0.0
+    for i in range(len(loads) - 1, -1, -1):
+        if acc + loads[i] > period * (1 + 1e-12):
+            g, acc = g + 1, 0.0
+        acc += loads[i]
+        groups[i] = g
+    return groups
+
+
+def madpipe_groups(stage_costs: Sequence[tuple[float, float]], period: float,
+                   links: Sequence[float] | None = None) -> tuple[int, ...]:
+    """MadPipe Sec. 4.1 grouping of stages with loads ``U(s) = U_F(s) + U_B(s)``; returns the group number
+    ``g`` of each stage (group 1 holds the last stage). A stage of group ``g`` stores exactly ``g``
+    activations. ``links``: the load of each boundary between stages (its activation forward and gradient
+    back), resources of their own between the stages (a P-stage partition is 2P - 1 resources); none: free.
     """
     loads = [float(f) + float(b) for f, b in stage_costs]
     if period < max(loads):
         worst = max(range(len(loads)), key=loads.__getitem__)
         raise ValueError(f"1F1B* period {period} is below the load U = F + B = {loads[worst]} of stage "
                          f"{worst}; use a period >= {max(loads)}")
-    groups, g, acc = [0] * len(loads), 1, 0.0
-    for s in reversed(range(len(loads))):
-        if acc + loads[s] > period:
-            g, acc = g + 1, 0.0
-        acc += loads[s]
-        groups[s] = g
-    return tuple(groups)
+    links = [0.0] * (len(loads) - 1) if links is None else [float(c) for c in links]
+    if len(links) != len(loads) - 1:
+        raise ValueError(f"{len(links)} link loads for {len(loads)} stages; need one per boundary")
+    chain = [x for s, u in enumerate(loads) for x in ([u] if s == 0 else [links[s - 1], u])]
+    return tuple(resource_groups(chain, period)[::2])
 
 
 def check_groups(groups: Sequence[int], stages: int) -> tuple[int, ...]:

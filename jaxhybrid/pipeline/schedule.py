@@ -98,7 +98,7 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     elif key == "gpipe":
         rows = gen.gpipe_rows(stages, microbatches, back)
     elif key == "1f1b-star":
-        rows = gen.one_f_one_b_star_rows(_star_groups(stages, opts), microbatches, back)
+        rows = gen.one_f_one_b_star_rows(_star_groups(stages, opts, costs), microbatches, back)
     else:
         rows = gen.one_f_one_b_rows(stages, microbatches, back)
     if split_backward:
@@ -113,7 +113,9 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     return Schedule(key, _freeze(rows), identity, microbatches, split_backward, "static", pipeline_limit)
 
 
-def _star_groups(stages: int, opts) -> tuple[int, ...]:
+def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
+    """MadPipe 4.1's groups at ``period``: each boundary's messages (activation on, gradient back) are a
+    resource of their own between the stages."""
     if opts.get("groups") is not None:
         return gen.check_groups(opts["groups"], stages)
     stage_costs = opts.get("stage_costs") or [(1.0, 2.0)] * stages
@@ -122,7 +124,8 @@ def _star_groups(stages: int, opts) -> tuple[int, ...]:
     period = opts.get("period")
     if period is None:
         period = max(f + b for f, b in stage_costs)
-    return gen.madpipe_groups(stage_costs, float(period))
+    links = [2 * costs.message_time(b) for b in range(stages - 1)]
+    return gen.madpipe_groups(stage_costs, float(period), links)
 
 
 def _myelin(stages, microbatches, split, pipeline_limit, costs) -> Schedule:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxhybrid.pipeline.generators import resource_groups
 from jaxhybrid.planner.chain import Chain, Stage, check_processors
 
 
@@ -24,20 +25,8 @@ def _items(chain: Chain, stages: list[Stage]) -> list[float]:
 
 
 def group_numbers(loads: list[float], period: float) -> list[int]:
-    """1F1B* groups: from the last resource, add resources while the group's load stays <= period.
-
-    Returns the group index (1 = the group of the last stage) of every resource, or raises ValueError if
-    one resource alone exceeds the period.
-    """
-    if max(loads) > period * (1 + 1e-12):
-        raise ValueError(f"period {period:.6g} is below the largest stage or link load {max(loads):.6g}")
-    groups, g, acc = [0] * len(loads), 1, 0.0
-    for i in range(len(loads) - 1, -1, -1):
-        if acc + loads[i] > period * (1 + 1e-12):
-            g, acc = g + 1, 0.0
-        acc += loads[i]
-        groups[i] = g
-    return groups
+    """1F1B* groups of the resources (1 = the group of the last stage): MadPipe Sec. 4.1's rule."""
+    return resource_groups(loads, period)
 
 
 def stage_groups(chain: Chain, stages: list[Stage], period: float) -> list[int]:

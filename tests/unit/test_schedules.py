@@ -117,6 +117,21 @@ def test_1f1b_star_groups_and_memory():
     assert peak_stashed(explicit) == [2, 1, 1]
 
 
+def test_1f1b_star_counts_the_links_as_resources():
+    """MadPipe 4.1: with messages of 1 time unit each way, a 4-stage chain of U = 3 is 7 resources of
+    loads 3, 2, 3, 2, 3, 2, 3; at T = 6 the stages fall in groups 4, 3, 2, 1 and the pattern runs a
+    microbatch per period. Grouped on the stages alone (2, 2, 1, 1), stages waited for messages that the
+    groups gave no room for: 584 instead of 301 for 64 microbatches."""
+    assert madpipe_groups([(1, 2)] * 4, 6, links=[2, 2, 2]) == (4, 3, 2, 1)
+    assert madpipe_groups([(1, 2)] * 4, 6) == (2, 2, 1, 1)
+    costs = Costs.uniform(4, 1.0, 1.0, 1.0, latency=1.0)
+    sch = make_schedule("1f1b-star", 4, 64, stage_costs=[(1, 2)] * 4, period=6, costs=costs)
+    assert peak_stashed(sch) == [4, 3, 2, 1]
+    assert simulate(sch, costs).makespan == pytest.approx(301)
+    with pytest.raises(ValueError, match="2 link loads for 4 stages"):
+        madpipe_groups([(1, 2)] * 4, 6, links=[2, 2])
+
+
 def test_memory_saving_variant_runs_bw_half_way():
     full = make_schedule("1f1b-2", 4, 8, True)
     half = make_schedule("1f1b-2", 4, 8, True, memory_saving=True)
