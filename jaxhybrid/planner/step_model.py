@@ -194,8 +194,11 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         data_ar *= 4 / db  # (optim/allreduce.py); a tensor mesh reduces in the compute dtype (eq. 8 as is)
     else:
         # The tensor engine reduces each layer's gradient over data inside its backward (tensor/linear.py),
-        # so each microbatch of its accumulation scan runs eq. 8 (once per step would need the gradients
-        # unreduced across the scan: JAX's unreduced shardings, which need Explicit mesh axes).
+        # so each microbatch of its accumulation scan runs eq. 8 (compiled for the CPU: the all-reduce sits
+        # in the loop body). Once per step would need the gradients unreduced across the scan: JAX's
+        # unreduced shardings need Explicit mesh axes, and a shard_map manual over data around the
+        # per-layer ones failed Shardy's verifier (jax 0.10.2). XLA:GPU's while-loop all-reduce code
+        # motion may sink it out of the loop; unmeasured, so the model keeps the program's count.
         data_ar *= lay.microbatches
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
