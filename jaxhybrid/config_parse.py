@@ -116,9 +116,24 @@ def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: '{part}' is both a value and a section")
-        node[parts[-1]] = value
+                raise ConfigError(f"--set {key}: '{part}' is both a value and a section{_preset_hint(part, node)}")
+        last, old = parts[-1], node.get(parts[-1])
+        if isinstance(old, dict):
+            # Keys set one by one before: a mapping adds to them; a plain value would drop them unsaid.
+            if not isinstance(value, dict):
+                raise ConfigError(f"--set {key}={raw}: '{key.strip()}' is a section, set key by key by another "
+                                  f"--set{_preset_hint(last, value) if len(parts) == 1 else ''}")
+            value = merge(old, value, f"{key.strip()}.")
+        node[last] = value
     return tree
+
+
+def _preset_hint(section: str, value: Any) -> str:
+    """``--set model=NAME`` names a preset and replaces the whole model section; with other ``model.*``
+    keys, the preset goes in ``model.name``, which takes them on top (as a YAML file's ``model:`` does)."""
+    if section != "model" or not isinstance(value, str):
+        return ""
+    return f"; to change fields of preset {value!r}, name it with --set model.name={value}"
 
 
 def merge(a: dict, b: dict, prefix: str = "") -> dict:
