@@ -137,10 +137,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ladder-shape takes one grid, got {len(args.ladder_shape)}")
     ladder_shape = args.ladder_shape[0]
     # Every grid is checked (device count, the model's divisibility) before the first one compiles.
-    for shape in [*shapes, ladder_shape]:
+    # Each grid named by the flag that gave it: the ladder's default 1,2,2,2 fails any --devices but 8.
+    for flag, shape in [*(("--only", s) for s in shapes), ("--ladder-shape", ladder_shape)]:
         if math.prod(shape) != n:
-            raise ValueError(f"grid {','.join(map(str, shape))} has {math.prod(shape)} devices, not the {n} "
-                             f"JAX has (--devices sets the fake CPU devices)")
+            raise ValueError(f"{flag} grid {','.join(map(str, shape))} has {math.prod(shape)} devices, not the {n} "
+                             f"JAX has (--devices sets the fake CPU devices); give {flag} a grid of {n}")
         _cfg(args, shape, "ABCDE")
     rows = []
     for shape in shapes:
