@@ -20,7 +20,8 @@ def saved_config(run_dir: str | Path):
 
 
 def config_changes(old, new, keys=None) -> list[str]:
-    """``"key: old -> new"`` for each dotted key (default: every field but ``run.resume``) that differs."""
+    """``"key: old -> new"`` for each dotted key (default: every field but ``run.resume`` and ``plan.file``,
+    which ``config.yaml`` does not keep: the plan's values are compared one by one) that differs."""
     def get(c, key):
         sec, name = key.split(".")
         return getattr(getattr(c, sec), name)
@@ -28,7 +29,7 @@ def config_changes(old, new, keys=None) -> list[str]:
     if keys is None:
         sections = [f.name for f in dataclasses.fields(new) if dataclasses.is_dataclass(getattr(new, f.name))]
         keys = [f"{sec}.{f.name}" for sec in sections for f in dataclasses.fields(getattr(new, sec))
-                if (sec, f.name) != ("run", "resume")]
+                if (sec, f.name) not in (("run", "resume"), ("plan", "file"))]
     return [f"{k}: {get(old, k)} -> {get(new, k)}" for k in keys if get(old, k) != get(new, k)]
 
 
@@ -66,7 +67,13 @@ def write_run_config(run_dir: Path, cfg, step: int) -> None:
         print(f"jaxhybrid: resuming at step {step} with changed settings: {'; '.join(changes)} (the earlier "
               f"config is kept as config.step{step}.yaml)", file=sys.stderr, flush=True)
     tmp = saved.with_name(".config.yaml.tmp")  # replaced whole: a crash leaves the old file or the new one
-    tmp.write_text(dump_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=False))))
+    # The values a plan file set are in the dump already; naming the file as well would apply it again over
+    # them, so an edit of this file (pipeline.microbatches, ...) would be undone, and the file would need the
+    # plan (as it is now) to train at all. A comment keeps where the layout came from.
+    fresh = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=False),
+                                plan=dataclasses.replace(cfg.plan, file=""))
+    head = f"# layout from plan file {cfg.plan.file} (its values below; plan.file cleared)\n" if cfg.plan.file else ""
+    tmp.write_text(head + dump_config(fresh))
     tmp.replace(saved)
 
 
