@@ -91,8 +91,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--period applies to --schedule 1f1b-star only, not {args.schedule}")
         f, bi, bw = (float(x) for x in args.costs.split(","))
         opts.update(stage_costs=[(f, bi + bw)] * args.stages, period=args.period)
+    if args.message_bytes and math.isinf(args.bandwidth):
+        raise ValueError(f"--message-bytes {args.message_bytes:g} needs --bandwidth BYTES_PER_S: at the default "
+                         f"infinite bandwidth a message's size costs nothing")
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.split_backward,
                              pipeline_limit=args.pipeline_limit or 0, **opts)
+    if args.residual_bytes is not None and not schedule.split_backward:
+        raise ValueError(f"--residual-bytes weighs what 2BP keeps from BI to BW: it needs --split-backward "
+                         f"(zb-h1 is always split); {args.schedule} without it keeps --activation-bytes per "
+                         f"microbatch until the fused backward")
     validate_schedule(schedule, costs=costs)
     result = simulate(schedule, costs)
     if args.trace:
