@@ -37,6 +37,11 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.rounds < 1:
         raise ValueError(f"--steps {args.steps} and --rounds {args.rounds} must be >= 1")
     cfg = load_config(args.config, ["metrics.progress=false", "metrics.tensorboard=false"] + args.overrides)
+    if cfg.world_size > 1:  # the trainer's check would say "launch with -n", which does not run a benchmark
+        p = cfg.parallel
+        raise ValueError(f"bench step times one process's trainer, but parallel.pipeline({p.pipeline}) x "
+                         f"parallel.data({p.data}) = {cfg.world_size} is a job of MPI ranks: time pipelines with "
+                         f"`jaxhybrid bench pipeline`, or set pipeline=1 and data=1 (or parallel.mesh_data=true)")
     trainer = Trainer(cfg, writes_run_dir=False)  # times steps only: run.dir is neither read nor written
     model, transform = trainer.model, build_transform(cfg.optim, cfg.train.steps)
     decay = decay_mask(cfg.optim)
