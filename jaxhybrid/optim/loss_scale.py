@@ -34,9 +34,20 @@ class LossScale:
         return replace(self, good_steps=good)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "dynamic": self.dynamic}
 
     def load_state_dict(self, d: dict) -> "LossScale":
+        """The saved scale, where the saved run scaled as this one does. A resume may change the compute
+        dtype: a static run (float32, bfloat16) keeps its fixed 1.0 whatever was saved (a float16 run's
+        32768 would stay fixed, never halving on overflow), and a dynamic run resumed from a static one
+        starts at ``precision.loss_scale_init`` (the saved 1.0 would leave float16 gradients unscaled, one
+        doubling per ``loss_scale_window`` steps). Checkpoints written before ``dynamic`` was saved: a
+        static run's state is scale 1.0 with no good steps counted."""
+        saved_dynamic = d.get("dynamic")
+        if saved_dynamic is None:
+            saved_dynamic = not (float(d["scale"]) == 1.0 and int(d["good_steps"]) == 0)
+        if not self.dynamic or not saved_dynamic:
+            return self
         return replace(self, scale=float(d["scale"]), good_steps=int(d["good_steps"]))
 
 
