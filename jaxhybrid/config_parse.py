@@ -62,11 +62,15 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 return int(float(value)) if "e" in value.lower() else int(value)
             return int(value)
         if typ is float:
+            if isinstance(value, bool):  # float(True) is 1.0: optim.lr=true read as a learning rate of 1
+                raise ValueError
             return float(value)
         if typ is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
-            return str(value)
+            # YAML's null (null, ~, an empty value) is "none": the empty string every path and name key
+            # takes for that, not a file or run directory named "None".
+            return "" if value is None else str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
     return value
