@@ -145,6 +145,11 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     except ValueError as e:
         errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
                       f"pipeline.microbatches={pl.microbatches}: {e}")
+    if pl.schedule == "zb-h1" and not pl.split_backward and p.pipeline > 1:
+        # ZB-H1 is made of the split passes (its weight passes fill the bubbles): it runs them either way,
+        # so a false here would be ignored without a word, and the planner scores zb-h1 as split.
+        errors.append("pipeline.schedule='zb-h1' always splits the backward into input and weight passes; "
+                      "set pipeline.split_backward=true (or choose 1f1b without the split)")
     if pl.transport not in ("mpi4jax", "mpi4py"):
         errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
     if pl.weight_join not in ("auto", "sum", "concat"):

@@ -50,7 +50,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 if low in ("0", "false", "no", "off"):
                     return False
                 raise ValueError
-            if isinstance(value, (bool, int)):
+            if isinstance(value, bool) or value in (0, 1):  # optim.offload=2 is a typo, not "on"
                 return bool(value)
             raise ValueError
         if typ is int:

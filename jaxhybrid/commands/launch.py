@@ -37,7 +37,7 @@ from jaxhybrid.launch_env import RANK_CPUS_ENV
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks (G_inter x G_data)")
-    p.add_argument("--timeout", type=int, default=0, help="MPIEXEC_TIMEOUT in seconds (0: none)")
+    p.add_argument("--timeout", type=int, default=0, help="MPIEXEC_TIMEOUT in seconds (0: the environment's MPIEXEC_TIMEOUT if set, else none)")
     p.add_argument("--mpiexec", default="", help="mpiexec to use (default: the one next to this Python)")
     p.add_argument("--cores", type=positive_int, default=None, help="how many of the CPUs this process may use "
                    "(its affinity) to share among the ranks, the first ones (default: all)")

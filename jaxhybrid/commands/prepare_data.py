@@ -1,5 +1,5 @@
 """``jaxhybrid prepare-data --out DIR [--input FILE ...] [--tokenizer byte|bpe] [--vocab-size N]
-[--val-fraction F]``: tokenize text (your files, or the built-in KJV corpus) into token memmaps."""
+[--val-fraction F] [--overwrite]``: tokenize text (your files, or the built-in KJV corpus) into token memmaps."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BPE vocabulary including the 256 byte symbols (default 512); bpe only")
     p.add_argument("--val-fraction", type=float, default=0.02,
                    help="tail of the token stream held out as val.bin, in [0, 1) (default 0.02)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already prepared in --out (runs trained on it cannot resume)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +24,15 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.data import prepare_data
     from jaxhybrid.data.dataset import TokenDataset
 
+    from pathlib import Path
+
+    from jaxhybrid.data.prepare import META
+
+    # A prepared dataset is what runs trained on it resume from (their fingerprint of its tokens): like
+    # export's --out, replacing one takes asking for it.
+    if (Path(args.out) / META).exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out} already holds a prepared dataset ({META}); choose another --out, "
+                         f"or pass --overwrite to replace it")
     check_writable(args.out, "--out", directory=True)  # before the corpus is read and tokenized (BPE: trained)
     out = prepare_data(args.out, args.input or None, args.tokenizer, args.vocab_size, args.val_fraction)
     meta = TokenDataset(out).meta

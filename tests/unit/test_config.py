@@ -27,6 +27,8 @@ BAD = [
      ["pipeline.microbatches=1", "parallel.pipeline=2", "zb-h1"]),
     (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b-2"], ["2 x stages = 4"]),
     (["pipeline.schedule=zigzag"], ["zigzag", "gpipe"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=zb-h1"],
+     ["'zb-h1' always splits", "pipeline.split_backward=true"]),
     (["pipeline.weight_join=stack"], ["pipeline.weight_join='stack'", "auto, sum or concat"]),
     (["precision.compute_dtype=int8"], ["int8", "bfloat16"]),
     (["optim.bucket_size=0"], ["bucket_size=0"]),

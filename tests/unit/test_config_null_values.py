@@ -31,3 +31,11 @@ def test_yaml_file_null(tmp_path):
 def test_boolean_is_not_a_float():
     with pytest.raises(ConfigError, match=r"^optim\.lr: cannot read True as float$"):
         load_config("configs/runs/tiny.yaml", ["optim.lr=true"])
+
+
+def test_an_integer_other_than_0_or_1_is_not_a_boolean():
+    """YAML reads ``offload: 2`` as the integer 2: a typo, not "on" (it read as true)."""
+    with pytest.raises(ConfigError, match=r"^optim\.offload: cannot read 2 as bool$"):
+        load_config("configs/runs/tiny.yaml", ["optim.offload=2"])
+    f = __import__("pathlib").Path("configs/runs/tiny.yaml").resolve()
+    assert load_config(f, ["optim.offload=1"]).optim.offload is True

@@ -257,6 +257,15 @@ def test_cli_prepare_data(tmp_path, capsys):
     rc = main(["prepare-data", "--out", str(tmp_path / "bad"), "--input", str(tmp_path / "missing.txt")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "missing.txt" in err and len(err.splitlines()) == 1 and not (tmp_path / "bad").exists()
+    # A prepared dataset is not replaced unless asked (runs trained on it resume from its tokens).
+    before = (tmp_path / "out" / "train.bin").read_bytes()
+    other = _write(tmp_path, "other.txt", "something else entirely\n" * 50)
+    assert main(["prepare-data", "--out", str(tmp_path / "out"), "--input", str(other)]) == 2
+    assert capsys.readouterr().err == (f"jaxhybrid prepare-data: error: --out {tmp_path}/out already holds a prepared "
+                                       f"dataset (meta.json); choose another --out, or pass --overwrite to replace it\n")
+    assert (tmp_path / "out" / "train.bin").read_bytes() == before
+    assert main(["prepare-data", "--out", str(tmp_path / "out"), "--input", str(other), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "train.bin").read_bytes() != before
 
 
 def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
