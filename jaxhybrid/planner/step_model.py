@@ -144,10 +144,11 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         input-gradient matmuls, BW ~ the weight ones); the last stage also runs the head, whose collectives
         are eqs. 4-7 of the vocabulary projection like any layer's (AxoNN Sec. V, eq. 9 over all layers)."""
         h = 1.0 if last else 0.0
-        ag, ar_f = n_ * per_blk["all_gather"] + h * head["all_gather"], n_ * per_blk["all_reduce_fwd"] + h * head["all_reduce_fwd"]
-        comp = {"F": n_ * f_blk + h * f_head, "BI": n_ * (f_blk + f_attn) + h * f_head, "BW": n_ * (f_blk - f_attn) + h * f_head}
-        comm = {"F": ag + ar_f, "BI": n_ * per_blk["all_reduce_bwd"] + h * head["all_reduce_bwd"],
-                "BW": n_ * per_blk["reduce_scatter"] + h * head["reduce_scatter"]}
+        coll = {key: n_ * per_blk[key] + h * head[key] for key in per_blk}  # this stage's collectives
+        comp = {"F": n_ * f_blk + h * f_head, "BI": n_ * (f_blk + f_attn) + h * f_head,
+                "BW": n_ * (f_blk - f_attn) + h * f_head}
+        comm = {"F": coll["all_gather"] + coll["all_reduce_fwd"], "BI": coll["all_reduce_bwd"],
+                "BW": coll["reduce_scatter"]}
         if lay.remat == "full":  # the backward runs the forward again: the whole model's blocks, a stage's head too
             rh = h if lay.pipeline > 1 else 0.0
             comp["BI"] += n_ * f_blk + rh * f_head
@@ -163,7 +164,6 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     loads = [phases(n_, s_ == last_s) for s_, n_ in enumerate(parts)]
     slow = max(range(len(parts)), key=lambda s_: (sum(loads[s_][0].values()) + sum(loads[s_][1].values()), parts[s_]))
     comp, comm_ = loads[slow]
-    nb = parts[slow]
     F, BI, BW = (comp[k] + comm_[k] for k in ("F", "BI", "BW"))
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
     msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
@@ -220,7 +220,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         last = s == len(parts) - 1
         state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
         param_state = max(param_state, state)
-        if lay.remat == "full":  # the head is in the last segment: recomputed with it
+        if lay.remat == "full":  # a stage's head is in its last segment: recomputed with it
             ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
             if g["cached_full"]:  # E: every block's gathered W is saved from the forward to its backward
                 stash, transient = math.ceil(n_ / ac) * bnd + n_ * blk_gathered, min(ac, n_) * blk_none
