@@ -64,7 +64,9 @@ class Trainer:
         self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
-        self.lr = lr_schedule(cfg.optim, cfg.train.steps)  # the updater's schedule, for the logged lr
+        # The updater's schedule, for the logged lr; jitted as the update computes it (eager optax: 0.99 ms
+        # a step in dispatches, jitted 0.04 ms, on this CPU).
+        self.lr = jax.jit(lr_schedule(cfg.optim, cfg.train.steps))
         self.rank = int(getattr(self.engine, "rank", 0))
         self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")
                          and getattr(self.engine, "streams_reduced_chunks", False))
