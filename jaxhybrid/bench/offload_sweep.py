@@ -30,7 +30,7 @@ def main() -> None:
     import optax
     from mpi4py import MPI
 
-    from jaxhybrid.optim.allreduce import allreduce_flat, iter_reduced_chunks
+    from jaxhybrid.optim.allreduce import iter_reduced_chunks
     from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 
     world = MPI.COMM_WORLD
@@ -47,8 +47,9 @@ def main() -> None:
     def opt_only(k):
         box["state"], box["flat"], _ = opt.step(box["state"], grads, box["flat"])
 
-    def reduce_only(k):
-        allreduce_flat(grads, comm, k * a.bucket_size).block_until_ready()
+    def reduce_only(k):  # the chunks that (c) feeds the optimizer, drained
+        for _, _, chunk in iter_reduced_chunks(grads, comm, k * a.bucket_size):
+            chunk.block_until_ready()
 
     def both(k):
         box["state"], box["flat"], _ = opt.step(box["state"], chunks=iter_reduced_chunks(grads, comm, k * a.bucket_size),

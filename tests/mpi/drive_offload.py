@@ -10,6 +10,10 @@ and leaves the host state unchanged.
 Case ``pipeline`` (G_inter = 2, the real ``PipelineEngine``): each rank offloads its own stage; 5 steps
 of ``OffloadUpdater`` must equal 5 steps of ``DeviceUpdater`` bit for bit on both stages, with the
 clip norm summed over stages and an injected overflow (infinite loss scale) skipped on both ranks.
+Case ``allreduce-tree``: ``allreduce_tree`` over the data column keeps its reduction rules, checked bit for
+bit against sums of the gathered leaves: the leaves flattened to their common dtype, half floats summed
+in float32 (MPI has no half type) and cast back, times the scale in that dtype, each leaf back in its own
+dtype, shape and device.
 Rank 0 prints ``CASE name ok|FAIL`` lines; the exit code is 1 if any case failed.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 import optax
 from mpi4py import MPI
 
-from jaxhybrid.optim.allreduce import iter_reduced_chunks
+from jaxhybrid.optim.allreduce import allreduce_tree, iter_reduced_chunks
 from jaxhybrid.optim.offload import OffloadedOptimizer
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
@@ -123,10 +127,38 @@ def case_pipeline(dtype: str = "float32") -> None:
     engine.close()
 
 
+def case_allreduce_tree() -> None:
+    comm = WORLD.Split(0, WORLD.rank)
+    rng = np.random.default_rng(WORLD.rank)
+
+    def make(dtypes):
+        return {"a": jnp.asarray(rng.normal(size=(5, 7)), dtypes[0]), "z": jnp.zeros((0, 3), dtypes[1]),
+                "b": [jnp.asarray(rng.normal(size=(11,)) * 1e3, dtypes[1]), jnp.asarray(rng.normal(), dtypes[0])]}
+
+    for dtypes in ((jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)):
+        tree = make(dtypes)
+        common = jnp.result_type(*dtypes)
+        wire = np.float32 if common == jnp.bfloat16 else common
+        gathered = comm.allgather(jax.tree.map(np.asarray, tree))
+        for scale in (None, 0.3):
+            def want(*xs, dt):
+                total = sum(np.asarray(x, common).astype(wire) for x in xs).astype(common)
+                return (total if scale is None else total * np.asarray(scale, common)).astype(dt)
+
+            ref = jax.tree.map(lambda x, *xs: want(*xs, dt=x.dtype), tree, *gathered)
+            got = allreduce_tree(tree, comm, 4, scale)
+            assert jax.tree.structure(got) == jax.tree.structure(tree)
+            for g, r, x in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(tree)):
+                assert g.dtype == x.dtype and g.shape == x.shape and g.sharding == x.sharding, (g, x)
+                assert np.asarray(g).tobytes() == r.tobytes(), (dtypes, scale, np.asarray(g), r)
+    comm.Free()
+
+
 def main() -> int:
     failures = 0
     for name, fn in (("data-k1", lambda: case_data(1)), ("data-k2", lambda: case_data(2)),
-                     ("pipeline-2stage", case_pipeline), ("pipeline-2stage-bf16", lambda: case_pipeline("bfloat16"))):
+                     ("pipeline-2stage", case_pipeline), ("pipeline-2stage-bf16", lambda: case_pipeline("bfloat16")),
+                     ("allreduce-tree", case_allreduce_tree)):
         try:
             fn()
             ok = 1

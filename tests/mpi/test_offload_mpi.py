@@ -1,4 +1,5 @@
-"""Offloaded optimizer under mpirun -n 2: G_data = 2 with chunk-fed overlap, and a 2-stage pipeline."""
+"""Offloaded optimizer under mpirun -n 2: G_data = 2 with chunk-fed overlap, and a 2-stage pipeline; the
+data-parallel ``allreduce_tree``'s dtype rules."""
 from __future__ import annotations
 
 import subprocess
@@ -20,5 +21,5 @@ def test_offload_bit_exact_under_mpirun():
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    for case in ("data-k1", "data-k2", "pipeline-2stage", "pipeline-2stage-bf16"):
+    for case in ("data-k1", "data-k2", "pipeline-2stage", "pipeline-2stage-bf16", "allreduce-tree"):
         assert f"CASE {case} ok" in out.stdout, text[-4000:]
