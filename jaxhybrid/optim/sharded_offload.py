@@ -4,7 +4,9 @@ Myelin V-B per device: every device streams, in buckets, the fp32 master weights
 the parameter shards it owns, and writes their compute-precision copies. AxoNN's layouts replicate some
 shards over mesh axes (norm weights, biases, the data axis), so each distinct shard of a leaf is owned
 by one of the devices holding it (:func:`~jaxhybrid.optim.shard_owners.assign_owners`); the other holders
-receive the owner's updated shard by a device-to-device copy. Every
+receive the owner's updated shard: in one process, from one jitted program over the mesh that cuts every
+leaf out of the owners' flat vectors and all-gathers it over the axes it is replicated on
+(:class:`~jaxhybrid.optim.shard_gather.OwnerGather`); across processes, by device-to-device copies. Every
 owner applies the same global clip factor (``sq`` is the squared norm of the global gradients), so the
 result equals the single-device optimizer's, shard by shard.
 
@@ -27,6 +29,7 @@ import numpy as np
 from jaxhybrid.optim.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
+from jaxhybrid.optim.shard_gather import OwnerGather
 from jaxhybrid.optim.shard_owners import assign_owners, shard_key
 from jaxhybrid.optim.updater import _stats, decay_mask
 
@@ -58,6 +61,7 @@ class ShardedOffloadUpdater:
         self.opts: dict[int, OffloadedOptimizer] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.owned: dict[int, list[tuple[int, tuple]]] = {}  # device id -> [(leaf, shard key)]
+        self._gather: OwnerGather | None = None  # the one-program assembly (one process), from init
 
     # -- ownership ---------------------------------------------------------------------------------
     def _plan(self, params: Any) -> None:
@@ -67,6 +71,11 @@ class ShardedOffloadUpdater:
         self.gspec = FlatSpec(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params))
         self.index, self.devices, self.owned = assign_owners(leaves)
         self.opts = {i: self._make(self.devices[i]) for i, items in self.owned.items() if items}
+        # Every local holder of every leaf and the key of the shard it holds, in the sharding's order: planned
+        # once (``addressable_devices_indices_map`` walks every device of the mesh; _assemble ran it per step).
+        self._holders = [[(dev, shard_key(index)) for dev, index in s.addressable_devices_indices_map(shape).items()]
+                         for shape, s in zip(self.shapes, self.shardings)]
+        self._leaves_like = leaves
 
     def _local(self, leaves: list) -> dict[int, list]:
         """Each owning device's data of its shards, from global arrays laid out like the params (one pass
@@ -87,7 +96,14 @@ class ShardedOffloadUpdater:
     def init(self, params) -> ShardedOffloadState:
         self._plan(params)
         local = self._local(jax.tree.leaves(params))
-        return ShardedOffloadState({i: opt.init([np.asarray(x) for x in local[i]]) for i, opt in self.opts.items()})
+        state = ShardedOffloadState({i: opt.init([np.asarray(x) for x in local[i]]) for i, opt in self.opts.items()})
+        # Every device's flat vector is padded to the longest, so together they form one global array.
+        self._n = max(opt.layout.n for opt in self.opts.values())
+        self._gather = OwnerGather.build(self._leaves_like, self.owned,
+                                         {i: opt.spec.offsets for i, opt in self.opts.items()}, self._n)
+        self._zeros = {}  # device id -> the vector of a mesh device that owns nothing
+        del self._leaves_like
+        return state
 
     def compute_params(self, params):
         return jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
@@ -106,20 +122,40 @@ class ShardedOffloadUpdater:
                 opt.on_bucket(-1)
         release(grads)
 
+        gather = self._gather
+
         def one(i):
             opt = self.opts[i]
-            st, flat, info = opt.step(opt_state.per_device[i], flat_g.pop(i), loss_scale=scale, finite=finite, sq=sq)
-            return st, opt.params_tree(flat), info["grad_norm"]
+            # With the one-program assembly the buckets write into a vector of the common length (a skipped
+            # step returns the state's parameters, of the device's own length, instead: padded below).
+            buf = jnp.zeros((self._n,), self.compute_dtype, device=opt.device) if gather and finite else None
+            st, flat, info = opt.step(opt_state.per_device[i], flat_g.pop(i), buf, loss_scale=scale,
+                                      finite=finite, sq=sq)
+            if gather is None:
+                return st, opt.params_tree(flat), info["grad_norm"]
+            if flat.shape[0] != self._n:
+                flat = jnp.pad(flat, (0, self._n - flat.shape[0]))
+            return st, flat, info["grad_norm"]
 
         # One host thread per device: each waits on its own bucket transfers, so the devices stream their
         # buckets at the same time instead of one after another (JAX dispatch is thread-safe).
         if self._pool is None:
             self._pool = ThreadPoolExecutor(len(self.opts), thread_name_prefix="offload")
         results = dict(zip(self.opts, self._pool.map(one, self.opts)))
-        updated = {k: x for i, (_, parts, _) in results.items() for k, x in zip(self.owned[i], parts)}
         gnorm = next(iter(results.values()))[2]
-        return (self._assemble(updated), ShardedOffloadState({i: r[0] for i, r in results.items()}),
-                jnp.float32(gnorm))
+        if gather is not None:
+            flats = {i: r[1] for i, r in results.items()}
+            for d in gather.devices:
+                if d.id not in flats:
+                    if d.id not in self._zeros:
+                        self._zeros[d.id] = jnp.zeros((self._n,), self.compute_dtype, device=d)
+                    flats[d.id] = self._zeros[d.id]
+            new = self.treedef.unflatten(gather(flats))
+            release([x for i, x in flats.items() if i in self.opts])  # the vectors, once the program read them
+        else:
+            updated = {k: x for i, (_, parts, _) in results.items() for k, x in zip(self.owned[i], parts)}
+            new = self._assemble(updated)
+        return new, ShardedOffloadState({i: r[0] for i, r in results.items()}), jnp.float32(gnorm)
 
     def _assemble(self, pieces: dict, kind: str | None = None) -> Any:
         """Global arrays with the params' shardings from one array per distinct shard (``pieces``: (leaf,
@@ -128,8 +164,8 @@ class ShardedOffloadUpdater:
         out = []
         for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
             parts = []
-            for dev, index in sharding.addressable_devices_indices_map(shape).items():
-                x = pieces[(k, shard_key(index))]
+            for dev, key in self._holders[k]:
+                x = pieces[(k, key)]
                 if kind or not isinstance(x, jax.Array):
                     x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
                 elif x.devices() != {dev}:

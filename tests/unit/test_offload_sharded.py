@@ -96,6 +96,21 @@ def test_same_gradients_give_the_single_device_offload_exactly(tensor_run):
     assert_tree_close(upd.state_dict(again), ref.state_dict(s), "exact", "loaded state_dict ")
 
 
+def test_skipped_step_keeps_the_parameters_on_every_holder(tensor_run):
+    """An overflowed step returns the state's parameters (each device's vector of its own length, padded
+    for the one-program assembly) with the params' shardings, every replica equal to its owner's."""
+    _, upd, params, state, _ = tensor_run
+    assert upd._gather is not None, "one process on one mesh: the updated leaves come from one program"
+    before = jax.device_get(params)
+    p = jax.tree.map(lambda x: x.copy(), params)
+    g = jax.tree.map(lambda x: x * 0, params)
+    out, again, _ = upd.apply(p, state, g, 1.0, np.float32(0), np.float32(1))
+    assert again.per_device.keys() == state.per_device.keys()
+    for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
+        assert x.sharding == y.sharding
+    assert_tree_close(jax.device_get(out), before, "exact", "skipped step params ")
+
+
 def test_tensor_mode_offload_matches_single_device_run(tensor_run):
     cfg, _, params, state, _ = tensor_run
     one = _cfg(**{"parallel.data": 1, "parallel.tensor_row": 1, "parallel.tensor_col": 1})
