@@ -17,21 +17,28 @@ def test_twenty_phi_without_offload():
 
 def test_four_phi_plus_sixteen_bsize_with_offload_plus_the_prefetched_bucket():
     """Myelin V-B's 4 phi + 16 bsize, plus the 12 bsize (fp32 theta and Adam state) of the bucket the
-    trainer's offloaded optimizer prefetches: the planner counts what memory.json reports, by the same
-    function, for every dtype and bucket size (a bucket is at most the device's parameters)."""
+    trainer's offloaded optimizer prefetches: the planner and memory.json both count the hand-computed bytes,
+    for every dtype and bucket size (a bucket is at most the device's parameters)."""
     from jaxhybrid.config import Config, OptimConfig, PrecisionConfig
     from jaxhybrid.optim.memory_report import report_from_config
 
     phi, bsize = 2_000_000_000, 16_000_000
     assert param_state_bytes(phi, offload=True, bucket_size=bsize) == 4 * phi + 28 * bsize
     assert 4.5 < param_state_bytes(phi) / param_state_bytes(phi, True, bsize) < 5  # Myelin's "5x", less the prefetch
+    # By hand, not by the function both sides call. float32 keeps no separate compute copies: 4 + 4 (theta,
+    # grad) + 8 (Adam) = 16 phi; offloaded, its float32 theta and grad stay (8 phi) beside the same 16 + 12
+    # bsize of buckets. A bucket is at most phi (10**12 > phi).
+    assert param_state_bytes(phi, dtype_bytes=4) == 16 * phi
+    assert param_state_bytes(phi, offload=True, bucket_size=bsize, dtype_bytes=4) == 8 * phi + 28 * bsize
+    without = {2: 20, 4: 16}  # phi multiples without offload, by compute dtype bytes
     for dtype, nbytes in (("bfloat16", 2), ("float32", 4)):
         for offload in (False, True):
             for bucket in (1 << 20, 1 << 24, 10**12):
+                want = 2 * nbytes * phi + 28 * min(bucket, phi) if offload else without[nbytes] * phi
                 cfg = Config(optim=OptimConfig(offload=offload, bucket_size=bucket),
                              precision=PrecisionConfig(compute_dtype=dtype))
-                assert param_state_bytes(phi, offload, bucket, dtype_bytes=nbytes) == \
-                    report_from_config(cfg, phi)["device_total"], (dtype, offload, bucket)
+                assert param_state_bytes(phi, offload, bucket, dtype_bytes=nbytes) == want, (dtype, offload, bucket)
+                assert report_from_config(cfg, phi)["device_total"] == want, (dtype, offload, bucket)
 
 
 def test_axonn_sharding_divides_state_by_the_grid():
