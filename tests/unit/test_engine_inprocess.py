@@ -54,9 +54,9 @@ def _on_rank_threads(p, body):
     return results
 
 
-def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None, join="sum"):
+def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None, join="sum", **opts):
     stages = _stages(model, p)
-    sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit)
+    sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit, **opts)
     hub = InProcessHub(p)
     mbs = jnp.asarray(split_batch(batch, 0, 1, M))
 
@@ -81,7 +81,11 @@ def reference():
 
 CASES = [(p, name, split) for p in (2, 4) for name in ("naive", "gpipe", "1f1b", "zb-h1", "myelin")
          for split in (False, True) if not (name == "zb-h1" and not split)]
-CASES += [(2, "1f1b-2", True), (4, "1f1b-1", False)]
+# At M = 4, 1f1b on 2 stages is 2BP's 1F1B-2 and on 4 stages its 1F1B-1 (the same rows: a 1f1b-K case
+# here would repeat one above). MadPipe's 1F1B* with groups other than 1F1B's (stages 0-1 and 2-3 each
+# one group: warm-ups 1, 1, 0, 0 instead of 3, 2, 1, 0) is a schedule of its own.
+CASES += [(4, "1f1b-star", False), (4, "1f1b-star", True)]
+STAR = {"groups": (2, 2, 1, 1)}
 
 
 # Trailing BWs of several microbatches: summed in one program (``sum``, the CPU default) everywhere above;
@@ -94,7 +98,8 @@ def test_event_loop_matches_single_device(reference, p, name, split, join):
     from jaxhybrid.model.stage import assemble_grads
 
     model, params, batch, loss, grads = reference
-    stages, results = _run_pipeline(model, params, batch, p, name, split, join=join)
+    stages, results = _run_pipeline(model, params, batch, p, name, split, join=join,
+                                    **(STAR if name == "1f1b-star" else {}))
     got_loss = results[-1].loss_sum / M
     assert_tree_close(got_loss, loss, "fp32_parity", f"{name} p={p} split={split} loss")
     got = assemble_grads(stages, [results[r].grads[r] for r in range(p)])
