@@ -108,11 +108,18 @@ def test_sharded_stage_stores_each_residual_once():
     assert_tree_close(got[1], got[0], "fp32_parity", "sharded stage with shared records")
 
 
+# How far the planner's block bytes may stand from a sharded stage's, measured on this test's block (gpt-tiny,
+# 4 x 32 tokens, 180-590 KB per device): where G_r = G_c the planner is 16 B under the stage on (2, 2, 2) and
+# (1, 2, 2) and 1008 B over on (2, 1, 1); elsewhere it is an upper bound, 1.13x on (1, 2, 1), 1.63x on
+# (1, 2, 4) and 1.64x on (1, 1, 2).
+PLANNER_SLACK = {"equal_bytes": 1024, "bound_ratio": 1.65}
+
+
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 2), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 4)])
 def test_planner_block_bytes_match_a_sharded_stage(mesh):
     """The planner's per-device bytes of a block (step_model.block_bytes_per_device: activations and
     gathered weights) against a sharded stage's own forward residuals per device: equal where G_r = G_c
-    (or both 1), an upper bound where one of them is alone or larger."""
+    (or both 1), an upper bound where one of them is alone or larger (within PLANNER_SLACK both)."""
     from jaxhybrid.planner.step_model import Layout, block_bytes_per_device
 
     depth, row, col = mesh
@@ -128,6 +135,6 @@ def test_planner_block_bytes_match_a_sharded_stage(mesh):
     blk = block_bytes_per_device(cfg.model, lay, 32, 4, flash=False)
     predicted = blk["kept"] + blk["gathered_w"]
     if row == col:
-        assert predicted == pytest.approx(measured, rel=0.01), (mesh, predicted, measured)
+        assert abs(predicted - measured) <= PLANNER_SLACK["equal_bytes"], (mesh, predicted, measured)
     else:
-        assert measured <= predicted, (mesh, predicted, measured)
+        assert measured <= predicted <= PLANNER_SLACK["bound_ratio"] * measured, (mesh, predicted, measured)
