@@ -77,13 +77,27 @@ def test_message_driven_order_follows_arrivals():
     p, m = 3, 6
     sch = make_schedule("myelin", p, m, True)  # rows: the order under unit costs
     validate_schedule(sch)
-    assert simulate(sch).orders == sch.rows
     slow_last = Costs((1.0, 1.0, 4.0), (1.0, 1.0, 4.0), (1.0, 1.0, 1.0), latency=0.3)
     res = simulate(sch, slow_last)
     assert res.orders != sch.rows  # the rule reacts to when messages arrive
     for row in res.orders:  # every microbatch's weight gradient exactly once
         assert sorted(mb for t in row if t.kind is Kind.BW for mb in t.microbatches) == list(range(m))
     validate_schedule(sch, costs=slow_last)
+
+
+def test_message_driven_2bp_order_by_hand():
+    """Alg. 2 + 2BP on 2 stages, 4 microbatches, unit costs (F = BI = BW = 1), pipeline_limit and weight
+    budget 2, derived by hand, not by the policy that builds the rows: rank 0 injects F0 F1, then one F per
+    BI of its own; the loss stage turns each F straight into its BI; a second pending weight pass forces the
+    oldest BW at once (rank 1 at t = 5, 8, 11; rank 0 at 6, 9), an idle rank runs one (rank 0 at t = 10),
+    and the last BI's pending BW follows it. Makespan 13, where fused 1F1B takes (M + P - 1) 3 = 15."""
+    def row(stage, text):
+        return [task(w[:-1], int(w[-1]), stage) for w in text.split()]
+
+    sch = make_schedule("myelin", 2, 4, True)
+    assert [list(r) for r in sch.rows] == [row(0, "F0 F1 BI0 F2 BI1 BW0 F3 BI2 BW1 BW2 BI3 BW3"),
+                                          row(1, "F0 BI0 F1 BI1 BW0 F2 BI2 BW1 F3 BI3 BW2 BW3")]
+    assert simulate(sch).makespan == 13
 
 
 def test_2bp_placement_uses_given_costs():
