@@ -56,11 +56,13 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_the_ranks_start(tm
         check_job(*_job(tmp_path / "run", *sets, config=config, flags=flags), n)
 
 
-def test_plan_file_and_train_arguments_are_read_once(tmp_path):
+def test_plan_file_and_train_arguments_are_read_once(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="plan file not found: nope.json"):
         _job(tmp_path, "plan.file=nope.json")
-    with pytest.raises(SystemExit):  # argparse's "jaxhybrid train: error: unrecognized arguments"
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, before any rank starts
         train_config(["--config", str(RUNS / "tiny.yaml"), "--bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "jaxhybrid train: error: unrecognized arguments: --bogus"
 
 
 @pytest.mark.parametrize("env,fails", [

@@ -133,8 +133,9 @@ def test_validator_rejects_a_broken_pattern():
     stages = [Stage(1, 3, 0), Stage(4, 6, 1)]
     pat = schedule_allocation(chain, stages)
     broken = type(pat)(pat.period, pat.ops, pat.start, tuple(0 for _ in pat.shift), pat.stages)
-    with pytest.raises(ValueError):
-        validate_pattern(chain, broken)  # all shifts 0: B1 cannot follow F2 of the same batch in time
+    # All shifts 0: the gradient's transfer back (cB0) would start before stage 1's B1 of its batch ends.
+    with pytest.raises(ValueError, match=r"^cB0 of batch 0 starts before B1 of batch 0 ends$"):
+        validate_pattern(chain, broken)
     tight = Chain.from_profile(random_profile(8, L=6), memory=1.0, bandwidth=2.0)
     with pytest.raises(ValueError, match="memory"):
         validate_pattern(tight, pat)
