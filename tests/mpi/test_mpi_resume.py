@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 
 
 def _launch(n: int, devices: int, config: str, run_dir, *sets: str, resume: bool = False,
-            flags: tuple[str, ...] = ()) -> str:
+            flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``jaxhybrid launch -n n`` of a 6-step run (``n=0``: ``jaxhybrid train`` in this one process)."""
     args = [f"run.dir={run_dir}", "train.steps=6", "checkpoint.every=3", "train.log_every=1", "train.eval_every=3",
             *sets]
@@ -32,7 +32,7 @@ def _launch(n: int, devices: int, config: str, run_dir, *sets: str, resume: bool
     cmd += [a for kv in args for a in ("--set", kv)] + (["--resume"] if resume else []) + list(flags)
     r = subprocess.run(cmd, env=_env(300, devices), cwd=ROOT, capture_output=True, text=True, timeout=360)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return r.stdout
+    return r
 
 
 def _losses(run_dir, key: str = "loss") -> dict[int, float]:
@@ -42,14 +42,30 @@ def _losses(run_dir, key: str = "loss") -> dict[int, float]:
     return {rec["step"]: rec[key] for rec in lines if key in rec}
 
 
+# The 2 x 2 grid with the host optimizer, its update fed chunk by chunk (2 buckets each) as the
+# data-parallel all-reduce produces them (Myelin V-C, on by default here): run A of its resume test and the
+# streamed side of test_streamed_allreduce_matches_reduce_then_update (one 4-rank job less).
+STREAMED_2X2 = ["optim.offload=true", "optim.bucket_size=20000", "optim.allreduce_coarsening=2"]
+
+
+@pytest.fixture(scope="module")
+def streamed_2x2(tmp_path_factory):
+    """``(run dir, finished launch)`` of the 6-step job with STREAMED_2X2."""
+    run = tmp_path_factory.mktemp("streamed_2x2") / "a"
+    return run, _launch(4, 1, "pipeline_2x2.yaml", run, *STREAMED_2X2)
+
+
 @pytest.mark.parametrize("n,devices,config,sets", [
     # 2 stages, each on a (1, 1, 2) tensor mesh whose devices offload the optimizer state of their shards
     (2, 2, "hybrid.yaml", ["parallel.data=1", "optim.offload=true", "optim.bucket_size=20000"]),
-    (4, 1, "pipeline_2x2.yaml", ["optim.offload=true", "optim.bucket_size=20000"]),  # 2 x 2, host optimizer
+    (4, 1, "pipeline_2x2.yaml", STREAMED_2X2),  # 2 x 2, host optimizer: run A is the streamed_2x2 fixture's
 ], ids=["hybrid-2x1-col2", "pipeline-2x2-offload"])
-def test_mpi_resume_is_bit_exact(tmp_path, n, devices, config, sets):
+def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
-    _launch(n, devices, config, a, *sets)
+    if config == "pipeline_2x2.yaml":
+        a = request.getfixturevalue("streamed_2x2")[0]  # read only: the resume runs in a copy
+    else:
+        _launch(n, devices, config, a, *sets)
     _check_export(a, tmp_path / "export")
     _check_resume(a, b, n, lambda: _launch(n, devices, config, b, *sets, resume=True))
 
@@ -71,21 +87,31 @@ def _check_export(run_dir, out) -> None:
     assert_tree_close(np.float32(val), np.float32(_losses(run_dir, "val_loss")[6]), "fp32_parity", "val_loss ")
 
 
-def test_streamed_allreduce_matches_reduce_then_update(tmp_path):
+def test_streamed_allreduce_matches_reduce_then_update(tmp_path, streamed_2x2):
     """Myelin V-C in the trainer: on the 2 x 2 grid with the offloaded optimizer, the update fed chunk by
     chunk (2 buckets each) as the data-parallel all-reduce produces them logs the losses and writes the
     checkpoints of reducing every gradient first (the clip norm is summed per chunk there, per leaf here)."""
-    sets = ["optim.offload=true", "optim.bucket_size=20000", "optim.allreduce_coarsening=2", "train.steps=4",
-            "checkpoint.every=4", "train.eval_every=0"]
-    on, off = tmp_path / "on", tmp_path / "off"
-    _launch(4, 1, "pipeline_2x2.yaml", on, *sets)
-    _launch(4, 1, "pipeline_2x2.yaml", off, *sets, "optim.stream_allreduce=false")
+    on, streamed = streamed_2x2
+    off = tmp_path / "off"
+    reduced = _launch(4, 1, "pipeline_2x2.yaml", off, *STREAMED_2X2, "optim.stream_allreduce=false")
+    # Both paths really ran: the trainer notes the clip's wait only when the engine streams reduced chunks
+    # (Trainer.overlap_note; a grid that cannot stream notes that the update waits instead), and says
+    # nothing of either with the stream off.
+    note = "jaxhybrid: note: optim.grad_clip=1.0: the global norm needs every reduced chunk"
+    assert note in streamed.stdout + streamed.stderr, (streamed.stdout + streamed.stderr)[-3000:]
+    assert "jaxhybrid: note: optim." not in reduced.stdout + reduced.stderr, (reduced.stdout + reduced.stderr)[-3000:]
     lon, loff = _losses(on), _losses(off)
-    assert sorted(lon) == [1, 2, 3, 4]
+    assert sorted(lon) == sorted(loff) == [1, 2, 3, 4, 5, 6]
     assert_tree_close([lon[s] for s in sorted(lon)], [loff[s] for s in sorted(loff)], "fp32_parity", "losses ")
-    for rank in sorted((on / "checkpoints").iterdir()):
-        got, want = (_without_key_bias(read_state(r / "checkpoints" / rank.name / "4" / "state")) for r in (on, off))
-        assert_tree_close(got, want, "fp32_parity", f"{rank.name} step-4 checkpoint, streamed vs not ")
+    von, voff = _losses(on, "val_loss"), _losses(off, "val_loss")
+    assert sorted(von) == sorted(voff) == [3, 6], (von, voff)
+    assert_tree_close(von, voff, "fp32_parity", "val losses ")
+    ranks = sorted(p.name for p in (on / "checkpoints").iterdir())
+    assert ranks == [f"rank_{r}" for r in range(4)], ranks
+    for rank in ranks:
+        for step in ("3", "6"):
+            got, want = (_without_key_bias(read_state(r / "checkpoints" / rank / step / "state")) for r in (on, off))
+            assert_tree_close(got, want, "fp32_parity", f"{rank} step-{step} checkpoint, streamed vs not ")
 
 
 def _check_resume(a, b, n: int, resume) -> None:
@@ -96,7 +122,7 @@ def _check_resume(a, b, n: int, resume) -> None:
     for rank in ranks:
         assert sorted(p.name for p in rank.iterdir() if p.name.isdigit()) == ["3", "6"]
         shutil.rmtree(rank / "6")
-    out = resume()
+    out = resume().stdout
     assert "step 4/6" in out and "step 3/6" not in out, out[-2000:]  # it resumed at 3, it did not restart
     la, lb = _losses(a), _losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
