@@ -151,7 +151,8 @@ def test_distributed_tensor_mode_matches_one_process_and_resumes(tmp_path, devic
     devices and writes the same checkpoint; then it resumes bit-exactly from step 3. With data=2 each
     process holds whole replicas; with data=1 the row axis spans the processes, so no process holds any
     sharded parameter whole (orbax writes each process's shards), and each device offloads the optimizer
-    state of the shards it owns to its process's host memory."""
+    state of the shards it owns to its process's host memory; one process with the same mesh then resumes
+    that checkpoint too (see _resume_in_one_process)."""
     # Adam's eps 1e-6, not 1e-8: an element whose gradient is near zero gets an update of about lr * g / |g|, so
     # the gloo reduction's summation order moved one mlp_up weight by 1.2e-5 relative once the warm-up's first
     # step trained; with 1e-6 every leaf agrees to 1.3e-6 (tensor parity and sharded offload do the same).
@@ -170,6 +171,26 @@ def test_distributed_tensor_mode_matches_one_process_and_resumes(tmp_path, devic
         got, want = got["params"], want["params"]  # updates it made are in the params (and resume checks it)
     assert_tree_close(got, want, "fp32_parity", "step-6 checkpoint, 2 processes vs 1 ")
     _check_resume(a, b, 1, lambda: _launch(2, devices, "tiny.yaml", b, *sets, resume=True, flags=("--distributed",)))
+    if offload:
+        _resume_in_one_process(a, tmp_path / "c", 2 * devices, sets)
+
+
+def _resume_in_one_process(a, c, devices: int, sets) -> None:
+    """A copy of the ``--distributed`` run ``a`` without its step-6 checkpoint, resumed by ONE process on
+    the same mesh: orbax must not stop at "Topology mismatch" (the compute params sharded over two
+    processes) or at the tree structure of the host state (saved per leaf across processes), and the
+    run must continue from a's step 3, optimizer state included: steps 4-6 log a's losses and end at a's
+    parameters (fp32_parity: one process reduces in another order than gloo). A fresh optimizer state
+    (Adam's moments and step count from zero) moves the step-6 parameters far beyond that."""
+    shutil.copytree(a, c)
+    shutil.rmtree(c / "checkpoints" / "rank_0" / "6")
+    out = _launch(0, devices, "tiny.yaml", c, *sets, resume=True).stdout
+    la, lc = _losses(a), _losses(c)
+    assert sorted(lc) == [1, 2, 3, 4, 5, 6], (lc, out[-2000:])
+    assert [lc[s] for s in (1, 2, 3)] == [la[s] for s in (1, 2, 3)]  # kept from a, not run again
+    assert_tree_close([lc[s] for s in (4, 5, 6)], [la[s] for s in (4, 5, 6)], "fp32_parity", "one-process resume losses ")
+    got, want = (_without_key_bias(read_state(r / "checkpoints" / "rank_0" / "6" / "state"))["params"] for r in (c, a))
+    assert_tree_close(got, want, "fp32_parity", "step-6 params, resumed by one process vs the 2-process run ")
 
 
 def test_distributed_run_starts_from_an_export(tmp_path):
