@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxhybrid.testing import assert_tree_close
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 BIN = Path(sys.executable).parent
@@ -187,7 +189,8 @@ def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
 # program), and, with the bitcast moved out, the Myelin config's 8 stages (message-driven, offload; it
 # hung with train.log_every=1, and trained once in two tries without it). The 2-stage job also runs over
 # the mpi4py transport, whose losses the mpi4jax one must reach; the 8-stage job is the hang's regression
-# test only (its ranks' parity is drive_parity.py's, over both transports), run once.
+# test (its ranks' parity is drive_parity.py's, over both transports), run once; its first loss, taken
+# before any update, must still be the model's on the first batch.
 PINNED_BF16 = {
     "2-stages": (2, "pipeline_2x2.yaml", ["parallel.data=1", "train.global_batch=8"]),
     "8-stages-myelin-offload": (8, "myelin-50b-offload.yaml", [
@@ -198,7 +201,8 @@ PINNED_BF16 = {
 
 @pytest.mark.parametrize("case", list(PINNED_BF16))
 def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(case, tmp_path):
-    """The job trains over the mpi4jax transport (and for 2 stages reaches the mpi4py transport's losses)."""
+    """The job trains over the mpi4jax transport (and for 2 stages reaches the mpi4py transport's losses);
+    its first loss is the single-device model's on the sampler's batch 0 (bfloat16 against float32)."""
     n, config, sets = PINNED_BF16[case]
     sets = sets + ["precision.compute_dtype=bfloat16", "train.steps=2", "train.log_every=1", "data.seq_len=64",
                    "train.eval_every=0", "pipeline.watchdog_s=60", "metrics.trace=false", "metrics.tensorboard=false", "metrics.plot=false",
@@ -218,9 +222,27 @@ def test_bf16_pipeline_trains_with_ranks_pinned_to_one_core(case, tmp_path):
 
     device = run("mpi4jax")
     assert np.isfinite([device["first_loss"], device["last_loss"]]).all(), device
+    assert_tree_close(np.float32(device["first_loss"]), _first_loss(tmp_path / "mpi4jax"), "bf16_parity",
+                      f"{case}: first loss vs one device ")
     if n == 2:
         host = run("mpi4py")
         assert (device["first_loss"], device["last_loss"]) == (host["first_loss"], host["last_loss"])
+
+
+def _first_loss(run_dir) -> np.float32:
+    """The float32 single-device loss of the run's initial parameters (``train.seed``) on its batch 0."""
+    import jax
+
+    from jaxhybrid.data import Sampler
+    from jaxhybrid.data.splits import open_dataset
+    from jaxhybrid.model import Model
+    from jaxhybrid.run_dir import saved_config
+
+    cfg = saved_config(run_dir)
+    batch = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).batch(0)
+    model = Model(cfg.model)
+    params = jax.jit(model.init)(jax.random.key(cfg.train.seed))
+    return np.float32(jax.jit(model.loss)(params, batch[:, :-1], batch[:, 1:]))
 
 
 def test_bench_pipeline_prints_side_by_side_json():
