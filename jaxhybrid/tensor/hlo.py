@@ -27,6 +27,10 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
+# XLA's mesh form (combined all-reduces): replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(0,2,1))
+# {'axis_0'}: device ids laid out on the named mesh, one group per value of the axes not in the braces.
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*"
+                   r"\{([^}]*)\}")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,25 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    sizes = [int(n) for _, n in names]
+    ids = np.arange(int(np.prod(sizes)))
+    if m.group(2):
+        ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+    ids = ids.reshape(sizes)
+    grouped = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(4)]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    size = int(np.prod([sizes[i] for i in grouped]))
+    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+
+
 def _groups(line: str) -> list[list[int]]:
+    m = _MESH.search(line)
+    if m:
+        return _mesh_groups(m)
     m = _IOTA.search(line)
     if m:
         g, s = int(m.group(1)), int(m.group(2))

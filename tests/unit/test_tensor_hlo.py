@@ -77,3 +77,21 @@ def test_parse_iota_groups_and_async_pairs():
     sched = "\n".join([line, "%f = f32[8] fusion(%a), kind=kLoop", "%d = f32[8] dot(%a, %b)",
                        "%done = f32[8,4] all-gather-done(%ag)"])
     assert hlo.async_overlap(sched) == [("all_gather", 2)]
+
+
+@pytest.mark.parametrize("spec", [("data",), ("depth",), (("data", "col"),), ("col",)], ids=str)
+def test_combined_allreduce_in_mesh_form_is_read(spec):
+    """XLA prints a combined all-reduce's groups as ``mesh['axis_0'=2,...], device_ids=([..]T(..))
+    {'axis_0'}``; before this form was parsed such collectives were dropped (no groups, p = 1), so the
+    gradient reductions the combiner merges were missing from every byte count."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh(MeshShape(2, 2, 1, 2))
+    split = NamedSharding(mesh, P(*spec))
+    f = jax.jit(lambda a, b: (a.sum(0), b.sum(0)), in_shardings=(split, split),
+                out_shardings=NamedSharding(mesh, P()))
+    text = f.lower(jnp.ones((8, 4)), jnp.ones((8, 3))).compile().as_text()
+    assert "replica_groups=mesh[" in text  # the form under test (jax 0.10.2's XLA)
+    (c,) = hlo.collectives(text, (2, 2, 1, 2))
+    axes = tuple(a for s in spec for a in (s if isinstance(s, tuple) else (s,)))
+    assert (c.op, c.axes, c.buffer_bytes) == ("all_reduce", axes, (4 + 3) * 4)
