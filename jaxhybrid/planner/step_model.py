@@ -195,9 +195,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     else:
         # The tensor engine reduces each layer's gradient over data inside its backward (tensor/linear.py),
         # so each microbatch of its accumulation scan runs eq. 8 (compiled for the CPU: the all-reduce sits
-        # in the loop body). Once per step would need the gradients unreduced across the scan: JAX's
-        # unreduced shardings need Explicit mesh axes, and a shard_map manual over data around the
-        # per-layer ones failed Shardy's verifier (jax 0.10.2). XLA:GPU's while-loop all-reduce code
+        # in the loop body). Once per step would need the gradients unreduced across the scan; the two
+        # ways tried meet jax 0.10.2 defects (README, known limits). XLA:GPU's while-loop all-reduce code
         # motion may sink it out of the loop; unmeasured, so the model keeps the program's count.
         data_ar *= lay.microbatches
     offload_s = 0.0
