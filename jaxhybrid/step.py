@@ -66,22 +66,40 @@ def mean_loss(model: Model, params: Params, mbs: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-def accumulated_step(loss_fn):
+def accumulated_step(loss_fn, replicas: int = 1, axis: str | None = None):
     """The jittable training step of the one-program engines (local and tensor): ``step(params, mbs,
     scale) -> (mean loss, mean gradients of loss * scale)`` over microbatches ``[M, mb, seq+1]``,
     accumulated in a ``lax.scan`` (one microbatch's activations live at a time); ``loss_fn(params, mb)``
-    is the model's mean loss on one microbatch. With ``M == 1`` it is ``jax.value_and_grad`` alone."""
-    def step(params, mbs, scale):
-        def one(carry, mb):
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
-            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+    is the model's mean loss on one microbatch. With ``M == 1`` it is ``jax.value_and_grad`` alone.
 
-        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        if mbs.shape[0] == 1:
-            (total, grads), _ = one(init, mbs[0])
-        else:
-            (total, grads), _ = jax.lax.scan(one, init, mbs)
+    ``replicas > 1`` (the tensor engine's data axis, ``axis``): each microbatch's rows are cut into that
+    many equal blocks, one per data replica, and ``loss_fn`` runs under ``jax.vmap`` over them
+    (``spmd_axis_name=axis``, so replica ``j``'s block and gradients live on replica ``j``). The
+    gradients come out stacked per replica, not summed, the scan accumulates each replica's own, and one
+    mean over replicas after it is AxoNN's data all-reduce (eq. 8) once per step instead of once per
+    microbatch. ``loss_fn`` must then be built for one replica's rows (``TensorOps.per_replica``).
+    """
+    def value_and_grad(params, mb, scale):
+        return jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
+
+    if replicas > 1:
+        value_and_grad = jax.vmap(value_and_grad, in_axes=(None, 0, None), spmd_axis_name=axis)
+
+    def step(params, mbs, scale):
         m = mbs.shape[0]
+        if replicas > 1:  # rows are ordered replica-major (data before depth in the batch sharding)
+            mbs = mbs.reshape(m, replicas, mbs.shape[1] // replicas, *mbs.shape[2:])
+
+        def one(carry, mb):
+            return jax.tree.map(jnp.add, carry, value_and_grad(params, mb, scale)), None
+
+        if m == 1:
+            total, grads = value_and_grad(params, mbs[0], scale)
+        else:
+            shapes = jax.eval_shape(value_and_grad, params, mbs[0], scale)  # per replica when vmapped
+            (total, grads), _ = jax.lax.scan(one, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), mbs)
+        if replicas > 1:
+            total, grads = jax.tree.map(lambda x: x.mean(0), (total, grads))
         return total / (m * scale), jax.tree.map(lambda x: x / m, grads)
 
     return step

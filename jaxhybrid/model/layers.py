@@ -135,11 +135,11 @@ def feature_mean(v: Array) -> Array:
 # ``mean`` is the feature mean: :func:`feature_mean` here, a psum over the axis that splits the features in
 # tensor parallelism (``jaxhybrid.tensor.ops``), so both layouts share this code and what it keeps.
 NORM_STATS = "norm_stats"  # checkpoint name of a norm's per-token statistics
-_KEEP_STATS = jax.checkpoint_policies.save_only_these_names(NORM_STATS)
+KEEP_STATS = jax.checkpoint_policies.save_only_these_names(NORM_STATS)
 
 
-@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(3, 4))
-def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean: Callable[[Array], Array]) -> Array:
+def layer_norm_body(x: Array, scale: Array, bias: Array | None, eps: float, mean: Callable[[Array], Array]) -> Array:
+    """LayerNorm without its checkpoint (:func:`layer_norm` is this under ``jax.checkpoint(KEEP_STATS)``)."""
     xf = x.astype(jnp.float32)
     mu = checkpoint_name(mean(xf), NORM_STATS)
     var = checkpoint_name(mean(jnp.square(xf - mu)), NORM_STATS)
@@ -147,11 +147,15 @@ def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float, mean: Cal
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
-@functools.partial(jax.checkpoint, policy=_KEEP_STATS, static_argnums=(2, 3))
-def rms_norm(x: Array, scale: Array, eps: float, mean: Callable[[Array], Array]) -> Array:
+def rms_norm_body(x: Array, scale: Array, eps: float, mean: Callable[[Array], Array]) -> Array:
+    """RMSNorm without its checkpoint (:func:`rms_norm` is this under ``jax.checkpoint(KEEP_STATS)``)."""
     xf = x.astype(jnp.float32)
     ms = checkpoint_name(mean(jnp.square(xf)), NORM_STATS)
     return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)
+
+
+layer_norm = jax.checkpoint(layer_norm_body, policy=KEEP_STATS, static_argnums=(3, 4))
+rms_norm = jax.checkpoint(rms_norm_body, policy=KEEP_STATS, static_argnums=(2, 3))
 
 
 def _gelu(u: Array) -> Array:

@@ -190,15 +190,12 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
-    if lay.pipeline > 1 or ts == 1:  # replicas are MPI ranks: MPI reduces no half floats, so float32 travels
-        data_ar *= 4 / db  # (optim/allreduce.py); a tensor mesh reduces in the compute dtype (eq. 8 as is)
-    else:
-        # The tensor engine reduces each layer's gradient over data inside its backward (tensor/linear.py),
-        # so each microbatch of its accumulation scan runs eq. 8 (compiled for the CPU: the all-reduce sits
-        # in the loop body). Once per step would need the gradients unreduced across the scan; the two
-        # ways tried meet jax 0.10.2 defects (README, known limits). XLA:GPU's while-loop all-reduce code
-        # motion may sink it out of the loop; unmeasured, so the model keeps the program's count.
-        data_ar *= lay.microbatches
+    if lay.pipeline > 1 or ts == 1 or lay.microbatches > 1:
+        # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py), and
+        # so does the tensor engine with microbatches: it accumulates each replica's float32 gradients
+        # over its scan and reduces them once after it (step.accumulated_step's replicas).
+        data_ar *= 4 / db
+    # else one microbatch on a tensor mesh: each layer's backward reduces in the compute dtype (eq. 8 as is)
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device

@@ -17,7 +17,7 @@ from jaxhybrid.config import whole_model_interval
 from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.step import accumulated_step, mean_loss
-from jaxhybrid.tensor.mesh import MeshShape, make_mesh
+from jaxhybrid.tensor.mesh import DATA, MeshShape, make_mesh
 from jaxhybrid.tensor.ops import TensorOps
 from jaxhybrid.tensor.sharding import batch_sharding, check_layout, param_shardings
 
@@ -62,8 +62,13 @@ class TensorEngine:
         remat = remat_policy(cfg.train.remat, self.ops.saved_names)
         interval = whole_model_interval(cfg)  # Myelin V-A's ac, as the single-device engine segments
         model = self.model
-
-        step = accumulated_step(lambda p, mb: model.loss(p, mb[:, :-1], mb[:, 1:], remat=remat, interval=interval))
+        # One microbatch: each layer's data all-reduce (eq. 8) runs in its backward and may overlap the
+        # layers below, as in AxoNN. Several: per-replica gradients accumulate over the scan and are
+        # reduced once after it, not M times (accumulated_step's replicas).
+        replicas = self.shape.data if self.microbatches > 1 else 1
+        train = Model(model_cfg, self.ops.per_replica(), cfg.precision.compute_dtype) if replicas > 1 else model
+        step = accumulated_step(lambda p, mb: train.loss(p, mb[:, :-1], mb[:, 1:], remat=remat, interval=interval),
+                                replicas, DATA)
         rep = NamedSharding(self.mesh, P())
         self._step = jax.jit(step, in_shardings=(self.shardings, self._batch_sharding, rep),
                              out_shardings=(rep, self.shardings), compiler_options=compiler_options)

@@ -68,11 +68,11 @@ class Layout:
     def transposed(self) -> bool:
         return self.in_ax == COL
 
-    def x_spec(self, ndim: int = 3) -> P:
-        return P(BATCH, *([None] * (ndim - 2)), self.in_ax)
+    def x_spec(self, ndim: int = 3, batch: tuple[str, ...] = BATCH) -> P:
+        return P(batch, *([None] * (ndim - 2)), self.in_ax)
 
-    def y_spec(self, ndim: int = 3) -> P:
-        return P(BATCH, *([None] * (ndim - 2)), self.out_ax)
+    def y_spec(self, ndim: int = 3, batch: tuple[str, ...] = BATCH) -> P:
+        return P(batch, *([None] * (ndim - 2)), self.out_ax)
 
     @property
     def w_spec(self) -> P:
@@ -124,14 +124,16 @@ def _dx_local(dy, w, *, lay: Layout):
     return lax.psum(jnp.einsum("...o,io->...i", dy, w), lay.out_ax)  # eq. 7
 
 
-def _dw_local(x, dy, *, lay: Layout, has_bias: bool):
-    """Alg. 1 line 20 plus the data-parallel all-reduce: dW shard [k/(G_in G_d), n/G_out], db [n/G_out]."""
+def _dw_local(x, dy, *, lay: Layout, has_bias: bool, batch: tuple[str, ...]):
+    """Alg. 1 line 20 plus the data-parallel all-reduce: dW shard [k/(G_in G_d), n/G_out], db [n/G_out].
+    Without data in ``batch`` (one replica's rows, under vmap) the replicas' sums are left to the caller."""
     xf, dyf = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     dw = lax.psum_scatter(xf.T @ dyf, DEPTH, scatter_dimension=0, tiled=True)  # eq. 5
-    dw = lax.psum(dw, DATA)  # eq. 8
+    if DATA in batch:
+        dw = lax.psum(dw, DATA)  # eq. 8
     if not has_bias:
         return dw
-    return dw, lax.psum(dyf.sum(0), BATCH)
+    return dw, lax.psum(dyf.sum(0), batch)
 
 
 @dataclass(frozen=True)
@@ -145,33 +147,34 @@ class Linear3D:
     mesh: Mesh
     lay: Layout = NORMAL
     sw: Switches = Switches()
+    batch: tuple[str, ...] = BATCH  # mesh axes splitting X's rows (REPLICA_BATCH: one replica's, under vmap)
 
     def _smap(self, f, in_specs, out_specs):
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
     def forward(self, x, w, b=None):
         """Global x [B, T, k], W [k, n] (stored layout), b [n] -> (y [B, T, n], gathered W [k, n])."""
-        lay, nd = self.lay, x.ndim
+        lay, nd, bt = self.lay, x.ndim, self.batch
         if not self.sw.prefetch_allgather:
             # D off: the all-gather of W may not be issued before this layer's input exists.
             x, w = lax.optimization_barrier((x, w))
         f = partial(_fwd_local, lay=lay)
-        outs = (lay.y_spec(nd), lay.w_gathered_spec)
+        outs = (lay.y_spec(nd, bt), lay.w_gathered_spec)
         if b is None:
-            return self._smap(lambda x_, w_: f(x_, w_, None), (lay.x_spec(nd), lay.w_spec), outs)(x, w)
-        return self._smap(f, (lay.x_spec(nd), lay.w_spec, lay.b_spec), outs)(x, w, b)
+            return self._smap(lambda x_, w_: f(x_, w_, None), (lay.x_spec(nd, bt), lay.w_spec), outs)(x, w)
+        return self._smap(f, (lay.x_spec(nd, bt), lay.w_spec, lay.b_spec), outs)(x, w, b)
 
     def input_grad(self, dy, w_gathered):
         """2BP input-gradient island: dX [B, T, k] from dY and the gathered W (eq. 7)."""
-        lay, nd = self.lay, dy.ndim
-        g = self._smap(partial(_dx_local, lay=lay), (lay.y_spec(nd), lay.w_gathered_spec), lay.x_spec(nd))
+        lay, nd, bt = self.lay, dy.ndim, self.batch
+        g = self._smap(partial(_dx_local, lay=lay), (lay.y_spec(nd, bt), lay.w_gathered_spec), lay.x_spec(nd, bt))
         return g(dy, w_gathered)
 
     def weight_grad(self, x, dy, has_bias: bool):
         """2BP weight-gradient island: (dW [k, n] in the stored layout, db [n] or None), eqs. 5 and 8."""
-        lay, nd = self.lay, dy.ndim
-        f = partial(_dw_local, lay=lay, has_bias=has_bias)
-        ins = (lay.x_spec(nd), lay.y_spec(nd))
+        lay, nd, bt = self.lay, dy.ndim, self.batch
+        f = partial(_dw_local, lay=lay, has_bias=has_bias, batch=bt)
+        ins = (lay.x_spec(nd, bt), lay.y_spec(nd, bt))
         if has_bias:
             return self._smap(f, ins, (lay.w_spec, lay.b_spec))(x, dy)
         return self._smap(f, ins, lay.w_spec)(x, dy), None

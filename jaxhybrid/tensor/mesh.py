@@ -18,6 +18,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 DATA, DEPTH, ROW, COL = "data", "depth", "row", "col"
 AXES = (DATA, DEPTH, ROW, COL)
 BATCH = (DATA, DEPTH)  # the rows m of X (batch) are split over data replicas and depth (Alg. 1 line 8)
+# The same rows inside ``jax.vmap`` over the data replicas (TensorEngine with microbatches: eq. 8 once per
+# step); vmap's ``spmd_axis_name`` puts data on the replica dimension.
+REPLICA_BATCH = (DEPTH,)
 
 
 @dataclass(frozen=True)

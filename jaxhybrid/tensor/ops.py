@@ -30,9 +30,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxhybrid.config_checks import check_optimizations
-from jaxhybrid.model.layers import Ops, layer_norm, rms_norm
+from jaxhybrid.model.layers import KEEP_STATS, Ops, layer_norm_body, rms_norm_body
 from jaxhybrid.tensor.linear import ALLGATHER_NAME, NORMAL, TRANSPOSED, Layout, Linear3D, Switches
-from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, ROW
+from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, REPLICA_BATCH, ROW
 
 STREAM = ROW  # mesh axis that splits the residual stream's features
 WRITERS = ("attn.out", "mlp.down")  # sites that write the residual stream (transposed under A)
@@ -53,6 +53,7 @@ class TensorOps(Ops):
     mesh: Mesh | None = None
     letters: str = "ABCDE"
     head_axis: str | None = None
+    batch: tuple[str, ...] = BATCH
 
     @classmethod
     def build(cls, mesh: Mesh, n_heads: int, kv_heads: int, letters: str = "ABCDE") -> "TensorOps":
@@ -61,6 +62,12 @@ class TensorOps(Ops):
         g = mesh.shape[ax]
         head_axis = ax if (g > 1 and n_heads % g == 0 and kv_heads % g == 0) else None
         return cls(mesh=mesh, letters="".join(sorted(set(letters))), head_axis=head_axis)
+
+    def per_replica(self) -> "TensorOps":
+        """These ops for a model run under ``jax.vmap`` over the data replicas (``spmd_axis_name`` data):
+        each call sees one replica's rows, split over depth only, and leaves the replicas' gradient sums
+        (eq. 8) to the caller (:func:`jaxhybrid.step.accumulated_step`, once per step)."""
+        return dataclasses.replace(self, batch=REPLICA_BATCH)
 
     # -- layouts ---------------------------------------------------------------------------------
     @property
@@ -87,7 +94,7 @@ class TensorOps(Ops):
             raise ValueError(f"TensorOps.dense: unknown site {name!r}; known sites: {', '.join(SITES)}")
         lay = self.layout(name)
         with jax.named_scope(f"axonn_{name}"):  # lets jaxhybrid.tensor.hlo attribute collectives to sites
-            y = Linear3D(self.mesh, lay, self.switches)(x, kernel, bias)
+            y = Linear3D(self.mesh, lay, self.switches, self.batch)(x, kernel, bias)
         if lay.out_ax != STREAM and "A" not in self.letters:
             with jax.named_scope("axonn_relayout"):
                 y = self.relayout(y, lay.out_ax, STREAM)
@@ -100,27 +107,34 @@ class TensorOps(Ops):
         all-gather over src keeps this device's dst block. Its backward is the same move from dst to src
         (a custom_vjp: autodiff would transpose the gather into an all-reduce of the full ``[b, T, n]``).
         """
-        return _relayout(self.mesh, src, dst, y)
+        return _relayout(self.mesh, self.batch, src, dst, y)
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v, kernel="auto"):
         """q: [B, T, H, Dh] -> local [B/(G_data G_d), T, H/G_h, Dh]; heads over ``head_axis``."""
-        spec = P(BATCH, None, self.head_axis, None)
+        spec = P(self.batch, None, self.head_axis, None)
         return self._smap(partial(Ops.attention, self, kernel=kernel), (spec, spec, spec), spec)(q, k, v)
 
     # -- norms ---------------------------------------------------------------------------------------
     def _norm(self, norm, x, *vectors):
-        """``norm`` on the stream shard: x local [b, T, d/G_r], its scale (and bias) local [d/G_r]."""
-        xs = P(BATCH, *[None] * (x.ndim - 2), STREAM)
-        return self._smap(norm, (xs, *[P(STREAM)] * len(vectors)), xs)(x, *vectors)
+        """``norm`` on the stream shard: x local [b, T, d/G_r], its scale (and bias) local [d/G_r].
+
+        Recomputed in the backward from the statistics it names, as the reference norm is; the
+        checkpoint wraps the island rather than sitting inside it because jax 0.10.2 fails to batch a
+        checkpoint inside a shard_map body under ``vmap(spmd_axis_name=...)`` (its varying-axes types
+        lose the vmapped axis), which :meth:`per_replica` ops run under.
+        """
+        xs = P(self.batch, *[None] * (x.ndim - 2), STREAM)
+        island = self._smap(norm, (xs, *[P(STREAM)] * len(vectors)), xs)
+        return jax.checkpoint(island, policy=KEEP_STATS)(x, *vectors)
 
     def layer_norm(self, x, scale, bias, eps):
-        """The reference norm (what it keeps included) with its statistics psum'd over row."""
+        """The reference norm's body with its statistics psum'd over row."""
         vectors = (scale,) if bias is None else (scale, bias)
-        return self._norm(lambda a, s, b=None: layer_norm(a, s, b, eps, _stream_mean), x, *vectors)
+        return self._norm(lambda a, s, b=None: layer_norm_body(a, s, b, eps, _stream_mean), x, *vectors)
 
     def rms_norm(self, x, scale, eps):
-        return self._norm(lambda a, s: rms_norm(a, s, eps, _stream_mean), x, scale)
+        return self._norm(lambda a, s: rms_norm_body(a, s, eps, _stream_mean), x, scale)
 
     # -- embedding and vocabulary loss ---------------------------------------------------------------
     def embed(self, ids, table):
@@ -134,14 +148,14 @@ class TensorOps(Ops):
             rows = jnp.take(t, jnp.clip(lid, 0, v_loc - 1), axis=0)
             return lax.psum(jnp.where(ok[..., None], rows, jnp.zeros((), rows.dtype)), COL)
 
-        return self._smap(f, (P(BATCH, None), EMBED_SPEC), P(BATCH, None, STREAM))(ids, table)
+        return self._smap(f, (P(self.batch, None), EMBED_SPEC), P(self.batch, None, STREAM))(ids, table)
 
     def logits(self, h, kernel, table: bool = False):
         """The vocabulary projection as a normal 3D layer: [B, T, d] x [d, V] -> [B, T, V] over column
         (``table``: a tied [V, d] embedding table, transposed here)."""
         kernel = kernel.T if table else kernel
         with jax.named_scope("axonn_head.logits"):
-            return Linear3D(self.mesh, NORMAL, self.switches)(h, kernel).astype(jnp.float32)
+            return Linear3D(self.mesh, NORMAL, self.switches, self.batch)(h, kernel).astype(jnp.float32)
 
     def cross_entropy(self, logits, targets):
         """Vocabulary-parallel mean cross-entropy. logits local [b, T, V/G_c]; targets local [b, T]."""
@@ -155,9 +169,9 @@ class TensorOps(Ops):
             ok = (lid >= 0) & (lid < v_loc)
             pick = jnp.take_along_axis(lg, jnp.clip(lid, 0, v_loc - 1)[..., None], axis=-1)[..., 0]
             tgt = lax.psum(jnp.where(ok, pick, 0.0), COL)
-            return lax.psum(jnp.sum(lse - tgt), BATCH) / count
+            return lax.psum(jnp.sum(lse - tgt), self.batch) / count
 
-        return self._smap(f, (P(BATCH, None, COL), P(BATCH, None)), P())(logits, targets)
+        return self._smap(f, (P(self.batch, None, COL), P(self.batch, None)), P())(logits, targets)
 
 
 def _stream_mean(v):
@@ -165,7 +179,7 @@ def _stream_mean(v):
     return lax.psum(v.sum(-1, keepdims=True), STREAM) / (v.shape[-1] * lax.axis_size(STREAM))
 
 
-def _move(mesh: Mesh, src: str, dst: str, y):
+def _move(mesh: Mesh, batch: tuple[str, ...], src: str, dst: str, y):
     n_dst = y.shape[-1] // mesh.shape[dst]
     nd = y.ndim
 
@@ -173,14 +187,14 @@ def _move(mesh: Mesh, src: str, dst: str, y):
         full = lax.all_gather(yl, src, axis=nd - 1, tiled=True, to="invarying")
         return lax.dynamic_slice_in_dim(full, lax.axis_index(dst) * n_dst, n_dst, axis=nd - 1)
 
-    spec = lambda ax: P(BATCH, *[None] * (nd - 2), ax)  # noqa: E731
+    spec = lambda ax: P(batch, *[None] * (nd - 2), ax)  # noqa: E731
     return jax.shard_map(f, mesh=mesh, in_specs=spec(src), out_specs=spec(dst), check_vma=True)(y)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _relayout(mesh, src, dst, y):
-    return _move(mesh, src, dst, y)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _relayout(mesh, batch, src, dst, y):
+    return _move(mesh, batch, src, dst, y)
 
 
-_relayout.defvjp(lambda mesh, src, dst, y: (_move(mesh, src, dst, y), None),
-                 lambda mesh, src, dst, _, dy: (_move(mesh, dst, src, dy),))
+_relayout.defvjp(lambda mesh, batch, src, dst, y: (_move(mesh, batch, src, dst, y), None),
+                 lambda mesh, batch, src, dst, _, dy: (_move(mesh, batch, dst, src, dy),))

@@ -37,12 +37,13 @@ FAST = {"xla_backend_optimization_level": 0}
 BATCH = np.random.RandomState(0).randint(0, 256, (8, 9)).astype(np.int32)
 
 
-def _cfg(model: str, shape=(1, 1, 1, 1), letters: str = "ABCDE"):
+def _cfg(model: str, shape=(1, 1, 1, 1), letters: str = "ABCDE", microbatches: int = 1):
     d, dep, r, c = shape
     return load_config(None, [f"model.name={model}", "model.n_layers=1", "train.global_batch=8",
                               "data.seq_len=8", f"parallel.data={d}", f"parallel.tensor_depth={dep}",
                               f"parallel.tensor_row={r}", f"parallel.tensor_col={c}",
-                              f"tensor.optimizations={letters}", "optim.warmup_steps=0", "optim.eps=0.1", "optim.lr=0.5"])
+                              f"tensor.optimizations={letters}", "optim.warmup_steps=0", "optim.eps=0.1", "optim.lr=0.5",
+                              f"pipeline.microbatches={microbatches}"])
 
 
 def _one_step(engine, cfg, params):
@@ -66,8 +67,8 @@ def _reference(model: str):
     return _one_step(engine, cfg, engine.init_params(jax.random.key(0)))
 
 
-def _check(model, shape, letters):
-    cfg = _cfg(model, shape, letters)
+def _check(model, shape, letters, microbatches=1):
+    cfg = _cfg(model, shape, letters, microbatches)
     p_ref, l_ref, g_ref, new_ref, v_ref = _reference(model)
     engine = TensorEngine(cfg.model, cfg, compiler_options=FAST)
     # init_params is checked bit-exact in test_tensor_engine; here the cached reference is placed.
@@ -97,6 +98,18 @@ def test_step_matches_single_device(model, shape, letters):
     """Loss, gradients and the updated parameters of one training step, leaf by leaf, and the
     forward-only validation loss (fp32_parity)."""
     _check(model, shape, letters)
+
+
+# With microbatches and data > 1 the engine runs per-replica ops under vmap and reduces over data once per
+# step (step.accumulated_step): every op family (A on and off, LLaMA's norms and RoPE) and data with each
+# tensor axis, against the same single-device step (two microbatches of 4 rows are its 8 rows).
+ONCE = [("gpt-tiny", (2, 1, 2, 2), "ABCDE"), ("gpt-tiny", (2, 1, 4, 1), "BCDE"), ("llama-tiny", (2, 2, 1, 2), "ABCDE"),
+        ("gpt-tiny", (4, 1, 1, 2), "ABCDE")]
+
+
+@pytest.mark.parametrize("model,shape,letters", ONCE, ids=[f"{m}-" + "x".join(map(str, s)) + f"-{a}" for m, s, a in ONCE])
+def test_two_microbatches_reduced_once_match_single_device(model, shape, letters):
+    _check(model, shape, letters, microbatches=2)
 
 
 def test_factorizations_cover_the_search_space():

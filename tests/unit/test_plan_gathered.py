@@ -1,6 +1,7 @@
 """The step model's tensor-parallel terms against what the engines run: where the all-gathered weights
 live (AxoNN Alg. 1 line 13, optimization E), the head's collectives (eq. 9 over every layer), and the
-data all-reduce of the whole-model engine (eq. 8 per microbatch of its accumulation scan)."""
+data all-reduce of the whole-model engine (eq. 8 per layer with one microbatch, once per step in float32
+with several)."""
 import jax
 import numpy as np
 import pytest
@@ -87,10 +88,12 @@ def test_optimization_e_saves_the_regather_and_keeps_every_gathered_weight():
         pytest.approx((cfg.n_layers - min(ac, cfg.n_layers)) * g, rel=1e-9)
 
 
-def test_head_collectives_and_per_microbatch_data_allreduce_are_counted():
+def test_head_collectives_and_data_allreduce_once_per_step_are_counted():
     """One stage on a (data 2, col 2, row 2) mesh: comm_s is M x (every block's and the head's eqs. 4-7)
-    plus the data all-reduce, which the whole-model engine runs in every microbatch (M x eq. 8); replicas
-    that are MPI ranks (a pipeline) reduce once per step."""
+    plus the data all-reduce: with one microbatch each layer's backward runs eq. 8 in the compute dtype
+    (bf16 here); with 8 the engine reduces its accumulated float32 gradients once after its scan
+    (test_tensor_hlo checks the compiled program), twice the bytes of one bf16 pass, not 8 times; replicas
+    that are MPI ranks (a pipeline) reduce float32 once per step."""
     cfg, m, seq = PRESETS["gpt2-small"], _machine(), 1024
     bw = group_bandwidths(m.net, 2, 2, 1, 2)
     layers = [(k, n, tr) for k, n, tr in block_matmuls(cfg)] * cfg.n_layers + [(cfg.d_model, cfg.vocab_size, False)]
@@ -100,8 +103,8 @@ def test_head_collectives_and_per_microbatch_data_allreduce_are_counted():
         tensor += t["all_gather"] + t["all_reduce_fwd"] + t["all_reduce_bwd"] + t["reduce_scatter"]
         data += t["all_reduce_data"]
     one = evaluate(cfg, Layout(1, 2, 2, 2, 1, 2, 8, "1f1b", False, False, "none"), m, seq)
-    assert one["data_allreduce_s"] == pytest.approx(8 * data, rel=1e-9)
-    assert one["comm_s"] == pytest.approx(8 * tensor + 8 * data, rel=1e-9)
+    assert one["data_allreduce_s"] == pytest.approx(2 * data, rel=1e-9)
+    assert one["comm_s"] == pytest.approx(8 * tensor + 2 * data, rel=1e-9)
     assert evaluate(cfg, Layout(1, 2, 2, 2, 1, 16, 1, "1f1b", False, False, "none"), m, seq)["data_allreduce_s"] == \
         pytest.approx(data, rel=1e-9)
     piped = [evaluate(cfg, Layout(2, 2, 1, 1, 1, 2, k, "1f1b", False, False, "none"), m, seq)["data_allreduce_s"]
