@@ -35,14 +35,15 @@ _HALF = (jnp.bfloat16, jnp.float16)
 _MAX_MESSAGE = 1 << 30
 
 
-def _check(flat: jax.Array, chunk_elems: int) -> None:
+def _check_flat(flat: jax.Array) -> None:
     if flat.ndim != 1:
         raise ValueError(f"all-reduce expects a flat 1-D gradient, got shape {tuple(flat.shape)}; "
                          f"flatten with jax.flatten_util.ravel_pytree first")
-    _check_chunk(chunk_elems)
 
 
 def _check_chunk(chunk_elems: int) -> None:
+    """The one check of a chunk length, for both entry points (``iter_reduced_chunks`` via
+    :func:`bucket_bounds`)."""
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems={chunk_elems} must be >= 1 (optim.bucket_size x optim.allreduce_coarsening)")
 
@@ -102,18 +103,23 @@ def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None =
     """
     _check_chunk(chunk_elems)
     if comm is None or comm.Get_size() == 1:
-        return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
+        return _scaled(tree, scale)
     leaves = jax.tree.leaves(tree)
     if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
         return _allreduce_per_device(tree, comm, chunk_elems, scale)
     if not leaves or not sum(int(np.size(x)) for x in leaves):
-        return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
+        return _scaled(tree, scale)
     if scale is None:
         return _tree_program(comm)(tree, None)
     # The scale is an argument (one compilation for all its values) already in the flat vector's dtype:
     # rounded once from the Python float, as ``jnp.asarray(scale, dtype)`` did.
     common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
     return _tree_program(comm)(tree, np.asarray(scale, common))
+
+
+def _scaled(tree: Any, scale: float | None) -> Any:
+    """``tree`` times ``scale`` in each leaf's dtype (``tree`` itself when None): nothing to sum over."""
+    return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
 
 
 def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float | None) -> Any:
@@ -162,12 +168,10 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
       chunk_elems: elements per chunk; the last chunk may be shorter.
     """
     flat_grads = jnp.asarray(flat_grads)
-    _check(flat_grads, chunk_elems)
-    n = int(flat_grads.shape[0])
-    if n == 0:
+    _check_flat(flat_grads)
+    bounds = bucket_bounds(int(flat_grads.shape[0]), chunk_elems)  # validates chunk_elems, even for n == 0
+    if not bounds:
         return
-    chunk = min(chunk_elems, n)
-    bounds = bucket_bounds(n, chunk)
     if comm is None or comm.Get_size() == 1:
         for s, e in bounds:
             yield s, e, flat_grads[s:e]
@@ -187,8 +191,7 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
 
 def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     """The ``(start, end)`` pairs :func:`iter_reduced_chunks` yields for a vector of ``n`` elements."""
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    _check_chunk(chunk_elems)
     return [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)] if n else []
 
 
