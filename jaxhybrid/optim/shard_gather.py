@@ -12,7 +12,8 @@ owner's bits on every holder.
 
 Planned once from the params (:meth:`OwnerGather.build`); None where the layout does not fit: several
 processes (each plans over its own shards; the per-device copies stay), leaves on other meshes or
-devices, shardings that are not a mesh's ``NamedSharding``, uneven shards.
+devices, shardings that are not a mesh's ``NamedSharding``, uneven shards. There, and for checkpoint
+columns in host memory, :class:`ShardLayout` assembles the leaves holder by holder instead.
 """
 from __future__ import annotations
 
@@ -131,4 +132,44 @@ class OwnerGather:
         return list(self._program(glob))
 
 
-__all__ = ["OwnerGather"]
+class ShardLayout:
+    """The params' leaves as laid out over the devices, and the per-holder assembly for any layout: every
+    local holder of a shard gets its copy by a device-to-device copy of the owner's array (or from host
+    data), one ``jax.device_put`` each, where :class:`OwnerGather` does not apply."""
+
+    def __init__(self, leaves: list):
+        self.shapes = [x.shape for x in leaves]
+        self.shardings = [x.sharding for x in leaves]
+        # Every local holder of every leaf and the key of the shard it holds, in the sharding's order: planned
+        # once (``addressable_devices_indices_map`` walks every device of the mesh; assemble ran it per step).
+        self._holders = [[(dev, shard_key(index)) for dev, index in s.addressable_devices_indices_map(shape).items()]
+                         for shape, s in zip(self.shapes, self.shardings)]
+
+    def assemble(self, pieces: dict, kind: str | None = None) -> list:
+        """Global arrays with the params' shardings from one array per distinct shard (``pieces``: (leaf,
+        shard key) -> the owner's device array, or host data): every local holder gets its copy (the other
+        holders of a device shard by a device-to-device copy). ``kind``: in that memory kind."""
+        out = []
+        for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
+            parts = []
+            for dev, key in self._holders[k]:
+                x = pieces[(k, key)]
+                if kind or not isinstance(x, jax.Array):
+                    x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
+                elif x.devices() != {dev}:
+                    x = jax.device_put(x, dev)
+                parts.append(x)
+            target = sharding.with_memory_kind(kind) if kind else sharding
+            out.append(jax.make_array_from_single_device_arrays(shape, target, parts))
+        return out
+
+    def host_pieces(self, tree) -> dict:
+        """(leaf, shard key) -> numpy data of this process's shards of a pytree of global arrays."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.shapes):
+            raise ValueError(f"checkpoint column has {len(leaves)} leaves; this model has {len(self.shapes)}")
+        return {(k, shard_key(sh.index)): np.asarray(sh.data, np.float32) for k, x in enumerate(leaves)
+                for sh in x.addressable_shards}
+
+
+__all__ = ["OwnerGather", "ShardLayout"]

@@ -6,7 +6,8 @@ shards over mesh axes (norm weights, biases, the data axis), so each distinct sh
 by one of the devices holding it (:func:`~jaxhybrid.optim.shard_owners.assign_owners`); the other holders
 receive the owner's updated shard: in one process, from one jitted program over the mesh that cuts every
 leaf out of the owners' flat vectors and all-gathers it over the axes it is replicated on
-(:class:`~jaxhybrid.optim.shard_gather.OwnerGather`); across processes, by device-to-device copies. Every
+(:class:`~jaxhybrid.optim.shard_gather.OwnerGather`); across processes, by device-to-device copies
+(:class:`~jaxhybrid.optim.shard_gather.ShardLayout`). Every
 owner applies the same global clip factor (``sq`` is the squared norm of the global gradients), so the
 result equals the single-device optimizer's, shard by shard.
 
@@ -29,7 +30,7 @@ import numpy as np
 from jaxhybrid.optim.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
-from jaxhybrid.optim.shard_gather import OwnerGather
+from jaxhybrid.optim.shard_gather import OwnerGather, ShardLayout
 from jaxhybrid.optim.shard_owners import assign_owners, shard_key
 from jaxhybrid.optim.updater import _stats, decay_mask
 
@@ -64,18 +65,15 @@ class ShardedOffloadUpdater:
         self._gather: OwnerGather | None = None  # the one-program assembly (one process), from init
 
     # -- ownership ---------------------------------------------------------------------------------
-    def _plan(self, params: Any) -> None:
+    def _plan(self, params: Any) -> list:
+        """Owners and optimizers for ``params``' shards. Returns the leaves (global arrays) for the rest
+        of :meth:`init`, which reads them once more (each owner's data, the one-program assembly)."""
         leaves, self.treedef = jax.tree.flatten(params)
-        self.shapes = [x.shape for x in leaves]
-        self.shardings = [x.sharding for x in leaves]
+        self.shards = ShardLayout(leaves)
         self.gspec = FlatSpec(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params))
         self.index, self.devices, self.owned = assign_owners(leaves)
         self.opts = {i: self._make(self.devices[i]) for i, items in self.owned.items() if items}
-        # Every local holder of every leaf and the key of the shard it holds, in the sharding's order: planned
-        # once (``addressable_devices_indices_map`` walks every device of the mesh; _assemble ran it per step).
-        self._holders = [[(dev, shard_key(index)) for dev, index in s.addressable_devices_indices_map(shape).items()]
-                         for shape, s in zip(self.shapes, self.shardings)]
-        self._leaves_like = leaves
+        return leaves
 
     def _local(self, leaves: list) -> dict[int, list]:
         """Each owning device's data of its shards, from global arrays laid out like the params (one pass
@@ -94,15 +92,14 @@ class ShardedOffloadUpdater:
 
     # -- updater interface -------------------------------------------------------------------------
     def init(self, params) -> ShardedOffloadState:
-        self._plan(params)
-        local = self._local(jax.tree.leaves(params))
+        leaves = self._plan(params)
+        local = self._local(leaves)
         state = ShardedOffloadState({i: opt.init([np.asarray(x) for x in local[i]]) for i, opt in self.opts.items()})
         # Every device's flat vector is padded to the longest, so together they form one global array.
         self._n = max(opt.layout.n for opt in self.opts.values())
-        self._gather = OwnerGather.build(self._leaves_like, self.owned,
+        self._gather = OwnerGather.build(leaves, self.owned,
                                          {i: opt.spec.offsets for i, opt in self.opts.items()}, self._n)
         self._zeros = {}  # device id -> the vector of a mesh device that owns nothing
-        del self._leaves_like
         return state
 
     def compute_params(self, params):
@@ -154,26 +151,8 @@ class ShardedOffloadUpdater:
             release([x for i, x in flats.items() if i in self.opts])  # the vectors, once the program read them
         else:
             updated = {k: x for i, (_, parts, _) in results.items() for k, x in zip(self.owned[i], parts)}
-            new = self._assemble(updated)
+            new = self.treedef.unflatten(self.shards.assemble(updated))
         return new, ShardedOffloadState({i: r[0] for i, r in results.items()}), jnp.float32(gnorm)
-
-    def _assemble(self, pieces: dict, kind: str | None = None) -> Any:
-        """Global arrays with the params' shardings from one array per distinct shard (``pieces``: (leaf,
-        shard key) -> the owner's device array, or host data): every local holder gets its copy (the other
-        holders of a device shard by a device-to-device copy). ``kind``: in that memory kind."""
-        out = []
-        for k, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
-            parts = []
-            for dev, key in self._holders[k]:
-                x = pieces[(k, key)]
-                if kind or not isinstance(x, jax.Array):
-                    x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
-                elif x.devices() != {dev}:
-                    x = jax.device_put(x, dev)
-                parts.append(x)
-            target = sharding.with_memory_kind(kind) if kind else sharding
-            out.append(jax.make_array_from_single_device_arrays(shape, target, parts))
-        return self.treedef.unflatten(out)
 
     def _owned_columns(self, opt_state: ShardedOffloadState) -> tuple[list[dict], list]:
         """Every owned shard's host data per column (master, then each per-parameter state), keyed by
@@ -199,11 +178,11 @@ class ShardedOffloadUpdater:
         if jax.process_count() > 1:  # host memory where the devices have it: a checkpoint costs no device bytes
             dev = self.devices[next(iter(self.opts))]  # a device of this process
             kind = "pinned_host" if supports_memory(dev, "pinned_host") else None
-            trees = [self._assemble(col, kind) for col in cols]
+            trees = [self.treedef.unflatten(self.shards.assemble(col, kind)) for col in cols]
         else:
             trees = []
             for col in cols:
-                leaves = [np.zeros(s, np.float32) for s in self.shapes]
+                leaves = [np.zeros(s, np.float32) for s in self.shards.shapes]
                 for (k, key), part in col.items():
                     leaves[k][self.index[(k, key)]] = part
                 trees.append(self.gspec.ravel_host(self.treedef.unflatten(leaves)))
@@ -223,8 +202,8 @@ class ShardedOffloadUpdater:
             return like
         split = next(iter(self.opts.values())).split
         if written_as_trees:  # global arrays, each shard read onto a device that holds it
-            col = self.treedef.unflatten([jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
-                                          for shape, sharding in zip(self.shapes, self.shardings)])
+            col = self.treedef.unflatten([jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for shape, sharding
+                                          in zip(self.shards.shapes, self.shards.shardings)])
         else:  # flat global vectors, read whole by every process
             col = np.zeros((self.gspec.n,), np.float32)
         return {"master": col, "state": {f"{j:03d}": col if p else like["state"][f"{j:03d}"]
@@ -238,7 +217,7 @@ class ShardedOffloadUpdater:
         state = {f"{j:03d}": saved["state"][f"{j:03d}"] for j in range(len(split.per_param))}
         columns = [saved["master"]] + [v for v, p in zip(state.values(), split.per_param) if p]
         if not isinstance(saved["master"], (np.ndarray, jax.Array)):  # pytrees of global arrays
-            pick = [self._local_pieces(c) for c in columns]
+            pick = [self.shards.host_pieces(c) for c in columns]
         else:
             master = np.asarray(saved["master"], np.float32)
             if master.shape != (self.gspec.n,):
@@ -254,14 +233,6 @@ class ShardedOffloadUpdater:
                 rest[j] = next(per) if p else v
             states[i] = opt.load_state_dict({"master": mine[0], "state": rest})
         return ShardedOffloadState(states)
-
-    def _local_pieces(self, tree) -> dict:
-        """(leaf, shard key) -> numpy data of this process's shards of a pytree of global arrays."""
-        leaves = jax.tree.leaves(tree)
-        if len(leaves) != len(self.shapes):
-            raise ValueError(f"checkpoint column has {len(leaves)} leaves; this model has {len(self.shapes)}")
-        return {(k, shard_key(sh.index)): np.asarray(sh.data, np.float32) for k, x in enumerate(leaves)
-                for sh in x.addressable_shards}
 
     def master_params(self, opt_state: ShardedOffloadState) -> Any:
         """fp32 master weights as the global params pytree (numpy; across processes, global host arrays)."""
