@@ -25,7 +25,7 @@ _EXPORTS = {
     "profile_from_json": "jaxhybrid.planner.costs",
     "save_profile": "jaxhybrid.planner.costs",
     "schedule_allocation": "jaxhybrid.planner.ilp",
-    "Grid": "jaxhybrid.planner.madpipe",
+    "Grid": "jaxhybrid.planner.madpipe_dp",
     "madpipe": "jaxhybrid.planner.madpipe",
     "myelin_activation_units": "jaxhybrid.planner.memory",
     "param_state_bytes": "jaxhybrid.planner.memory",
