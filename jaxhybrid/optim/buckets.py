@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,19 @@ class BucketLayout:
             raise ValueError(f"gradient chunk [{start}, {end}) is not aligned to bucket_size={self.size}; "
                              f"use all-reduce chunks of k * bucket_size elements")
         return range(first, last)
+
+    def in_order(self, chunks: Iterable[tuple[int, int, Any]]) -> Iterator[tuple[int, int, Any]]:
+        """``chunks`` (``(start, end, reduced)``) passed on one at a time, checked to cover ``[0, n)`` in
+        order. Lazily: the caller updates a chunk's buckets before the next chunk is reduced (Myelin V-C)."""
+        expect = 0
+        for s, e, arr in chunks:
+            if s != expect or e <= s or arr.shape != (e - s,):
+                raise ValueError(f"reduced chunk [{s}, {e}) of shape {tuple(arr.shape)} does not continue at "
+                                 f"element {expect}; chunks must cover [0, {self.n}) in order")
+            expect = e
+            yield s, e, arr
+        if expect != self.n:
+            raise ValueError(f"reduced chunks ended at element {expect}; expected {self.n}")
 
 
 def decay_bounds(sizes: list[int], decayed: list[bool], layout: BucketLayout) -> np.ndarray:

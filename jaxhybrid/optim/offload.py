@@ -219,7 +219,7 @@ class OffloadedOptimizer:
             if flat.shape != (layout.n,):
                 raise ValueError(f"flat gradients have shape {tuple(flat.shape)}; expected ({layout.n},)")
             return iter([(0, layout.n, flat)])
-        return _checked(chunks, layout)
+        return layout.in_order(chunks)
 
     # -- checkpoints and inspection ----------------------------------------------------------------
     def state_dict(self, state: OffloadState) -> dict:
@@ -254,15 +254,3 @@ class OffloadedOptimizer:
         leaves = [self.spec.unravel_host(sd[f"{j:03d}"]) if p else sd[f"{j:03d}"]
                   for j, p in enumerate(self.split.per_param)]
         return self.split.treedef.unflatten(leaves)
-
-
-def _checked(chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
-    expect = 0
-    for s, e, arr in chunks:
-        if s != expect or e <= s or arr.shape != (e - s,):
-            raise ValueError(f"reduced chunk [{s}, {e}) of shape {tuple(arr.shape)} does not continue at "
-                             f"element {expect}; chunks must cover [0, {layout.n}) in order")
-        expect = e
-        yield s, e, arr
-    if expect != layout.n:
-        raise ValueError(f"reduced chunks ended at element {expect}; expected {layout.n}")
