@@ -15,6 +15,11 @@ TOLERANCES = {
     "fp32_kernel": 1e-6,   # a split/fused kernel against jax.vjp of the same function
     "fp32_parity": 1e-5,   # a parallel layout against the single-device run
     "bf16_parity": 2e-2,   # bfloat16 compute against float32, or against another bfloat16 program
+    # A bfloat16 pipeline job's first loss against the single-device Model.loss in bfloat16 compute (the
+    # stages' microbatch programs round differently): measured 4.1e-6 (2 stages) and 5.6e-6 (8 stages,
+    # offload); the 8-stage job is 1.8e-5 off the float32 loss; with position 0 of every received
+    # activation zeroed the jobs were 2.2e-4 and 5.7e-5 off.
+    "bf16_loss": 2e-5,
     "fp16_parity": 1e-3,   # float16 compute against float32: about one float16 ulp of the leaf's largest value
     "exact": 0.0,          # bit for bit
 }
