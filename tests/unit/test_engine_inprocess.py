@@ -73,9 +73,10 @@ def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops
 @pytest.fixture(scope="module")
 def reference():
     model = Model(CFG)
-    params = model.init(jax.random.key(0))
+    engine = LocalEngine(model, M)
+    params = engine.init_params(jax.random.key(0))  # jitted: eager, op by op, is slower on CPU
     batch = np.random.default_rng(0).integers(0, CFG.vocab_size, (8, SEQ + 1)).astype(np.int32)
-    loss, grads = LocalEngine(model, M).loss_and_grads(params, batch, 1.0)
+    loss, grads = engine.loss_and_grads(params, batch, 1.0)
     return model, params, batch, loss, grads
 
 
