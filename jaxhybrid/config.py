@@ -226,6 +226,14 @@ def optimal_checkpoint_interval(n_layers: int, pipeline: int) -> int:
     return min(factors, key=lambda f: (abs(f - target), f))
 
 
+def reduce_data_once(data: int, microbatches: int, dtype_bytes: int) -> bool:
+    """Whether the tensor engine all-reduces gradients over data once per step, after its microbatch scan
+    (float32, 4 bytes per gradient), rather than in every layer's backward of every microbatch (AxoNN eq.
+    8 in the compute dtype, ``microbatches x dtype_bytes``, which XLA:GPU may overlap with the backward):
+    only where it moves fewer bytes. The engine and the planner's step model both ask this."""
+    return data > 1 and microbatches * dtype_bytes > 4
+
+
 def whole_model_interval(cfg: "Config") -> int:
     """Blocks per recomputed segment of an engine that runs the whole model (one device, the tensor mesh):
     ``train.checkpoint_interval``, else with ``train.remat: full`` Myelin's ac for one stage (Sec. V-A),

@@ -96,8 +96,9 @@ def accumulated_step(loss_fn, replicas: int = 1, axis: str | None = None):
         if m == 1:
             total, grads = value_and_grad(params, mbs[0], scale)
         else:
-            shapes = jax.eval_shape(value_and_grad, params, mbs[0], scale)  # per replica when vmapped
-            (total, grads), _ = jax.lax.scan(one, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), mbs)
+            lead = (replicas,) if replicas > 1 else ()  # one loss and gradient per replica when vmapped
+            init = (jnp.zeros(lead, jnp.float32), jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params))
+            (total, grads), _ = jax.lax.scan(one, init, mbs)
         if replicas > 1:
             total, grads = jax.tree.map(lambda x: x.mean(0), (total, grads))
         return total / (m * scale), jax.tree.map(lambda x: x / m, grads)

@@ -9,7 +9,6 @@ other ops objects, so this file never changes for them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import flax.linen as nn

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxhybrid.config import OptimConfig, TensorConfig
+from jaxhybrid.config import OptimConfig, TensorConfig, reduce_data_once
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.metrics import attention_core_flops, forward_flops
 from jaxhybrid.model.config import ModelConfig, block_matmuls
@@ -190,12 +190,13 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
-    if lay.pipeline > 1 or ts == 1 or lay.microbatches > 1:
-        # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py), and
-        # so does the tensor engine with microbatches: it accumulates each replica's float32 gradients
-        # over its scan and reduces them once after it (step.accumulated_step's replicas).
-        data_ar *= 4 / db
-    # else one microbatch on a tensor mesh: each layer's backward reduces in the compute dtype (eq. 8 as is)
+    # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py), and so
+    # does the tensor engine where it accumulates each replica's float32 gradients over its scan and reduces
+    # them once after it (step.accumulated_step's replicas); else each layer's backward of every microbatch
+    # reduces in the compute dtype (eq. 8 as is).
+    f32 = lay.pipeline > 1 or ts == 1 or reduce_data_once(lay.data, lay.microbatches, db)
+    ar_dtype = 4 / db if f32 else 1.0
+    data_ar *= ar_dtype if f32 else lay.microbatches
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device
@@ -232,7 +233,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
             transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient
         mem = max(mem, state + max(a * stash + r * wres for a, r in states[s]) + transient)
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
-    largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"], msg])
+    largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"] * ar_dtype, msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
             "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "pipeline_floor_s": floor,
             "data_allreduce_s": data_ar, "offload_s": offload_s, "param_state_bytes": param_state,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxhybrid.config import whole_model_interval
+from jaxhybrid.config import reduce_data_once, whole_model_interval
 from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.step import accumulated_step, mean_loss
@@ -62,10 +62,11 @@ class TensorEngine:
         remat = remat_policy(cfg.train.remat, self.ops.saved_names)
         interval = whole_model_interval(cfg)  # Myelin V-A's ac, as the single-device engine segments
         model = self.model
-        # One microbatch: each layer's data all-reduce (eq. 8) runs in its backward and may overlap the
-        # layers below, as in AxoNN. Several: per-replica gradients accumulate over the scan and are
-        # reduced once after it, not M times (accumulated_step's replicas).
-        replicas = self.shape.data if self.microbatches > 1 else 1
+        # Per layer, eq. 8 runs in its backward and may overlap the layers below (AxoNN); with enough
+        # microbatches per-replica gradients accumulate over the scan instead and are reduced once after it
+        # (accumulated_step's replicas), where that moves fewer bytes.
+        once = reduce_data_once(self.shape.data, self.microbatches, jnp.dtype(cfg.precision.compute_dtype).itemsize)
+        replicas = self.shape.data if once else 1
         train = Model(model_cfg, self.ops.per_replica(), cfg.precision.compute_dtype) if replicas > 1 else model
         step = accumulated_step(lambda p, mb: train.loss(p, mb[:, :-1], mb[:, 1:], remat=remat, interval=interval),
                                 replicas, DATA)

@@ -27,7 +27,10 @@ Y, dY      ``P((data, depth), None, out_ax)``  ``[B/(G_data G_d), T, n/G_out]``
 Forward: all-gather W over depth (eq. 4), local matmul, all-reduce over ``in_ax`` (eq. 6). Backward:
 ``dX`` all-reduced over ``out_ax`` (eq. 7); ``dW`` reduce-scattered over depth (eq. 5) then all-reduced
 over data (eq. 8). The backward is two islands, input gradient and weight gradient, so a 2BP stage can
-run them at different times; the custom_vjp runs both.
+run them at different times; the custom_vjp runs both. A layer built with ``batch=REPLICA_BATCH`` runs
+under ``jax.vmap`` over the data replicas: its X and Y are one replica's rows, split over depth only
+(``[B/(G_data G_d), ...]`` locally all the same), and eq. 8 is left to its caller, which reduces the
+accumulated gradients once per step (:func:`jaxhybrid.step.accumulated_step`).
 
 Optimizations B-E are switches here (A is a layout choice, made by :mod:`jaxhybrid.tensor.ops`). XLA has
 no user-visible async collectives, so a switch that is *off* pins the unoptimised order with a global-view

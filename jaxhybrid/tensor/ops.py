@@ -111,7 +111,8 @@ class TensorOps(Ops):
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q, k, v, kernel="auto"):
-        """q: [B, T, H, Dh] -> local [B/(G_data G_d), T, H/G_h, Dh]; heads over ``head_axis``."""
+        """q: [B, T, H, Dh] -> local [B/(G_data G_d), T, H/G_h, Dh] (per replica: B is one replica's rows,
+        split over depth); heads over ``head_axis``."""
         spec = P(self.batch, None, self.head_axis, None)
         return self._smap(partial(Ops.attention, self, kernel=kernel), (spec, spec, spec), spec)(q, k, v)
 

@@ -37,13 +37,13 @@ FAST = {"xla_backend_optimization_level": 0}
 BATCH = np.random.RandomState(0).randint(0, 256, (8, 9)).astype(np.int32)
 
 
-def _cfg(model: str, shape=(1, 1, 1, 1), letters: str = "ABCDE", microbatches: int = 1):
+def _cfg(model: str, shape=(1, 1, 1, 1), letters: str = "ABCDE", microbatches: int = 1, extra: tuple = ()):
     d, dep, r, c = shape
     return load_config(None, [f"model.name={model}", "model.n_layers=1", "train.global_batch=8",
                               "data.seq_len=8", f"parallel.data={d}", f"parallel.tensor_depth={dep}",
                               f"parallel.tensor_row={r}", f"parallel.tensor_col={c}",
                               f"tensor.optimizations={letters}", "optim.warmup_steps=0", "optim.eps=0.1", "optim.lr=0.5",
-                              f"pipeline.microbatches={microbatches}"])
+                              f"pipeline.microbatches={microbatches}", *extra])
 
 
 def _one_step(engine, cfg, params):
@@ -67,8 +67,8 @@ def _reference(model: str):
     return _one_step(engine, cfg, engine.init_params(jax.random.key(0)))
 
 
-def _check(model, shape, letters, microbatches=1):
-    cfg = _cfg(model, shape, letters, microbatches)
+def _check(model, shape, letters, microbatches=1, extra=()):
+    cfg = _cfg(model, shape, letters, microbatches, extra)
     p_ref, l_ref, g_ref, new_ref, v_ref = _reference(model)
     engine = TensorEngine(cfg.model, cfg, compiler_options=FAST)
     # init_params is checked bit-exact in test_tensor_engine; here the cached reference is placed.
@@ -100,16 +100,34 @@ def test_step_matches_single_device(model, shape, letters):
     _check(model, shape, letters)
 
 
-# With microbatches and data > 1 the engine runs per-replica ops under vmap and reduces over data once per
-# step (step.accumulated_step): every op family (A on and off, LLaMA's norms and RoPE) and data with each
-# tensor axis, against the same single-device step (two microbatches of 4 rows are its 8 rows).
-ONCE = [("gpt-tiny", (2, 1, 2, 2), "ABCDE"), ("gpt-tiny", (2, 1, 4, 1), "BCDE"), ("llama-tiny", (2, 2, 1, 2), "ABCDE"),
-        ("gpt-tiny", (4, 1, 1, 2), "ABCDE")]
+# With microbatches (float32: M > 1) and data > 1 the engine runs per-replica ops under vmap and reduces over
+# data once per step (config.reduce_data_once): every op family (A on and off, LLaMA's norms and RoPE),
+# remat full and dots (recomputation under the vmap), B-E off (their barriers) and data with each tensor
+# axis, against the same single-device step (two microbatches of 4 rows are its 8 rows).
+ONCE = [("gpt-tiny", (2, 1, 2, 2), "ABCDE", ()), ("gpt-tiny", (2, 1, 4, 1), "BCDE", ()),
+        ("llama-tiny", (2, 2, 1, 2), "ABCDE", ()), ("gpt-tiny", (4, 1, 1, 2), "ABCDE", ()),
+        ("gpt-tiny", (2, 2, 1, 2), "ABCDE", ("train.remat=full",)), ("llama-tiny", (2, 1, 2, 2), "ABCDE", ("train.remat=dots",)),
+        ("gpt-tiny", (2, 2, 2, 1), "A", ())]
 
 
-@pytest.mark.parametrize("model,shape,letters", ONCE, ids=[f"{m}-" + "x".join(map(str, s)) + f"-{a}" for m, s, a in ONCE])
-def test_two_microbatches_reduced_once_match_single_device(model, shape, letters):
-    _check(model, shape, letters, microbatches=2)
+@pytest.mark.parametrize("model,shape,letters,extra", ONCE,
+                         ids=[f"{m}-" + "x".join(map(str, s)) + f"-{a}" + "".join(f"-{e}" for e in x) for m, s, a, x in ONCE])
+def test_two_microbatches_reduced_once_match_single_device(model, shape, letters, extra):
+    _check(model, shape, letters, 2, extra)
+
+
+def test_bfloat16_microbatches_reduced_once_match_single_device_bfloat16():
+    """bfloat16 with 4 microbatches (per layer would move 4 x 2 bytes per gradient: the engine reduces
+    float32 once) against the single-device bfloat16 step over the same 4 microbatches."""
+    extra = ("precision.compute_dtype=bfloat16",)
+    cfg = _cfg("gpt-tiny", (2, 1, 2, 2), "ABCDE", 4, extra)
+    ref = LocalEngine(Model(cfg.model, compute_dtype="bfloat16"), microbatches=4)
+    params = ref.init_params(jax.random.key(0))
+    l_ref, g_ref = jax.device_get(ref.loss_and_grads(params, BATCH, 1.0))
+    engine = TensorEngine(cfg.model, cfg, compiler_options=FAST)
+    loss, grads = jax.device_get(engine.loss_and_grads(jax.device_put(params, engine.shardings), BATCH, 1.0))
+    assert_tree_close(loss, l_ref, "bf16_parity", "loss")
+    assert_tree_close(grads, g_ref, "bf16_parity", "grads")
 
 
 def test_factorizations_cover_the_search_space():

@@ -262,15 +262,19 @@ def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
 
 def test_data_allreduce_moves_float32_over_mpi_and_the_compute_dtype_on_a_mesh():
     """MPI reduces no half floats (optim/allreduce.py upcasts them), so data replicas that are MPI ranks move
-    4 bytes per gradient in any dtype; a tensor mesh reduces in the compute dtype (AxoNN eq. 8)."""
+    4 bytes per gradient in any dtype. A tensor mesh reduces each layer in the compute dtype (AxoNN eq. 8)
+    in every microbatch, unless M x dtype bytes > 4, where it reduces float32 once after its scan."""
     h = load_hardware("h100-node")
     bf16, fp32 = (machine_from_hardware(h, 8, dt, 0.5) for dt in ("bfloat16", "float32"))
     cfg = PRESETS["gpt2-1.3b"]
     pipe = Layout(2, 4, 1, 1, 1, 1, 8, "1f1b", False, False, "none")
-    mesh = Layout(1, 2, 2, 2, 1, 1, 8, "1f1b", False, False, "none")
     ar = lambda lay, m: evaluate(cfg, lay, m, 1024)["data_allreduce_s"]  # noqa: E731
+    mesh = lambda mbs: Layout(1, 2, 2, 2, 1, 16 // mbs, mbs, "1f1b", False, False, "none")  # noqa: E731
     assert ar(pipe, bf16) == pytest.approx(ar(pipe, fp32)) and ar(pipe, bf16) > 0
-    assert ar(mesh, bf16) == pytest.approx(ar(mesh, fp32) / 2)
+    once = ar(mesh(1), fp32)
+    assert ar(mesh(1), bf16) == pytest.approx(once / 2)  # one microbatch: per layer, bf16
+    assert ar(mesh(2), bf16) == pytest.approx(once)  # 2 x bf16 per layer = float32 once: per layer
+    assert ar(mesh(2), fp32) == ar(mesh(8), fp32) == ar(mesh(8), bf16) == pytest.approx(once)  # once, float32
 
 
 def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tmp_path):
