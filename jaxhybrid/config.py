@@ -46,7 +46,9 @@ class TrainConfig:
     seed: int = 0  # parameter init and sampler seed
     log_every: int = 10  # steps between progress lines (metrics.jsonl and TensorBoard get every step)
     remat: str = "none"  # activation checkpointing policy: none | dots | full
-    checkpoint_interval: int = 0  # Myelin's ac (blocks per checkpoint segment); 0 = optimal (Sec. V-A)
+    # Myelin's ac: blocks per recomputed segment with remat full, a factor of every stage's blocks (N / G_inter);
+    # 0 = the optimal one (Sec. V-A)
+    checkpoint_interval: int = 0
     inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (its number as logged, from 1)
     eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)

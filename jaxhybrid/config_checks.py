@@ -171,9 +171,41 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if t.checkpoint_interval and t.remat != "full":
         errors.append(f"train.checkpoint_interval={t.checkpoint_interval} needs train.remat=full (Myelin's ac: "
                       f"blocks per recomputed segment); got train.remat={t.remat!r}")
+    elif t.checkpoint_interval:
+        errors += _interval_errors(cfg)
     if cfg.tensor_size > 1 and not errors:  # the sizes below assume the batch rules above hold
         errors += _tensor_layout_errors(cfg)
     return errors
+
+
+def _interval_errors(cfg: Config) -> list[str]:
+    """Myelin V-A: an explicit ``train.checkpoint_interval`` (ac) must divide the blocks of every stage
+    (N / G_inter; with ``parallel.partition`` or an uneven split, each stage's count), so that every
+    recomputed segment holds ac blocks: a stage would otherwise clamp it or end in a shorter segment."""
+    from math import gcd
+
+    from jaxhybrid.topology import partition_blocks
+
+    p, ac, n = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers
+    try:
+        counts = [hi - lo for lo, hi in partition_blocks(n, p.pipeline, p.partition)]
+    except ConfigError:  # more stages than blocks, or a bad partition: their own rules above say so
+        return []
+    if all(c % ac == 0 for c in counts):
+        return []
+    g = reduce(gcd, counts)
+    factors = ", ".join(str(f) for f in range(1, g + 1) if g % f == 0)
+    if p.pipeline == 1:
+        where = f"model.n_layers={n} blocks of the one stage (parallel.pipeline=1)"
+    elif len(set(counts)) == 1:
+        where = f"model.n_layers={n} / parallel.pipeline={p.pipeline} = {counts[0]} blocks per stage"
+    else:
+        source = f"parallel.partition={list(p.partition)}" if p.partition else \
+            f"model.n_layers={n} split over parallel.pipeline={p.pipeline}"
+        where = f"stages of {counts} blocks ({source})"
+    return [f"train.checkpoint_interval={ac} does not divide the {where}: Myelin's ac (Sec. V-A) must be a "
+            f"factor of every stage's blocks; use {'one of ' if g > 1 else ''}{factors}, or 0 for Myelin's "
+            f"optimal interval"]
 
 
 def _tensor_layout_errors(cfg: Config) -> list[str]:

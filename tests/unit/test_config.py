@@ -43,6 +43,17 @@ BAD = [
     (["parallel.pipeline=2", "pipeline.microbatches=8", "parallel.tensor_depth=4"],  # each rank's mesh
      ["batch of 2 sequences per microbatch is not divisible by data(1) x depth(4) = 4", "parallel.tensor_depth=2"]),
     (["train.checkpoint_interval=2"], ["train.checkpoint_interval=2 needs train.remat=full", "'none'"]),
+    # Myelin V-A: an explicit ac divides every stage's blocks (N / G_inter), else the stage clamps or ends short.
+    (["train.remat=full", "train.checkpoint_interval=3", "parallel.pipeline=2", "pipeline.microbatches=2"],
+     ["train.checkpoint_interval=3 does not divide the model.n_layers=4 / parallel.pipeline=2 = 2 blocks per stage",
+      "use one of 1, 2, or 0 for Myelin's optimal interval"]),
+    (["train.remat=full", "train.checkpoint_interval=3"],
+     ["train.checkpoint_interval=3 does not divide the model.n_layers=4 blocks of the one stage", "1, 2, 4"]),
+    (["train.remat=full", "train.checkpoint_interval=2", "parallel.pipeline=2", "pipeline.microbatches=2",
+      "parallel.partition=[1,3]"], ["stages of [1, 3] blocks (parallel.partition=[1, 3])", "use 1, or 0"]),
+    (["train.remat=full", "train.checkpoint_interval=2", "parallel.pipeline=3", "pipeline.microbatches=3",
+      "model.n_layers=5", "train.global_batch=18"],
+     ["stages of [2, 2, 1] blocks (model.n_layers=5 split over parallel.pipeline=3)"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
@@ -126,6 +137,16 @@ def test_zero_keeps_its_documented_meanings():
                              "optim.grad_clip=0", "optim.beta1=0", "optim.min_lr_ratio=1", "train.eval_every=0",
                              "data.val_fraction=0", "tensor.optimizations=", "checkpoint.keep=1"])
     assert (cfg.pipeline.pipeline_limit, cfg.tensor.optimizations, cfg.checkpoint.keep) == (0, "", 1)
+
+
+def test_a_checkpoint_interval_that_divides_every_stage_is_accepted():
+    """Any factor of every stage's blocks is a valid ac, the stage's whole count included."""
+    for ac, sets in ((2, ["parallel.pipeline=2", "model.n_layers=8"]), (4, ["parallel.pipeline=2", "model.n_layers=8"]),
+                     (1, ["parallel.pipeline=3", "model.n_layers=5", "train.global_batch=18"]),
+                     (2, ["parallel.pipeline=2", "parallel.partition=[2,4]", "model.n_layers=6"])):
+        cfg = load_config(None, ["train.remat=full", f"train.checkpoint_interval={ac}",
+                                 f"pipeline.microbatches={sets[0][-1]}", *sets])
+        assert cfg.train.checkpoint_interval == ac
 
 
 def test_validate_is_importable_from_config_and_config_checks():
