@@ -100,7 +100,7 @@ class PipelineConfig:
     schedule: str = "1f1b"  # naive | gpipe | 1f1b | zb-h1 | myelin | 1f1b-star
     microbatches: int = 1  # per replica per step
     split_backward: bool = False  # 2BP: separate input- and weight-gradient passes
-    pipeline_limit: int = 0  # message-driven policy: microbatches in flight; 0 = number of stages
+    pipeline_limit: int = 0  # schedule myelin only (others: must be 0): microbatches in flight; 0 = stages
     transport: str = "mpi4jax"  # mpi4jax | mpi4py
     # 2BP: one BW over several microbatches as sum (their weight passes in one program) | concat (2BP Fig. 2:
     # residuals copied into one batch, one larger matmul per site) | auto (concat where that copy moves fewer bytes

@@ -145,6 +145,12 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     except ValueError as e:
         errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
                       f"pipeline.microbatches={pl.microbatches}: {e}")
+    if pl.pipeline_limit and str(pl.schedule).lower() != "myelin":
+        # Only Myelin's message-driven policy (Alg. 2) caps the microbatches in flight; a static schedule runs
+        # its rows in their fixed order and would ignore the limit without a word.
+        errors.append(f"pipeline.pipeline_limit={pl.pipeline_limit} is read only by pipeline.schedule='myelin' "
+                      f"(Myelin Alg. 2's microbatches in flight); pipeline.schedule={pl.schedule!r} runs a fixed "
+                      f"order and would ignore it: set pipeline.pipeline_limit=0 or pipeline.schedule=myelin")
     if pl.schedule == "zb-h1" and not pl.split_backward and p.pipeline > 1:
         # ZB-H1 is made of the split passes (its weight passes fill the bubbles): it runs them either way,
         # so a false here would be ignored without a word, and the planner scores zb-h1 as split.

@@ -152,8 +152,9 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
     pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
             "microbatches": plan["microbatches"]}
-    if plan["schedule"] == "myelin":  # the limit it was modelled with (0: stages), whatever the run set
-        pipe["pipeline_limit"] = plan.get("pipeline_limit", 0)
+    # The limit it was modelled with (0: stages), whatever the run set; 0 under the other schedules, which
+    # have no limit (a run config's own Myelin limit would be an error with them).
+    pipe["pipeline_limit"] = plan.get("pipeline_limit", 0) if plan["schedule"] == "myelin" else 0
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
            "optim": {"offload": plan["offload"]},
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
@@ -197,6 +198,9 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
     if not isinstance(cfg, dict) or not {"parallel", "pipeline", "optim"} <= set(cfg):
         raise ValueError(f"plan file {p} has no 'config' with parallel/pipeline/optim overrides; "
                          f"write it with `jaxhybrid plan ... --out {p.name}`")
+    pipe = cfg["pipeline"]
+    if isinstance(pipe, dict) and pipe.get("schedule", "myelin") != "myelin":  # files from before plan_overrides set it
+        pipe.setdefault("pipeline_limit", 0)
     planned = data.get("model")
     if model is not None and planned is not None and planned != model:
         raise ConfigError(f"plan.file={p} was made for model {planned!r}, but this run trains model.name="

@@ -54,6 +54,12 @@ BAD = [
     (["train.remat=full", "train.checkpoint_interval=2", "parallel.pipeline=3", "pipeline.microbatches=3",
       "model.n_layers=5", "train.global_batch=18"],
      ["stages of [2, 2, 1] blocks (model.n_layers=5 split over parallel.pipeline=3)"]),
+    # Only Myelin's message-driven schedule reads pipeline_limit; the static ones would ignore it.
+    (["pipeline.pipeline_limit=2"], ["pipeline.pipeline_limit=2 is read only by pipeline.schedule='myelin'",
+                                     "pipeline.schedule='1f1b' runs a fixed order",
+                                     "set pipeline.pipeline_limit=0 or pipeline.schedule=myelin"]),
+    (["pipeline.pipeline_limit=3", "parallel.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=gpipe"],
+     ["pipeline.pipeline_limit=3 is read only", "pipeline.schedule='gpipe'"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
@@ -147,6 +153,12 @@ def test_a_checkpoint_interval_that_divides_every_stage_is_accepted():
         cfg = load_config(None, ["train.remat=full", f"train.checkpoint_interval={ac}",
                                  f"pipeline.microbatches={sets[0][-1]}", *sets])
         assert cfg.train.checkpoint_interval == ac
+
+
+def test_pipeline_limit_is_accepted_with_the_myelin_schedule():
+    cfg = load_config(None, ["pipeline.schedule=myelin", "pipeline.pipeline_limit=3", "parallel.pipeline=2",
+                             "pipeline.microbatches=4"])
+    assert cfg.pipeline.pipeline_limit == 3
 
 
 def test_validate_is_importable_from_config_and_config_checks():

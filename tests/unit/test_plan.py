@@ -297,6 +297,16 @@ def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tm
         run = load_config(yaml_path, [f"plan.file={plan_path}"])
         assert (run.pipeline.schedule, run.pipeline.split_backward) == ("myelin", p["split_backward"])
         assert run.pipeline.pipeline_limit == 0 and run.parallel.pipeline == p["pipeline"]
+    # A plan of a static schedule sets the limit to 0 too: the YAML's Myelin limit would be refused with it
+    # (only the message-driven schedule reads one), and so does a plan file written before it said so.
+    static = next(p for p in plans if p["schedule"] != "myelin" and p["pipeline"] > 1)
+    write_plan(plan_path, static, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+    run = load_config(yaml_path, [f"plan.file={plan_path}"])
+    assert (run.pipeline.schedule, run.pipeline.pipeline_limit) == (static["schedule"], 0)
+    old = json.loads(plan_path.read_text())
+    del old["config"]["pipeline"]["pipeline_limit"]
+    plan_path.write_text(json.dumps(old))
+    assert load_config(yaml_path, [f"plan.file={plan_path}"]).pipeline.pipeline_limit == 0
 
 
 def test_a_config_is_scored_with_its_own_offload_bucket_size():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.config import load_config
+from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.model.config import PRESETS
 from jaxhybrid.pipeline.costs import Costs
 from jaxhybrid.pipeline.schedule import make_schedule
@@ -67,8 +67,12 @@ def test_score_config_predicts_the_runs_limit(monkeypatch):
         want = _simulated(p, m, split, bi, bw, msg, limit) / _simulated(p, m, split, bi, bw, msg, 0)
         assert got["pipeline_s"] / base["pipeline_s"] == pytest.approx(want), limit
         assert want > 1.01 and got["memory_per_device_bytes"] < base["memory_per_device_bytes"]
-    gpipe = load_config(CONFIG, ["pipeline.schedule=gpipe", "pipeline.pipeline_limit=2"])
-    assert config_layout(gpipe).pipeline_limit == 0  # the engine reads the limit only under Myelin
+    # The engine reads the limit only under Myelin: validation refuses it with another schedule, and an
+    # unchecked config's layout leaves it out.
+    with pytest.raises(ConfigError, match=r"pipeline.pipeline_limit=2 is read only by pipeline.schedule='myelin'"):
+        load_config(CONFIG, ["pipeline.schedule=gpipe", "pipeline.pipeline_limit=2"])
+    gpipe = load_config(CONFIG, ["pipeline.schedule=gpipe", "pipeline.pipeline_limit=2"], check=False)
+    assert config_layout(gpipe).pipeline_limit == 0
 
 
 def _machine(usable=None):
