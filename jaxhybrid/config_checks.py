@@ -169,6 +169,14 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
             errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
+    o = cfg.optim
+    if o.allreduce_coarsening != 1 and not o.offload:
+        # k only sizes the chunks the offloaded optimizer takes from the streamed all-reduce (Myelin V-C); the
+        # on-device update gets the whole gradient from one all-reduce program.
+        errors.append(f"optim.allreduce_coarsening={o.allreduce_coarsening} sizes the all-reduce chunks that the "
+                      f"offloaded optimizer updates as they arrive (Myelin V-C: k x optim.bucket_size); without "
+                      f"optim.offload=true the gradients are reduced whole and it is unused: set optim.offload=true "
+                      f"or optim.allreduce_coarsening=1")
     if cfg.checkpoint.keep < 2 and cfg.world_size > 1:
         # Each rank's manager deletes its older step once its newer one is saved: a save that some ranks
         # finished and others did not (a crash, a kill) would leave no step that every rank holds.

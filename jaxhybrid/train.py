@@ -78,9 +78,11 @@ class Trainer:
         if not (o.offload and o.stream_allreduce and self.cfg.world_size > 1 and self.cfg.parallel.data > 1):
             return None
         if not self.streamed:
+            unused = (f"; optim.allreduce_coarsening={o.allreduce_coarsening} is unused" if o.allreduce_coarsening != 1
+                      else "")
             return ("optim.stream_allreduce: the offloaded update waits for the whole all-reduce here (it streams "
                     "only with one device per rank and, across stages, untied embeddings: model.tie_embeddings"
-                    f"={self.cfg.model.tie_embeddings}); only the next bucket's prefetch overlaps it")
+                    f"={self.cfg.model.tie_embeddings}); only the next bucket's prefetch overlaps it{unused}")
         if o.grad_clip > 0:
             return (f"optim.grad_clip={o.grad_clip}: the global norm needs every reduced chunk before the first "
                     f"bucket update, so only the prefetch overlaps the all-reduce (grad_clip=0 for Myelin V-C's "

@@ -60,6 +60,9 @@ BAD = [
                                      "set pipeline.pipeline_limit=0 or pipeline.schedule=myelin"]),
     (["pipeline.pipeline_limit=3", "parallel.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=gpipe"],
      ["pipeline.pipeline_limit=3 is read only", "pipeline.schedule='gpipe'"]),
+    # k sizes the chunks of the all-reduce streamed into the offloaded optimizer (Myelin V-C), nothing else.
+    (["optim.allreduce_coarsening=2"], ["optim.allreduce_coarsening=2 sizes the all-reduce chunks",
+                                        "without optim.offload=true", "or optim.allreduce_coarsening=1"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
@@ -153,6 +156,10 @@ def test_a_checkpoint_interval_that_divides_every_stage_is_accepted():
         cfg = load_config(None, ["train.remat=full", f"train.checkpoint_interval={ac}",
                                  f"pipeline.microbatches={sets[0][-1]}", *sets])
         assert cfg.train.checkpoint_interval == ac
+
+
+def test_allreduce_coarsening_is_accepted_with_offload():
+    assert load_config(None, ["optim.allreduce_coarsening=2", "optim.offload=true"]).optim.allreduce_coarsening == 2
 
 
 def test_pipeline_limit_is_accepted_with_the_myelin_schedule():

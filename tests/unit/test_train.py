@@ -480,6 +480,9 @@ def test_overlap_note_says_why_myelin_v_c_is_partial_or_off():
 
     tied = note(False, "model.tie_embeddings=true")
     assert "waits for the whole all-reduce" in tied and "model.tie_embeddings=True" in tied
+    assert "allreduce_coarsening" not in tied  # the default: nothing to say
+    assert note(False, "model.tie_embeddings=true", "optim.allreduce_coarsening=4").endswith(
+        "; optim.allreduce_coarsening=4 is unused")  # it sizes the streamed chunks only
     assert note(True).startswith("optim.grad_clip=1.0: the global norm needs every reduced chunk")
     assert note(True, "optim.grad_clip=0") is None
     assert note(False, "optim.stream_allreduce=false") is None and note(False, "optim.offload=false") is None
