@@ -18,6 +18,13 @@ tokens (``T = b s``), width ``d``, vocabulary ``V`` and ``l`` blocks:
 * estimated time to train on 300 B tokens: ``3e11 * t / (B s)`` (Myelin Sec. VI-D), ``t`` the step time;
 * MFU and HFU: achieved model (hardware) flop/s per device over the hardware file's peak for the compute
   dtype; with ``remat: none`` they are equal.
+* Myelin's flop/s (Sec. VI-D) is Narayanan's ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` over the batch
+  time: the flops of a step that recomputes the blocks' forward. For GPT-2 shapes that is the hardware
+  count of ``remat: full``, so Myelin's flop/s is ``hw_tflops_per_device`` times the devices of a
+  ``remat: full`` run and its percentage of peak that run's ``hfu``. With ``none`` or ``dots`` the
+  96-form counts a recomputation the run does not do; ``tflops_per_device`` / ``mfu`` are the 72-form.
+* The run summary (:func:`steady_state`) gives the same columns from the mean time of the steps after the
+  first, as Myelin averages the last 10 of 11 batches.
 
 The run's record of them is :class:`jaxhybrid.metrics_writer.MetricsWriter`.
 """
@@ -117,6 +124,25 @@ def step_flop_rates(model_flops: float, hardware_flops: float, step_time_s: floa
 def time_to_train_s(step_time_s: float, batch: int, seq: int, tokens: float = GPT3_TOKENS) -> float:
     """Myelin Sec. VI-D: estimated training time ``3e11 * t / (b s)`` on ``tokens`` tokens, in seconds."""
     return tokens * step_time_s / (batch * seq)
+
+
+def steady_state(step_times: list[float], model_flops: float, hardware_flops: float, batch: int, seq: int,
+                 n_devices: int, peak_flops: float | None) -> dict[str, Any]:
+    """The run summary's throughput, Myelin Sec. VI-D's way: from the mean step time ``t`` of the steps after
+    the first (Myelin times 11 batches and averages the last 10; our first step also compiles), or of the only
+    step when one ran. ``steady_steps`` says how many were averaged; ``mean_step_time_s`` is ``t``,
+    ``time_to_train_s`` is :func:`time_to_train_s` of ``t``, and the flop columns are
+    :func:`step_flop_rates` of ``t``: the per-step columns with the mean time (achieved flop/s over the
+    window, not a mean of per-step rates). All None when no step ran."""
+    steady = list(step_times[1:] or step_times)
+    keys = ("mean_step_time_s", "time_to_train_s", "tokens_per_s", "tflops_per_device", "mfu",
+            "hw_tflops_per_device", "hfu")
+    if not steady:
+        return {"steady_steps": 0, **dict.fromkeys(keys)}
+    t = sum(steady) / len(steady)
+    return {"steady_steps": len(steady), "mean_step_time_s": t, "time_to_train_s": time_to_train_s(t, batch, seq),
+            "tokens_per_s": tokens_per_s(batch, seq, t),
+            **step_flop_rates(model_flops, hardware_flops, t, n_devices, peak_flops)}
 
 
 def hardware_names() -> list[str]:

@@ -6,7 +6,9 @@ Names: every number of a ``metrics.jsonl`` line is a TensorBoard scalar of the s
 ``train/<key>`` (``train/loss``, ``train/tflops_per_device``, ``train/mfu``, ``train/hw_tflops_per_device``,
 ``train/hfu``, ...), except the evaluation's, which go under ``val/`` without their prefix (``val_loss``
 -> ``val/loss``, ``val_ppl`` -> ``val/ppl``, ``eval_time_s`` -> ``val/time_s``). The console's line shows
-loss, val_loss, tok/s, TFLOP/s/dev (``tflops_per_device``), mfu, hfu, s/step and the loss scale.
+loss, val_loss, val_ppl and the evaluation's time (on the steps that evaluate), lr, tok/s, TFLOP/s/dev
+(``tflops_per_device``), mfu, hfu, s/step and the loss scale; a terminal's progress bar shows loss, val_loss,
+tok/s and mfu.
 Both files are flushed at every step: a killed run keeps every step it logged, in both.
 """
 from __future__ import annotations
@@ -151,7 +153,8 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _summary(rec: dict[str, Any], short: bool = False) -> str:
-    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("lr", "lr {:.3g}"),
+    fields = [("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"), ("val_ppl", "val_ppl {:.4g}"),
+              ("eval_time_s", "eval {:.3g} s"), ("lr", "lr {:.3g}"),
               ("tokens_per_s", "{:,.0f} tok/s"),
               ("tflops_per_device", "{:.3g} TFLOP/s/dev"), ("mfu", "mfu {:.1%}"), ("hfu", "hfu {:.1%}"),
               ("step_time_s", "{:.3f} s/step"),

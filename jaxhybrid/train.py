@@ -245,8 +245,8 @@ class Trainer:
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)
-        steady = times[1:] or times
         self.final_state = st
+        # Steady state (Myelin VI-D averages the last 10 of 11 batches): the steps after the first, which compiles.
         return {"steps": st.step, "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None, "last_val_loss": last_val,
-                "mean_step_time_s": float(np.mean(steady)) if steady else None}
+                **metrics_lib.steady_state(times, flops, hw_flops, batch, seq, n_dev, peak)}

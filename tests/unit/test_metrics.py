@@ -148,7 +148,7 @@ def test_writer_jsonl_tensorboard_plain_progress_and_plot(tmp_path):
     out = io.StringIO()  # not a terminal: plain lines every log_every steps, the first, the last, each eval
     w = MetricsWriter(tmp_path / "run", total_steps=7, tensorboard=True, progress=True, log_every=3, stream=out)
     for step, rec in _records(7):
-        w.log(step, {**rec, "val_loss": 4.5} if step == 5 else rec)
+        w.log(step, {**rec, "val_loss": 4.5, "val_ppl": 90.0171313, "eval_time_s": 0.25} if step == 5 else rec)
     w.close(plot=True)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     recs = [_strict(l) for l in lines]
@@ -157,7 +157,8 @@ def test_writer_jsonl_tensorboard_plain_progress_and_plot(tmp_path):
     assert recs[0]["tokens_per_s"] == 1000.0 and recs[6]["loss"] == pytest.approx(4.3)
     printed = out.getvalue().splitlines()
     assert [l.split()[1] for l in printed] == ["1/7", "3/7", "5/7", "6/7", "7/7"]
-    assert "val_loss 4.5000" in printed[2]  # the validation loss is on the console too
+    # The validation loss, its perplexity and the evaluation's time are on the console too.
+    assert "val_loss 4.5000  val_ppl 90.02  eval 0.25 s" in printed[2]
     assert "loss 4.7000" in printed[1] and "SKIPPED" in printed[1]
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     png = (tmp_path / "run" / "loss_curve.png").read_bytes()

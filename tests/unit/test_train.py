@@ -89,6 +89,33 @@ def test_mfu_counts_model_flops_and_hfu_what_remat_recomputes(tmp_path, remat):
     assert rec["hfu"] == pytest.approx(rec["hw_tflops_per_device"] / 0.1)
 
 
+def test_run_summary_is_the_steady_state_of_the_logged_steps(tmp_path):
+    """The run's summary averages the steps after the first (which compiles), as Myelin VI-D averages the
+    last 10 of 11 batches: its time to train and flop columns are the per-step formulas at the mean step
+    time, recomputed here from the logged per-step values (remat full: hfu differs from mfu)."""
+    from jaxhybrid import metrics as metrics_lib
+
+    cfg = _cfg(tmp_path, "train.steps=4", "train.remat=full")
+    out = Trainer(cfg).run()
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steady = recs[1:]
+    t = float(np.mean([r["step_time_s"] for r in steady]))
+    b, s = cfg.train.global_batch, cfg.data.seq_len
+    assert out["steady_steps"] == 3 and out["mean_step_time_s"] == pytest.approx(t, rel=1e-12)
+    assert out["time_to_train_s"] == pytest.approx(3e11 * t / (b * s), rel=1e-12)
+    assert out["time_to_train_s"] == pytest.approx(np.mean([r["time_to_train_s"] for r in steady]), rel=1e-9)
+    assert out["tokens_per_s"] == pytest.approx(b * s / t, rel=1e-12)
+    for key in ("tflops_per_device", "mfu", "hw_tflops_per_device", "hfu"):
+        # flops per step are the same every step: rate x own time / mean time, from any logged step
+        for r in recs:
+            assert out[key] == pytest.approx(r[key] * r["step_time_s"] / t, rel=1e-9), (key, r["step"])
+    assert out["hfu"] > out["mfu"] and out["mfu"] == pytest.approx(out["tflops_per_device"] / 0.1)
+    hw = metrics_lib.hardware_flops_per_step(cfg.model, b, s, "full")
+    assert out["hw_tflops_per_device"] == pytest.approx(hw / t / 1e12, rel=1e-12)
+    # Not the first step's time (compilation), nor a mean of the per-step rates.
+    assert out["mean_step_time_s"] != pytest.approx(np.mean([r["step_time_s"] for r in recs]), rel=1e-6)
+
+
 class _World:
     """A stand-in for the pipeline engine's MPI world communicator: rank 0 gathers its own entry and
     another rank's (pipeline stage 1, holding more parameters)."""
