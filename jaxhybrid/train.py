@@ -82,11 +82,12 @@ class Trainer:
                       else "")
             return ("optim.stream_allreduce: the offloaded update waits for the whole all-reduce here (it streams "
                     "only with one device per rank and, across stages, untied embeddings: model.tie_embeddings"
-                    f"={self.cfg.model.tie_embeddings}); only the next bucket's prefetch overlaps it{unused}")
+                    f"={self.cfg.model.tie_embeddings}); its bucket fetches start after it, so nothing overlaps "
+                    f"it{unused}")
         if o.grad_clip > 0:
             return (f"optim.grad_clip={o.grad_clip}: the global norm needs every reduced chunk before the first "
-                    f"bucket update, so only the prefetch overlaps the all-reduce (grad_clip=0 for Myelin V-C's "
-                    f"full overlap)")
+                    f"bucket update, so only the first buckets' fetches are issued before the all-reduce (grad_clip=0 "
+                    f"updates each chunk's buckets once it is reduced)")
         return None
 
     # -- state -------------------------------------------------------------------------------------

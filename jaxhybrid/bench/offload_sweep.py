@@ -2,9 +2,9 @@
 
 Each rank holds a flat gradient of ``--params`` elements (its replica's share) and a host-offloaded AdamW.
 For k in 1, 2, 4, 8 it times (a) the all-reduce alone in chunks of ``k x bsize``, (b) the offloaded
-optimizer alone on an already reduced gradient, and (c) the chunk-fed step, where the updates of a
-reduced chunk's k buckets run while the next chunk reduces. Rank 0 prints one JSON line; (c) below
-(a) + (b) is the overlap.
+optimizer alone on an already reduced gradient, and (c) the chunk-fed step, where a reduced chunk's k
+buckets update before the rest is reduced. Rank 0 prints one JSON line; (c) below (a) + (b) would be
+overlap (on CPU it was not: mpi4jax's all-reduce returns only when it is done).
 """
 from __future__ import annotations
 

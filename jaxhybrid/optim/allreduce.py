@@ -160,7 +160,9 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
     ``reduced`` has ``end - start`` elements and the dtype of ``flat_grads``. Every rank of ``comm``
     must iterate to the end (the chunks are collective calls, issued in the same order everywhere).
     Chunk ``k + 1`` is dispatched before chunk ``k`` is yielded so the caller's work on chunk ``k``
-    can overlap with the next reduction (where the backend lets the dispatch return early).
+    could overlap with the next reduction where the dispatch returned early. mpi4jax's does not: on CPU
+    the call returns when the reduction is done, and on GPU it synchronises the compute stream before
+    calling MPI, so the caller's programs run after it either way.
 
     Args:
       flat_grads: 1-D gradient vector (any float dtype).

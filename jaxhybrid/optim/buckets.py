@@ -59,7 +59,7 @@ class BucketLayout:
 
     def in_order(self, chunks: Iterable[tuple[int, int, Any]]) -> Iterator[tuple[int, int, Any]]:
         """``chunks`` (``(start, end, reduced)``) passed on one at a time, checked to cover ``[0, n)`` in
-        order. Lazily: the caller updates a chunk's buckets before the next chunk is reduced (Myelin V-C)."""
+        order. Lazily: the caller updates a chunk's buckets before the rest of the vector is reduced (Myelin V-C)."""
         expect = 0
         for s, e, arr in chunks:
             if s != expect or e <= s or arr.shape != (e - s,):

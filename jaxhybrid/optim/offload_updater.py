@@ -59,9 +59,11 @@ class OffloadUpdater:
         """Myelin V-C: the step fed by reduced gradient chunks as the all-reduce produces them
         (``PipelineEngine.loss_and_grad_chunks``). Consumes ``params`` as :meth:`apply` does. The norm
         for clipping is summed from the reduced chunks over the stages (``global_sum``); with clipping on
-        every chunk is reduced before the first bucket updates (the first prefetch still overlaps), without
-        it the updates overlap the reductions. A non-finite chunk on any rank (``global_max``) rolls every
-        rank back to ``opt_state`` and its parameters. Returns ``(params, state, grad_norm, nonfinite)``."""
+        every chunk is reduced before the first bucket updates (the first fetches are issued before the
+        reductions), without it each chunk's buckets update once it is reduced (after the next chunk's
+        reduction, which mpi4jax finishes before it returns: :mod:`~jaxhybrid.optim.offload`). A
+        non-finite chunk on any rank (``global_max``) rolls every rank back to ``opt_state`` and its
+        parameters. Returns ``(params, state, grad_norm, nonfinite)``."""
         release(params)
         new_state, flat, info = self.opt.step(opt_state, chunks=chunks, loss_scale=scale, global_sum=global_sum)
         nonfinite = global_max(jnp.float32(info["nonfinite"]))

@@ -171,9 +171,10 @@ class PipelineEngine:
     def loss_and_grad_chunks(self, params: dict, batch: np.ndarray, loss_scale: float, flatten):
         """Myelin V-C: the pipeline phase, then the data-parallel all-reduce left to the consumer, which
         gets ``(start, end, reduced)`` chunks of ``k x bsize`` elements of ``flatten(grads)``, each as soon
-        as its reduction is done with the next one already dispatched, so the offloaded optimizer updates a
-        chunk's buckets while the next chunk is reduced. Returns ``(loss, chunks)``; the unreduced pytree
-        is released once flattened (the footprint stays parameters + gradients + buckets)."""
+        as its reduction is done with the next one already dispatched (mpi4jax returns once that one is
+        reduced too, so the update of a chunk's buckets does not run beside a reduction). Returns
+        ``(loss, chunks)``; the unreduced pytree is released once flattened (the footprint stays
+        parameters + gradients + buckets)."""
         if not self.streams_reduced_chunks:
             raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1, one device per rank and "
                              f"untied embeddings across stages")
