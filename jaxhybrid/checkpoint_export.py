@@ -27,8 +27,9 @@ import orbax.checkpoint as ocp
 
 from jaxhybrid.checkpoint import committed_steps, read_state, state_metadata
 from jaxhybrid.model.stage import TIED_KEY
+from jaxhybrid.model.transformer import PARAM_LAYOUT
 from jaxhybrid.optim.updater import place_like
-from jaxhybrid.run_dir import saved_config
+from jaxhybrid.run_dir import check_param_layout, saved_config
 
 META = "export.json"
 PARAMS = "params"
@@ -66,6 +67,7 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
     if step is None and not common:
         raise ValueError(f"no step of {run_dir} was saved by every rank ({_held(steps)})")
     step = common[-1] if step is None else step
+    check_param_layout(run_dir)
     if step not in common:
         saved_by = [r for r, s in steps.items() if step in s]
         why = (f"was saved by {len(saved_by)} of {len(steps)} ranks only" if saved_by
@@ -106,7 +108,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
         raise ValueError(f"--out {out} exists and is not an empty folder; give a new path")
     params, step, cfg = consolidate(run_dir, step)
     p = cfg.parallel
-    meta = {"format": 1, "step": step, "source": str(Path(run_dir).absolute()),
+    meta = {"format": PARAM_LAYOUT, "step": step, "source": str(Path(run_dir).absolute()),
             "model": json.loads(json.dumps(dataclasses.asdict(cfg.model))),
             "layout": {"pipeline": p.pipeline, "data": p.data, "tensor": [p.tensor_col, p.tensor_row, p.tensor_depth],
                        "offload": cfg.optim.offload, "compute_dtype": cfg.precision.compute_dtype},
@@ -174,6 +176,11 @@ def check_init_from(cfg) -> None:
         meta = read_meta(src)
     except ValueError as e:
         raise ConfigError(f"train.init_from={src}: {e}") from None
+    if meta.get("format", 1) != PARAM_LAYOUT:  # format 1 held layout 1's [q | k | v] qkv columns
+        raise ConfigError(f"train.init_from={src} is an export of format {meta.get('format', 1)} (parameter "
+                          f"layout: fused qkv columns as [q | k | v]); this jaxhybrid reads format {PARAM_LAYOUT} "
+                          f"(grouped per key/value head, jaxhybrid/model/transformer.py): export the run again with "
+                          f"the version that trained it and convert, or start from scratch")
     mine = _shape_settings(json.loads(json.dumps(dataclasses.asdict(cfg.model))))
     diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in _shape_settings(meta["model"]).items()
             if mine.get(k) != v]

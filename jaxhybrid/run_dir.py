@@ -126,6 +126,26 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
                           f"new run from its weights (jaxhybrid export, then --set train.init_from=...)")
 
 
+def check_param_layout(run_dir: str | Path) -> None:
+    """Before a resume or an export: the newest checkpoint holds this version's parameter layout
+    (:data:`jaxhybrid.model.transformer.PARAM_LAYOUT`, in its meta; absent: layout 1, the fused qkv's
+    columns as ``[q | k | v]``); else a ConfigError, since the weights would load and mean something else."""
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.model.transformer import PARAM_LAYOUT
+
+    steps = committed_steps(run_dir)
+    if not steps:
+        return
+    rank, held = next(iter(steps.items()))
+    meta = saved_meta(run_dir, rank, held[-1])
+    got = meta.get("param_layout", 1) if isinstance(meta, dict) else PARAM_LAYOUT  # unreadable: restore names it
+    if got != PARAM_LAYOUT:
+        raise ConfigError(f"{run_dir}: its checkpoints hold parameter layout {got} (fused qkv columns as [q | k | v]), "
+                          f"this jaxhybrid reads layout {PARAM_LAYOUT} (grouped [q_g | k_g | v_g] per key/value head, "
+                          f"jaxhybrid/model/transformer.py); resume or export it with the version that wrote it, or "
+                          f"start a new run")
+
+
 def check_run_dir(cfg) -> None:
     """``run.dir`` can take this run: its nearest existing folder takes a new file (probed: as root,
     ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
@@ -154,4 +174,5 @@ def check_run_dir(cfg) -> None:
             raise ConfigError(f"--resume (run.resume=true): run.dir={cfg.run.dir} holds no checkpoint to continue "
                               f"(no {run_dir / 'checkpoints'}/rank_*/<step>); start a new run without --resume{start}")
         check_resume_layout(run_dir, cfg)
+        check_param_layout(run_dir)
         check_resume_data(run_dir, cfg)

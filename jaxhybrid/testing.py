@@ -70,18 +70,19 @@ def assert_tree_close(actual, expected, tol: float | str = "fp32_parity", what: 
 
 def without_key_bias(tree, model) -> Any:
     """``tree`` (float32 numpy leaves) with the key part of every qkv bias zeroed, for ``model`` (a
-    :class:`~jaxhybrid.model.config.ModelConfig`; GPT-2's fused ``[q | k | v]`` bias). Its true gradient is
+    :class:`~jaxhybrid.model.config.ModelConfig`; the fused qkv bias, grouped ``[q_g | k_g | v_g]`` per
+    key/value head as :data:`~jaxhybrid.model.transformer.PARAM_LAYOUT` says). Its true gradient is
     zero (softmax does not change when one constant is added to every score of a row), so it holds
     summation-order noise that AdamW scales to learning-rate-sized steps: measured 1e-7 against the
     1e-4..1e-2 of the query and value biases beside it, 2-5e-5 relative after 3-6 steps, where every other
     leaf agrees to 4e-7. Parity tests of AdamW runs whose reduction order differs leave it out."""
-    lo, hi = model.d_model, model.d_model + model.kv_heads * model.head_dim
+    rep, hd = model.n_heads // model.kv_heads, model.head_dim
 
     def zero_keys(path, x):
         x = np.array(x, np.float32)
         name = jax.tree_util.keystr(path)
         if "qkv" in name and "bias" in name and x.ndim == 1:
-            x[lo:hi] = 0
+            x.reshape(model.kv_heads, rep + 2, hd)[:, rep] = 0
         return x
 
     return jax.tree_util.tree_map_with_path(zero_keys, tree)

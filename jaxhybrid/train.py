@@ -29,6 +29,7 @@ from jaxhybrid.config import Config, ConfigError, validate
 from jaxhybrid.data.splits import open_dataset, validation_batches
 from jaxhybrid.metrics_writer import MetricsWriter
 from jaxhybrid.model import Model
+from jaxhybrid.model.transformer import PARAM_LAYOUT
 from jaxhybrid.optim import lr_schedule
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
@@ -110,7 +111,7 @@ class Trainer:
         return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
 
     def save(self, ckpt: Checkpointer, st: TrainState) -> None:
-        meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(),
+        meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(), "param_layout": PARAM_LAYOUT,
                 "sampler": self.sampler.state_dict(st.step), "seed": self.cfg.train.seed, "updates": st.updates}
         ckpt.save(st.step, {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}, meta)
 

@@ -21,6 +21,13 @@ Array = jax.Array
 Params = dict[str, Any]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# The fused qkv kernel's columns (and bias) are grouped per key/value head: for each of the kv_heads groups,
+# its n_heads/kv_heads query heads, then its key head, then its value head ([q_g | k_g | v_g], head_dim wide
+# each), as Megatron-LM orders them and AxoNN keeps each shard's [q_i | k_i | v_i]. Why: the tensor-parallel
+# qkv layer splits its output columns into contiguous blocks over column; with whole groups in each block the
+# split into q, k and v is local, where the [q | k | v] order (layout 1) made the compiler move the k and v
+# blocks between shards (34% of a gpt-tiny step's tensor-parallel bytes). Checkpoints and exports record it.
+PARAM_LAYOUT = 2
 
 
 class Embed(nn.Module):
@@ -57,8 +64,9 @@ class Block(nn.Module):
         hd, nh, nkv = c.head_dim, c.n_heads, c.kv_heads
         h = norm("ln_attn")(x)
         qkv = Dense(hd * (nh + 2 * nkv), ops, "attn.qkv", gpt, dt, c.init_std, name="qkv")(h)
-        q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
-        q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
+        rep = nh // nkv  # query heads per key/value head (PARAM_LAYOUT: grouped columns)
+        qkv = qkv.reshape(b, t, nkv, rep + 2, hd)
+        q, k, v = qkv[:, :, :, :rep].reshape(b, t, nh, hd), qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
         if not gpt:
             q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
         a = ops.attention(q, k, v, c.attention).reshape(b, t, nh * hd)

@@ -11,6 +11,7 @@ from jaxhybrid.cli import main
 from jaxhybrid.config import ConfigError, load_config
 from jaxhybrid.model import Model
 from jaxhybrid.model.stage import TIED_KEY, make_stages
+from jaxhybrid.model.transformer import PARAM_LAYOUT
 from jaxhybrid.optim.flat import FlatSpec
 from jaxhybrid.testing import assert_tree_close
 from jaxhybrid.train import Trainer
@@ -84,7 +85,7 @@ def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeyp
             else:
                 state = {"params": mine, "opt_state": {"count": np.zeros((), np.int32)}}
             ck = Checkpointer(run, rank)
-            ck.save(5, state, {"step": 5})
+            ck.save(5, state, {"step": 5, "param_layout": PARAM_LAYOUT})  # as Trainer.save writes it
             ck.close()
         read.clear()
         params, step, _ = consolidate(run)
@@ -164,3 +165,32 @@ def test_a_damaged_checkpoint_is_named_not_a_traceback(trained, tmp_path):
     with pytest.raises(ValueError, match=r"rank_0/3/state holds no readable checkpoint \(its orbax metadata is "
                                          r"missing\)"):
         export_run(run, tmp_path / "w", step=3)
+
+
+def test_weights_of_the_old_qkv_layout_are_refused(trained, tmp_path):
+    """Checkpoints and exports record the parameter layout (model.transformer.PARAM_LAYOUT: the fused qkv
+    columns grouped per key/value head). One written before it (no param_layout in a checkpoint's meta;
+    export format 1) holds [q | k | v] columns, which would load and compute another attention: a resume,
+    an export and init_from name it instead."""
+    import json
+    import shutil
+
+    from jaxhybrid.run_dir import check_param_layout
+
+    root, _ = trained
+    old = tmp_path / "w_old"
+    shutil.copytree(root / "w", old)
+    meta = json.loads((old / "export.json").read_text())
+    (old / "export.json").write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(ConfigError, match=r"export of format 1 \(parameter layout: fused qkv columns as \[q \| k \| v\]\)"):
+        Trainer(_cfg(tmp_path / "a", f"train.init_from={old}"))
+    run = tmp_path / "run_old"
+    shutil.copytree(root / "run", run)
+    check_param_layout(run)  # this version's checkpoints pass
+    for f in (run / "checkpoints").glob("rank_*/*/meta/metadata"):
+        f.write_text(json.dumps({k: v for k, v in json.loads(f.read_text()).items() if k != "param_layout"}))
+    msg = r"its checkpoints hold parameter layout 1 \(fused qkv columns as \[q \| k \| v\]\)"
+    with pytest.raises(ConfigError, match=msg):
+        Trainer(_cfg(run, "run.resume=true", "train.steps=4"))
+    with pytest.raises(ConfigError, match=msg):
+        export_run(run, tmp_path / "w2")

@@ -303,7 +303,7 @@ def test_a_resume_on_other_data_fails_in_the_launcher(tmp_path):
     step.mkdir(parents=True)
     sets = ["data.seq_len=16", "train.eval_every=0"]
     state = Sampler(TokenDataset(a), 16, 16, 0).state_dict(2)  # the defaults: global_batch 16, seed 0
-    (step / "metadata").write_text(json.dumps({"step": 2, "sampler": state}))
+    (step / "metadata").write_text(json.dumps({"step": 2, "sampler": state, "param_layout": 2}))  # as Trainer.save
     (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\ndata: {seq_len: 16}\n")
     check_job(*_job(run, f"data.path={a}", *sets, flags=("--resume",)), 4)
     with pytest.raises(ConfigError, match=r"--resume in .*: its checkpoints trained on other data than data.path=.*/b "
