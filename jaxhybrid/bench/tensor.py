@@ -3,7 +3,7 @@
 For every factorization of the devices into (G_data, G_d, G_r, G_c): the step time, the collective bytes
 of the dense layers read from the compiled HLO against AxoNN eqs. 4-7 (tensor axes) and eq. 8 (data
 axis), and the bytes of the collectives eqs. 4-8 do not model (norm statistics, embedding, vocabulary
-loss, the qkv split). Then, on one factorization with activation recomputation on, the step time as the
+loss). Then, on one factorization with activation recomputation on, the step time as the
 optimizations are switched on one by one (baseline, A, AB, ABC, ABCD, ABCDE), timed in interleaved
 rounds so machine noise hits all alike. Prints one JSON object (last; without ``--json``, tables first:
 bytes in ``*_B`` columns, ``ratio`` = measured dense bytes / eqs. 4-7).

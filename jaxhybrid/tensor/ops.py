@@ -11,9 +11,10 @@ model itself runs unchanged in global view under ``jit``. Layouts (see :mod:`jax
   lands where its consumer reads it (Sec. IV-A). Without A every layer is normal and its output is
   re-laid out from column to row by an explicit all-gather over column (the paper's baseline).
 * Attention runs per (batch shard, head shard): heads are split over the axis that carries the qkv
-  output features when both head counts divide it, otherwise replicated over it. The split of the fused
-  qkv output into q, k, v is left to the compiler, which moves the k and v blocks (a re-layout the
-  paper's per-head weight ordering avoids; the model's parameter layout is fixed by ``Model.init``).
+  output features when both head counts divide it, otherwise replicated over it. The fused qkv output's
+  columns are grouped per key/value head (``jaxhybrid.model.transformer.PARAM_LAYOUT``), so each shard's
+  contiguous block holds whole groups and the split into q, k, v moves nothing (AxoNN's per-shard
+  ``[q_i | k_i | v_i]``; with ``[q | k | v]`` columns the compiler moved the k and v blocks).
 * Norms reduce their statistics with a psum over row. The embedding table ``[V, d]`` is stored
   ``P(col, (row, depth))`` so its transpose is exactly a normal layer's weight (tied head); lookups
   mask the local vocabulary block and psum over column. The loss is a vocabulary-parallel
