@@ -4,7 +4,8 @@ Axis order follows AxoNN Sec. V's hierarchy read outermost first: data, depth, r
 innermost, so on a real machine a column group is the most tightly coupled set of devices). The mesh uses
 ``AxisType.Auto`` on purpose: the model runs in global view under ``jit`` and only the parallelism-
 sensitive ops are explicit ``shard_map`` islands; between islands the compiler partitions the glue
-(reshapes, RoPE, residual adds) and inserts a re-layout where one is unavoidable (the qkv split).
+(reshapes, RoPE, residual adds) and inserts a re-layout where one is unavoidable (the qkv output, when
+the head counts do not divide the axis that carries it and the heads are replicated over it).
 """
 from __future__ import annotations
 
