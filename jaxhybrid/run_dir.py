@@ -102,6 +102,16 @@ def check_resume_layout(run_dir: str | Path, cfg) -> None:
                           f"its weights (jaxhybrid export, then --set train.init_from=...)")
 
 
+def _newest_meta(run_dir: str | Path) -> dict | None:
+    """The ``meta`` of the first rank's newest committed checkpoint; None when there is none or it cannot
+    be read here (the restore then names the problem)."""
+    steps = committed_steps(run_dir)
+    if not steps:
+        return None
+    rank, held = next(iter(steps.items()))
+    return saved_meta(run_dir, rank, held[-1])
+
+
 def check_resume_data(run_dir: str | Path, cfg) -> None:
     """Before a resume from a prepared dataset (``data.path``): the newest checkpoint's sampler state
     against this run's train split (its length and a fingerprint of its tokens), so that other data, even
@@ -109,11 +119,9 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
     same length, never). The built-in corpus is one fixed text."""
     from jaxhybrid.config import ConfigError
 
-    steps = committed_steps(run_dir)
-    if not cfg.data.path or not steps:
+    if not cfg.data.path:
         return
-    rank, held = next(iter(steps.items()))
-    state = (saved_meta(run_dir, rank, held[-1]) or {}).get("sampler")
+    state = (_newest_meta(run_dir) or {}).get("sampler")
     if not isinstance(state, dict):
         return  # unreadable here: the restore names it
     from jaxhybrid.data import Sampler
@@ -133,11 +141,7 @@ def check_param_layout(run_dir: str | Path) -> None:
     from jaxhybrid.config import ConfigError
     from jaxhybrid.model.transformer import PARAM_LAYOUT
 
-    steps = committed_steps(run_dir)
-    if not steps:
-        return
-    rank, held = next(iter(steps.items()))
-    meta = saved_meta(run_dir, rank, held[-1])
+    meta = _newest_meta(run_dir)
     got = meta.get("param_layout", 1) if isinstance(meta, dict) else PARAM_LAYOUT  # unreadable: restore names it
     if got != PARAM_LAYOUT:
         raise ConfigError(f"{run_dir}: its checkpoints hold parameter layout {got} (fused qkv columns as [q | k | v]), "
