@@ -76,13 +76,13 @@ def without_key_bias(tree, model) -> Any:
     summation-order noise that AdamW scales to learning-rate-sized steps: measured 1e-7 against the
     1e-4..1e-2 of the query and value biases beside it, 2-5e-5 relative after 3-6 steps, where every other
     leaf agrees to 4e-7. Parity tests of AdamW runs whose reduction order differs leave it out."""
-    rep, hd = model.n_heads // model.kv_heads, model.head_dim
+    from jaxhybrid.model.transformer import qkv_groups
 
     def zero_keys(path, x):
         x = np.array(x, np.float32)
         name = jax.tree_util.keystr(path)
         if "qkv" in name and "bias" in name and x.ndim == 1:
-            x.reshape(model.kv_heads, rep + 2, hd)[:, rep] = 0
+            x.reshape(qkv_groups(model))[:, -2] = 0
         return x
 
     return jax.tree_util.tree_map_with_path(zero_keys, tree)

@@ -30,6 +30,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 PARAM_LAYOUT = 2
 
 
+def qkv_groups(c: ModelConfig) -> tuple[int, int, int]:
+    """The fused qkv output's last axis (and its bias) as PARAM_LAYOUT groups it: (kv_heads, query heads per
+    kv head + 2, head_dim); along the middle axis the queries, then the key (-2), then the value (-1)."""
+    return c.kv_heads, c.n_heads // c.kv_heads + 2, c.head_dim
+
+
 class Embed(nn.Module):
     cfg: ModelConfig
     ops: Any
@@ -64,9 +70,8 @@ class Block(nn.Module):
         hd, nh, nkv = c.head_dim, c.n_heads, c.kv_heads
         h = norm("ln_attn")(x)
         qkv = Dense(hd * (nh + 2 * nkv), ops, "attn.qkv", gpt, dt, c.init_std, name="qkv")(h)
-        rep = nh // nkv  # query heads per key/value head (PARAM_LAYOUT: grouped columns)
-        qkv = qkv.reshape(b, t, nkv, rep + 2, hd)
-        q, k, v = qkv[:, :, :, :rep].reshape(b, t, nh, hd), qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+        qkv = qkv.reshape(b, t, *qkv_groups(c))
+        q, k, v = qkv[:, :, :, :-2].reshape(b, t, nh, hd), qkv[:, :, :, -2], qkv[:, :, :, -1]
         if not gpt:
             q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
         a = ops.attention(q, k, v, c.attention).reshape(b, t, nh * hd)
