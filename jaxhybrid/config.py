@@ -69,8 +69,8 @@ class OptimConfig:
     offload: bool = False  # fp32 master weights + Adam state on host, streamed in buckets (Myelin V-B)
     bucket_size: int = 1 << 20  # elements per offload bucket (bsize); at most a rank's parameter count
     # k (Myelin V-C): the streamed all-reduce's chunks hold k * bucket_size elements. Used only where the offloaded
-    # update streams it: offload and stream_allreduce on, parallel.data > 1 as MPI ranks of one device each and,
-    # across stages, untied embeddings; elsewhere the gradients are reduced whole. Other than 1 needs offload.
+    # update streams it: offload and stream_allreduce on, parallel.data > 1 as MPI ranks of one device each;
+    # elsewhere the gradients are reduced whole. Other than 1 needs offload.
     allreduce_coarsening: int = 1
     stream_allreduce: bool = True  # offload x data replicas: update each reduced chunk's buckets at once (V-C)
 

@@ -82,9 +82,8 @@ class Trainer:
             unused = (f"; optim.allreduce_coarsening={o.allreduce_coarsening} is unused" if o.allreduce_coarsening != 1
                       else "")
             return ("optim.stream_allreduce: the offloaded update waits for the whole all-reduce here (it streams "
-                    "only with one device per rank and, across stages, untied embeddings: model.tie_embeddings"
-                    f"={self.cfg.model.tie_embeddings}); its bucket fetches start after it, so nothing overlaps "
-                    f"it{unused}")
+                    "only with one device per rank: a tensor mesh's sharded leaves reduce per device); its bucket "
+                    f"fetches start after it, so nothing overlaps it{unused}")
         if o.grad_clip > 0:
             return (f"optim.grad_clip={o.grad_clip}: the global norm needs every reduced chunk before the first "
                     f"bucket update, so only the first buckets' fetches are issued before the all-reduce (grad_clip=0 "
@@ -152,14 +151,14 @@ class Trainer:
         if st.step + 1 == cfg.train.inject_overflow_step:  # the step as logged (1-based)
             scale = math.inf  # an injected overflow travels the real path: non-finite grads
         batch = self.sampler.batch(st.step)
+        # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
+        norm_view = getattr(self.engine, "norm_view", None)
         if self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
             loss, chunks = self.engine.loss_and_grad_chunks(st.params, batch, scale, self.updater.opt.flatten)
             params, opt_state, gnorm, nonfinite = self.updater.apply_streamed(
-                st.params, st.opt_state, chunks, scale, self.engine.global_sum, self.engine.global_max)
+                st.params, st.opt_state, chunks, scale, self.engine.global_sum, self.engine.global_max, norm_view)
         else:
             loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
-            # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
-            norm_view = getattr(self.engine, "norm_view", None)
             sq, nonfinite = self.updater.stats(norm_view(grads) if norm_view else grads)
             sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
             params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)

@@ -64,6 +64,16 @@ def programs(inner, split, cdt, grad_clip: float):
     return update_j, upcast_j, write_j, factor_j, sq_j, init_j
 
 
+@jax.jit
+def sq_outside(g: jax.Array, cut: jax.Array) -> jax.Array:
+    """Squared norm of ``g`` without its elements in the ``cut`` ranges (``int32 [K, 2]``, half-open,
+    relative to ``g``): the duplicated leaves a global norm must count once (a tied embedding's copy).
+    One fused pass with a mask, not slices: the ranges move with every chunk (one program per K)."""
+    i = jnp.arange(g.shape[0], dtype=jnp.int32)
+    inside = jnp.any((i >= cut[:, :1]) & (i < cut[:, 1:]), axis=0)
+    return jnp.sum(jnp.where(inside, 0.0, jnp.square(g.astype(jnp.float32))))
+
+
 class Prefetcher:
     """Keeps up to ``depth`` buckets fetched ahead (``device_put`` is asynchronous)."""
 

@@ -6,7 +6,7 @@ the host (numpy), in ``jax.tree.leaves`` order.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,19 @@ class FlatSpec:
     def _unravel(self, flat):
         return self.treedef.unflatten([flat[o:o + s].reshape(shape)
                                        for o, s, shape in zip(self.offsets, self.sizes, self.shapes)])
+
+    def dropped_ranges(self, keep: Callable[[Any], Any]) -> tuple[tuple[int, int], ...]:
+        """The flat ``[start, end)`` ranges of the leaves that ``keep`` (a filter of the pytree's dicts,
+        such as an engine's ``norm_view``) leaves out, adjacent leaves merged."""
+        kept = set(jax.tree.leaves(keep(self.treedef.unflatten(list(range(len(self.sizes)))))))
+        ranges: list[tuple[int, int]] = []
+        for i in (i for i in range(len(self.sizes)) if i not in kept):
+            s, e = self.offsets[i], self.offsets[i] + self.sizes[i]
+            if ranges and ranges[-1][1] == s:
+                ranges[-1] = (ranges[-1][0], e)
+            else:
+                ranges.append((s, e))
+        return tuple(ranges)
 
     def ravel_host(self, tree: Any, dtype=np.float32) -> np.ndarray:
         return np.concatenate([np.asarray(x, dtype).ravel() for x in self.treedef.flatten_up_to(tree)])

@@ -36,7 +36,7 @@ import optax
 from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
 from jaxhybrid.optim.flat import FlatSpec
 from jaxhybrid.optim.hoststore import make_store
-from jaxhybrid.optim.bucket_programs import Prefetcher, programs
+from jaxhybrid.optim.bucket_programs import Prefetcher, programs, sq_outside
 from jaxhybrid.optim.updater import DecayMask
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -140,7 +140,8 @@ class OffloadedOptimizer:
     def step(self, state: OffloadState, grads: Any = None, params: jax.Array | None = None, *,
              loss_scale: float = 1.0, finite: bool = True, sq: Any = None,
              chunks: Iterable[tuple[int, int, jax.Array]] | None = None,
-             global_sum: Callable[[jax.Array], jax.Array] | None = None) -> tuple[OffloadState, jax.Array, dict]:
+             global_sum: Callable[[jax.Array], jax.Array] | None = None,
+             uncounted: tuple[tuple[int, int], ...] = ()) -> tuple[OffloadState, jax.Array, dict]:
         """One optimizer step over all buckets (Myelin V-B), optionally fed by reduced chunks (V-C).
 
         Args:
@@ -154,6 +155,8 @@ class OffloadedOptimizer:
           chunks: instead of ``grads``, an iterator of ``(start, end, reduced)`` in order covering
             ``[0, phi)`` with starts on bucket boundaries (``iter_reduced_chunks``). Always drained.
           global_sum: sums a scalar over the model-parallel group (pipeline stages).
+          uncounted: flat ``[start, end)`` ranges left out of the norm computed here (a leaf another rank
+            holds too and counts: the last stage's tied-embedding copy, ``FlatSpec.dropped_ranges``).
 
         Returns:
           ``(new_state, params, info)``; ``info`` has ``grad_norm``, ``skipped`` and ``nonfinite``
@@ -176,14 +179,14 @@ class OffloadedOptimizer:
         if own_sq and self.grad_clip > 0:
             # The clip factor needs the norm of every reduced gradient before the first bucket update.
             pieces = list(pieces)
-            sq = self._sum_sq(pieces, global_sum)
+            sq = self._sum_sq(pieces, global_sum, uncounted)
         params = params if params is not None else jnp.zeros((layout.n,), self.compute_dtype, device=self.device)
         factor, gnorm = self._factor(scale, jnp.float32(sq if sq is not None else 0.0))
         nonfinite = jnp.zeros((), bool)
         acc_sq, new_shared, landed, pending = [], None, [None] * layout.count, deque()
         for s, e, arr in pieces:
             if own_sq and self.grad_clip == 0:
-                acc_sq.append(self._sq(arr))
+                acc_sq.append(self._counted_sq(s, e, arr, uncounted))
             for i in layout.covered(s, e):
                 bs, _ = layout.bounds(i)
                 g, goff = arr, bs - s
@@ -211,10 +214,15 @@ class OffloadedOptimizer:
         new_state = OffloadState(tuple(landed), tuple(np.asarray(x) for x in new_shared))
         return new_state, params, {"grad_norm": float(gnorm), "skipped": False, "nonfinite": 0.0}
 
-    def _sum_sq(self, pieces: list, global_sum) -> jax.Array:
-        parts = [self._sq(a) for _, _, a in pieces]
+    def _sum_sq(self, pieces: list, global_sum, uncounted=()) -> jax.Array:
+        parts = [self._counted_sq(s, e, a, uncounted) for s, e, a in pieces]
         total = sum(parts[1:], parts[0])
         return global_sum(total) if global_sum else total
+
+    def _counted_sq(self, s: int, e: int, arr: jax.Array, uncounted) -> jax.Array:
+        """Squared norm of the piece ``arr`` = flat ``[s, e)``, less the ``uncounted`` ranges it overlaps."""
+        cut = [(max(a, s) - s, min(b, e) - s) for a, b in uncounted if a < e and b > s]
+        return sq_outside(arr, np.asarray(cut, np.int32)) if cut else self._sq(arr)
 
     def _pieces(self, grads, chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
         if grads is not None:

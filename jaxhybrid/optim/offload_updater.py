@@ -55,7 +55,7 @@ class OffloadUpdater:
         del flat_g
         return self.opt.params_tree(flat), new_state, jnp.float32(info["grad_norm"])
 
-    def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max):
+    def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max, norm_view=None):
         """Myelin V-C: the step fed by reduced gradient chunks as the all-reduce produces them
         (``PipelineEngine.loss_and_grad_chunks``). Consumes ``params`` as :meth:`apply` does. The norm
         for clipping is summed from the reduced chunks over the stages (``global_sum``); with clipping on
@@ -63,9 +63,13 @@ class OffloadUpdater:
         reductions), without it each chunk's buckets update once it is reduced (after the next chunk's
         reduction, which mpi4jax finishes before it returns: :mod:`~jaxhybrid.optim.offload`). A
         non-finite chunk on any rank (``global_max``) rolls every rank back to ``opt_state`` and its
-        parameters. Returns ``(params, state, grad_norm, nonfinite)``."""
+        parameters. ``norm_view``: the engine's filter of the leaves this rank counts in the norm (the
+        last stage leaves out its tied-embedding copy, which the first stage counts). Returns
+        ``(params, state, grad_norm, nonfinite)``."""
         release(params)
-        new_state, flat, info = self.opt.step(opt_state, chunks=chunks, loss_scale=scale, global_sum=global_sum)
+        uncounted = self.opt.spec.dropped_ranges(norm_view) if norm_view is not None else ()
+        new_state, flat, info = self.opt.step(opt_state, chunks=chunks, loss_scale=scale, global_sum=global_sum,
+                                              uncounted=uncounted)
         nonfinite = global_max(jnp.float32(info["nonfinite"]))
         if bool(nonfinite) and not info["nonfinite"]:  # another rank overflowed: undo this rank's update
             new_state, flat = opt_state, self.opt.device_params(opt_state)

@@ -162,11 +162,10 @@ class PipelineEngine:
 
     @property
     def streams_reduced_chunks(self) -> bool:
-        """Whether :meth:`loss_and_grad_chunks` applies: data replicas to reduce over, gradients on one
-        device (a hybrid rank's sharded leaves reduce per device), and no tied-embedding copy that the
-        optimizer's own norm would count twice."""
-        tied = self.cfg.model.tie_embeddings and self.num_stages > 1
-        return self.replicas > 1 and self.local is None and not tied
+        """Whether :meth:`loss_and_grad_chunks` applies: data replicas to reduce over and gradients on one
+        device (a hybrid rank's sharded leaves reduce per device). A tied-embedding copy streams too: its
+        gradient is summed before the chunks are cut, and the updater's norm leaves it out (:meth:`norm_view`)."""
+        return self.replicas > 1 and self.local is None
 
     def loss_and_grad_chunks(self, params: dict, batch: np.ndarray, loss_scale: float, flatten):
         """Myelin V-C: the pipeline phase, then the data-parallel all-reduce left to the consumer, which
@@ -176,8 +175,7 @@ class PipelineEngine:
         ``(loss, chunks)``; the unreduced pytree is released once flattened (the footprint stays
         parameters + gradients + buckets)."""
         if not self.streams_reduced_chunks:
-            raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1, one device per rank and "
-                             f"untied embeddings across stages")
+            raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1 and one device per rank")
         t0 = time.perf_counter()
         self.watchdog.arm("pipeline phase")
         try:

@@ -221,6 +221,32 @@ def test_streamed_update_matches_whole_gradient_update_and_rolls_back_on_a_peer_
     assert_tree_close(pc, a.opt.params_tree(a.opt.device_params(sa)), "exact", "params after a peer's overflow ")
 
 
+def test_streamed_norm_leaves_out_what_the_engines_norm_view_drops():
+    """With tied embeddings the last stage holds a copy of the table that the first stage counts in the
+    global norm; streamed (V-C), the updater's per-chunk norm leaves the ranges ``norm_view`` drops out, as
+    ``stats(norm_view(grads))`` does on the whole gradient. Here ``block`` (bytes 16-288 of 480, cut by
+    the 128-element chunks) plays the copy; clipping makes the norm reach the parameters."""
+    from jaxhybrid.config import Config, OptimConfig
+
+    _, params, batches, grad = _setup()
+    cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=0.05))
+    view = lambda g: {k: v for k, v in g.items() if k != "block"}  # noqa: E731
+    a, b = OffloadUpdater(TX, cfg), OffloadUpdater(TX, cfg)
+    pa, sa, pb, sb = a.compute_params(params), a.init(params), b.compute_params(params), b.init(params)
+    assert a.opt.spec.dropped_ranges(view) == ((16, 288),)  # block.b2 and block.w2, merged
+    same = lambda x: x  # noqa: E731
+    for batch in batches[:3]:
+        ga, gb = grad(pa, batch, 1.0), grad(pb, batch, 1.0)
+        flat = a.opt.flatten(ga)
+        every = float(a.opt._sq(flat)) ** 0.5
+        chunks = ((s, min(s + 128, 480), flat[s:min(s + 128, 480)]) for s in range(0, 480, 128))
+        pa, sa, na, _ = a.apply_streamed(pa, sa, chunks, 1.0, same, same, view)
+        pb, sb, nb = b.apply(pb, sb, gb, 1.0, *b.stats(view(gb)))
+        assert_tree_close(float(na), float(nb), "fp32_parity", "grad norm ")
+        assert abs(float(na) - every) > 1e-3 * every, (float(na), every)  # the dropped leaves mattered
+    assert_tree_close(pa, pb, "fp32_parity", "params")
+
+
 def test_trainer_path_holds_myelins_device_footprint():
     """``OffloadUpdater.apply`` called as ``Trainer.step`` calls it (the params and gradient pytrees the
     engine used) consumes both, and its device peak, probed after the gradients are flattened and after

@@ -497,8 +497,8 @@ def test_data_parallel_on_one_mesh_matches_one_device(tmp_path, extra):
 
 def test_overlap_note_says_why_myelin_v_c_is_partial_or_off():
     """A pipeline with data replicas and the offloaded optimizer says when the update cannot stream with
-    the all-reduce (tied embeddings across stages: nothing overlaps it) or waits for every chunk
-    (global-norm clipping: only the first fetches are issued before the reductions)."""
+    the all-reduce (a tensor mesh per rank: nothing overlaps it) or waits for every chunk (global-norm
+    clipping: only the first fetches are issued before the reductions)."""
     def note(streamed, *sets):
         t = Trainer.__new__(Trainer)  # the rule reads the config and whether the engine streams (needs MPI)
         t.cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2",
@@ -506,12 +506,12 @@ def test_overlap_note_says_why_myelin_v_c_is_partial_or_off():
         t.streamed = streamed
         return t.overlap_note()
 
-    tied = note(False, "model.tie_embeddings=true")
-    assert "waits for the whole all-reduce" in tied and "model.tie_embeddings=True" in tied
+    hybrid = note(False, "parallel.tensor_col=2")
+    assert "waits for the whole all-reduce" in hybrid and "one device per rank" in hybrid
     # Not streamed, the all-reduce ends in the engine before the updater fetches its first bucket.
-    assert "its bucket fetches start after it, so nothing overlaps it" in tied and "prefetch overlaps" not in tied
-    assert "allreduce_coarsening" not in tied  # the default: nothing to say
-    assert note(False, "model.tie_embeddings=true", "optim.allreduce_coarsening=4").endswith(
+    assert "its bucket fetches start after it, so nothing overlaps it" in hybrid and "prefetch overlaps" not in hybrid
+    assert "allreduce_coarsening" not in hybrid  # the default: nothing to say
+    assert note(False, "parallel.tensor_col=2", "optim.allreduce_coarsening=4").endswith(
         "; optim.allreduce_coarsening=4 is unused")  # it sizes the streamed chunks only
     clipped = note(True)
     assert clipped.startswith("optim.grad_clip=1.0: the global norm needs every reduced chunk")
