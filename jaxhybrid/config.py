@@ -73,6 +73,9 @@ class OptimConfig:
     # elsewhere the gradients are reduced whole. Other than 1 needs offload.
     allreduce_coarsening: int = 1
     stream_allreduce: bool = True  # offload x data replicas: update each reduced chunk's buckets at once (V-C)
+    # What the MPI data replicas' all-reduce moves: float32 (MPI reduces no half floats), or compute: the
+    # offloaded optimizer's half-precision gradients as they are, around a ring (Myelin IV-B; optim/ring.py).
+    allreduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,20 @@ def _cross_field_errors(cfg: Config) -> list[str]:
                       f"offloaded optimizer updates as they arrive (Myelin V-C: k x optim.bucket_size); without "
                       f"optim.offload=true the gradients are reduced whole and it is unused: set optim.offload=true "
                       f"or optim.allreduce_coarsening=1")
+    if o.allreduce_dtype not in ("float32", "compute"):
+        errors.append(f"optim.allreduce_dtype={o.allreduce_dtype!r}; choose float32 or compute")
+    elif o.allreduce_dtype == "compute":
+        # Half-precision gradients exist only where the offloaded optimizer keeps the compute-precision copy
+        # (Myelin V-B); the on-device update differentiates float32 parameters.
+        if not o.offload or pr.compute_dtype == "float32":
+            errors.append(f"optim.allreduce_dtype=compute all-reduces half-precision gradients as half precision; "
+                          f"with optim.offload={o.offload} and precision.compute_dtype={pr.compute_dtype} the "
+                          f"gradients are float32: set optim.offload=true with bfloat16 or float16, or "
+                          f"optim.allreduce_dtype=float32")
+        if cfg.on_mesh:
+            errors.append("optim.allreduce_dtype=compute applies to data replicas that are MPI ranks (a pipeline, "
+                          "or parallel.pipeline=1 without a mesh); tensor mode reduces over its mesh's data axis "
+                          "with XLA collectives: set optim.allreduce_dtype=float32")
     if cfg.checkpoint.keep < 2 and cfg.world_size > 1:
         # Each rank's manager deletes its older step once its newer one is saved: a save that some ranks
         # finished and others did not (a crash, a kill) would leave no step that every rank holds.

@@ -4,7 +4,9 @@ Each rank holds a flat gradient of ``--params`` elements (its replica's share) a
 For k in 1, 2, 4, 8 it times (a) the all-reduce alone in chunks of ``k x bsize``, (b) the offloaded
 optimizer alone on an already reduced gradient, and (c) the chunk-fed step, where a reduced chunk's k
 buckets update before the rest is reduced. Rank 0 prints one JSON line; (c) below (a) + (b) would be
-overlap (on CPU it was not: mpi4jax's all-reduce returns only when it is done).
+overlap (on CPU it was not: mpi4jax's all-reduce returns only when it is done). For a half-precision
+``--dtype`` it also times (a) and (c) with the gradients on the wire as half precision (the ring of
+``optim.allreduce_dtype: compute``, Myelin IV-B) against float32, side by side in the same rounds.
 """
 from __future__ import annotations
 
@@ -47,16 +49,19 @@ def main() -> None:
     def opt_only(k):
         box["state"], box["flat"], _ = opt.step(box["state"], grads, box["flat"])
 
-    def reduce_only(k):  # the chunks that (c) feeds the optimizer, drained
-        for _, _, chunk in iter_reduced_chunks(grads, comm, k * a.bucket_size):
+    def reduce_only(k, half=False):  # the chunks that (c) feeds the optimizer, drained
+        for _, _, chunk in iter_reduced_chunks(grads, comm, k * a.bucket_size, half):
             chunk.block_until_ready()
 
-    def both(k):
-        box["state"], box["flat"], _ = opt.step(box["state"], chunks=iter_reduced_chunks(grads, comm, k * a.bucket_size),
-                                                params=box["flat"])
+    def both(k, half=False):
+        chunks = iter_reduced_chunks(grads, comm, k * a.bucket_size, half)
+        box["state"], box["flat"], _ = opt.step(box["state"], chunks=chunks, params=box["flat"])
         box["flat"].block_until_ready()
 
     kinds = {"optimizer": opt_only, "allreduce": reduce_only, "allreduce_optimizer": both}
+    half = a.dtype != "float32"
+    if half:
+        kinds |= {"allreduce_half": lambda k: reduce_only(k, True), "allreduce_optimizer_half": lambda k: both(k, True)}
     times = {(name, k): [] for name in kinds for k in KS}
     for rep in range(a.reps + 1):  # rounds interleave every (kind, k) so machine noise hits all alike
         for (name, k) in times:
@@ -70,6 +75,10 @@ def main() -> None:
            "optimizer_time_s": float(np.median([med["optimizer", k] for k in KS])),
            "allreduce_time_s": {str(k): med["allreduce", k] for k in KS},
            "allreduce_optimizer_time_s": {str(k): med["allreduce_optimizer", k] for k in KS}}
+    if half:
+        out |= {"allreduce_half_time_s": {str(k): med["allreduce_half", k] for k in KS},
+                "allreduce_optimizer_half_time_s": {str(k): med["allreduce_optimizer_half", k] for k in KS},
+                "allreduce_half_over_float32": {str(k): med["allreduce_half", k] / med["allreduce", k] for k in KS}}
     if world.rank == 0:
         print(json.dumps(out), flush=True)
     comm.Free()

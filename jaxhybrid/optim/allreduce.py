@@ -4,9 +4,11 @@ After the pipeline phase every rank ``(stage i, replica j)`` holds the gradients
 batch shard; the ranks of one column (same stage, all replicas) sum them. Every reduction is a cached
 jitted ``mpi4jax.allreduce`` (never eager: an eager mpi4jax call recompiles every time, facts.md).
 
-MPI cannot reduce bfloat16/float16 ("Unknown MPI type"), so half-precision vectors travel and are summed
-in float32, then cast back; Myelin avoids overflow by pre-dividing the loss by the number of microbatches
-in the global batch, which the pipeline engine does before the backward pass.
+MPI cannot reduce bfloat16/float16 ("Unknown MPI type"), so by default half-precision vectors travel and
+are summed in float32, then cast back (``optim.allreduce_dtype: float32``). With ``compute`` they travel
+as half precision, Myelin's choice (Sec. IV-B), through :func:`jaxhybrid.optim.ring.half_ring_sum`: half
+the bytes. Myelin avoids overflow by pre-dividing the loss by the number of microbatches in the global
+batch, which the pipeline engine does before the backward pass.
 
 Two entry points, for two kinds of caller:
 
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.optim import ring
 from jaxhybrid.optim.flat import FlatSpec
 
 _HALF = (jnp.bfloat16, jnp.float16)
@@ -48,11 +51,14 @@ def _check_chunk(chunk_elems: int) -> None:
         raise ValueError(f"chunk_elems={chunk_elems} must be >= 1 (optim.bucket_size x optim.allreduce_coarsening)")
 
 
-def _sum(x: jax.Array, comm: Any) -> jax.Array:
-    """Traced: ``x`` (1-D) summed over ``comm``, half floats on the wire as float32, ``x``'s dtype back."""
+def _sum(x: jax.Array, comm: Any, half_wire: bool) -> jax.Array:
+    """Traced: ``x`` (1-D) summed over ``comm``, ``x``'s dtype back. Half floats travel as float32, or as
+    themselves around a ring with ``half_wire`` (:mod:`~jaxhybrid.optim.ring`)."""
     import mpi4jax
     from mpi4py import MPI
 
+    if half_wire and x.dtype in _HALF and ring.fits(x.shape[0], comm.Get_size()):
+        return ring.half_ring_sum(x, comm)
     wire = x.astype(jnp.float32) if x.dtype in _HALF else x
     n = wire.shape[0]
     if n <= _MAX_MESSAGE:
@@ -73,7 +79,7 @@ def _cached(key: tuple, make):
     return _PROGRAMS[key]
 
 
-def _tree_program(comm: Any):
+def _tree_program(comm: Any, half_wire: bool):
     """``(tree, scale) -> tree`` summed over ``comm`` (and times ``scale`` unless None), as one program.
 
     ``jax.jit`` keys its compilations on the tree structure, shapes, dtypes and devices, so each gradient
@@ -85,17 +91,19 @@ def _tree_program(comm: Any):
         spec = FlatSpec(tree)
         dtypes = [x.dtype for x in spec.treedef.flatten_up_to(tree)]
         common = jnp.result_type(*dtypes)
-        flat = _sum(spec.ravel(jax.tree.map(lambda x: jnp.asarray(x).astype(common), tree)), comm)
+        flat = _sum(spec.ravel(jax.tree.map(lambda x: jnp.asarray(x).astype(common), tree)), comm, half_wire)
         if scale is not None:
             flat = flat * scale
         leaves = spec.treedef.flatten_up_to(spec.unravel(flat))
         return spec.treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes)])
 
-    return _cached(("tree", comm.py2f()), lambda: jax.jit(run))
+    return _cached(("tree", comm.py2f(), half_wire), lambda: jax.jit(run))
 
 
-def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None = None) -> Any:
+def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None = None, half_wire: bool = False
+                   ) -> Any:
     """Sum a pytree of gradients over ``comm``, optionally scaled; same structure, dtypes and devices.
+    ``half_wire``: half-precision gradients travel as half precision (``optim.allreduce_dtype: compute``).
 
     Every rank of ``comm`` must call it with the same structure. ``chunk_elems`` is validated but only
     the streaming path cuts chunks (module docstring): nothing here can use a chunk before the last.
@@ -106,15 +114,15 @@ def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None =
         return _scaled(tree, scale)
     leaves = jax.tree.leaves(tree)
     if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
-        return _allreduce_per_device(tree, comm, chunk_elems, scale)
+        return _allreduce_per_device(tree, comm, chunk_elems, scale, half_wire)
     if not leaves or not sum(int(np.size(x)) for x in leaves):
         return _scaled(tree, scale)
     if scale is None:
-        return _tree_program(comm)(tree, None)
+        return _tree_program(comm, half_wire)(tree, None)
     # The scale is an argument (one compilation for all its values) already in the flat vector's dtype:
     # rounded once from the Python float, as ``jnp.asarray(scale, dtype)`` did.
     common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
-    return _tree_program(comm)(tree, np.asarray(scale, common))
+    return _tree_program(comm, half_wire)(tree, np.asarray(scale, common))
 
 
 def _scaled(tree: Any, scale: float | None) -> Any:
@@ -122,7 +130,7 @@ def _scaled(tree: Any, scale: float | None) -> Any:
     return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
 
 
-def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float | None) -> Any:
+def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float | None, half_wire: bool) -> Any:
     """Hybrid pipeline x tensor: leaves sharded over this rank's tensor mesh. mpi4jax moves single-device
     buffers only, so each local device reduces its own shards of every leaf (one all-reduce per device,
     in device-id order on every rank: the ranks of a data column build identical meshes, so device k
@@ -135,7 +143,7 @@ def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float |
     reduced: dict[tuple[int, Any], jax.Array] = {}
     for dev in sorted(shards, key=lambda d: d.id):
         idx, arrs = zip(*shards[dev])
-        for i, r in zip(idx, allreduce_tree(list(arrs), comm, chunk_elems, scale)):
+        for i, r in zip(idx, allreduce_tree(list(arrs), comm, chunk_elems, scale, half_wire)):
             reduced[(i, dev)] = r
     out = [jax.make_array_from_single_device_arrays(
         leaf.shape, leaf.sharding, [reduced[(i, sh.device)] for sh in leaf.addressable_shards])
@@ -143,17 +151,17 @@ def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float |
     return jax.tree.unflatten(treedef, out)
 
 
-def _chunk_program(comm: Any, chunk: int, dtype: Any):
+def _chunk_program(comm: Any, chunk: int, dtype: Any, half_wire: bool):
     """``(flat, start) -> flat[start:start + chunk]`` summed over ``comm``, the start traced: the full
     chunks share one program and a shorter last chunk gets its own, which saves padding the whole vector
     to a multiple of the chunk (a copy) and slicing the last result."""
     def reduce(flat: jax.Array, start: jax.Array) -> jax.Array:
-        return _sum(jax.lax.dynamic_slice(flat, (start,), (chunk,)), comm)
+        return _sum(jax.lax.dynamic_slice(flat, (start,), (chunk,)), comm, half_wire)
 
-    return _cached(("chunk", comm.py2f(), chunk, str(dtype)), lambda: jax.jit(reduce))
+    return _cached(("chunk", comm.py2f(), chunk, str(dtype), half_wire), lambda: jax.jit(reduce))
 
 
-def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
+def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half_wire: bool = False
                         ) -> Iterator[tuple[int, int, jax.Array]]:
     """Yield ``(start, end, reduced)`` for consecutive chunks of ``flat_grads`` summed over ``comm``.
 
@@ -168,6 +176,7 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
       flat_grads: 1-D gradient vector (any float dtype).
       comm: an mpi4py communicator made on all its ranks at start-up (the data column).
       chunk_elems: elements per chunk; the last chunk may be shorter.
+      half_wire: half-precision chunks travel as half precision (:func:`allreduce_tree`).
     """
     flat_grads = jnp.asarray(flat_grads)
     _check_flat(flat_grads)
@@ -181,7 +190,7 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int
     dtype = jnp.dtype(flat_grads.dtype)
 
     def dispatch(s: int, e: int) -> jax.Array:  # no slice reaches past n: dynamic_slice never clamps
-        return _chunk_program(comm, e - s, dtype)(flat_grads, np.int32(s))
+        return _chunk_program(comm, e - s, dtype, half_wire)(flat_grads, np.int32(s))
 
     pending = dispatch(*bounds[0])
     for k, (s, e) in enumerate(bounds):

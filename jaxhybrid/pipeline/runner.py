@@ -91,6 +91,7 @@ class PipelineEngine:
                               self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
                               waiting=self.watchdog.note, peer_name=topology.name)  # row rank = stage
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
+        self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
         self.microbatch_size = mb
         self.last_step: dict[str, float] = {}
 
@@ -141,7 +142,7 @@ class PipelineEngine:
             loss, grads, t1 = self._pipeline_phase(params, batch, loss_scale)
             self.watchdog.beat("data-parallel all-reduce")
             if self.replicas > 1:
-                grads = allreduce_tree(grads, self.topo.column, self.chunk)
+                grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
         finally:
             self.watchdog.disarm()
         t2 = time.perf_counter()
@@ -185,7 +186,7 @@ class PipelineEngine:
         flat = flatten(grads)
         release(grads)
         self.last_step = {"pipeline_s": t1 - t0, "step_s": t1 - t0}
-        return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk),
+        return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire),
                                    "data-parallel all-reduce streamed into the optimizer")
 
     def _watched(self, chunks, what: str):

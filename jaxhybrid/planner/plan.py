@@ -175,7 +175,8 @@ def config_layout(cfg) -> Layout:
 
 def score_config(cfg, machine: Machine, seq: int) -> dict:
     """The step model's prediction for a run config's own layout, with its own offload bucket size."""
-    return evaluate(cfg.model, config_layout(cfg), machine, seq, cfg.optim.bucket_size, cfg.tensor.optimizations)
+    return evaluate(cfg.model, config_layout(cfg), machine, seq, cfg.optim.bucket_size, cfg.tensor.optimizations,
+                    cfg.optim.allreduce_dtype)
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:

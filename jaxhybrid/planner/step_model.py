@@ -108,10 +108,12 @@ class Machine:
 
 
 def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
-             bucket_size: int = OptimConfig.bucket_size, letters: str = TensorConfig.optimizations) -> dict:
+             bucket_size: int = OptimConfig.bucket_size, letters: str = TensorConfig.optimizations,
+             allreduce_dtype: str = OptimConfig.allreduce_dtype) -> dict:
     """Predicted step time, exposed communication and peak memory per device of one layout; with offload
     the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's);
-    ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A). ``param_state_bytes``
+    ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A); ``allreduce_dtype``
+    (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves. ``param_state_bytes``
     is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
     ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`)."""
     b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
@@ -190,13 +192,16 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
-    # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py), and so
-    # does the tensor engine where it accumulates each replica's float32 gradients over its scan and reduces
-    # them once after it (step.accumulated_step's replicas); else each layer's backward of every microbatch
-    # reduces in the compute dtype (eq. 8 as is).
-    f32 = lay.pipeline > 1 or ts == 1 or reduce_data_once(lay.data, lay.microbatches, db)
+    # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py) unless the
+    # offloaded optimizer's half-precision gradients travel as they are (optim.allreduce_dtype: compute, the
+    # ring of optim/ring.py). The tensor engine reduces float32 where it accumulates each replica's float32
+    # gradients over its scan and reduces them once after it (step.accumulated_step's replicas); else each
+    # layer's backward of every microbatch reduces in the compute dtype (eq. 8 as is).
+    mpi = lay.pipeline > 1 or ts == 1
+    f32 = (mpi and not (allreduce_dtype == "compute" and lay.offload)) or (
+        not mpi and reduce_data_once(lay.data, lay.microbatches, db))
     ar_dtype = 4 / db if f32 else 1.0
-    data_ar *= ar_dtype if f32 else lay.microbatches
+    data_ar *= ar_dtype if f32 or mpi else lay.microbatches
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device

@@ -13,7 +13,8 @@ clip norm summed over stages and an injected overflow (infinite loss scale) skip
 Case ``allreduce-tree``: ``allreduce_tree`` over the data column keeps its reduction rules, checked bit for
 bit against sums of the gathered leaves: the leaves flattened to their common dtype, half floats summed
 in float32 (MPI has no half type) and cast back, times the scale in that dtype, each leaf back in its own
-dtype, shape and device.
+dtype, shape and device; the same with ``half_wire`` (the half-precision ring, ``optim/ring.py``), whose
+one rounding of each float32 sum at two replicas gives the same bits.
 Rank 0 prints ``CASE name ok|FAIL`` lines; the exit code is 1 if any case failed.
 """
 from __future__ import annotations
@@ -146,19 +147,20 @@ def case_allreduce_tree() -> None:
                 return (total if scale is None else total * np.asarray(scale, common)).astype(dt)
 
             ref = jax.tree.map(lambda x, *xs: want(*xs, dt=x.dtype), tree, *gathered)
-            got = allreduce_tree(tree, comm, 4, scale)
-            assert jax.tree.structure(got) == jax.tree.structure(tree)
-            for g, r, x in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(tree)):
-                assert g.dtype == x.dtype and g.shape == x.shape and g.sharding == x.sharding, (g, x)
-                assert np.asarray(g).tobytes() == r.tobytes(), (dtypes, scale, np.asarray(g), r)
+            # Two replicas: the half-precision ring rounds the float32 sum once, as the float32 wire does.
+            for half_wire in (False, True):
+                got = allreduce_tree(tree, comm, 4, scale, half_wire=half_wire)
+                assert jax.tree.structure(got) == jax.tree.structure(tree)
+                for g, r, x in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(tree)):
+                    assert g.dtype == x.dtype and g.shape == x.shape and g.sharding == x.sharding, (g, x)
+                    assert np.asarray(g).tobytes() == r.tobytes(), (dtypes, scale, half_wire, np.asarray(g), r)
     comm.Free()
 
 
-def main() -> int:
+def run_cases(cases) -> int:
+    """Run ``(name, fn)`` cases on every rank; rank 0 prints ``CASE name ok|FAIL``; 1 if any failed."""
     failures = 0
-    for name, fn in (("data-k1", lambda: case_data(1)), ("data-k2", lambda: case_data(2)),
-                     ("pipeline-2stage", case_pipeline), ("pipeline-2stage-bf16", lambda: case_pipeline("bfloat16")),
-                     ("allreduce-tree", case_allreduce_tree)):
+    for name, fn in cases:
         try:
             fn()
             ok = 1
@@ -170,6 +172,12 @@ def main() -> int:
         if WORLD.rank == 0:
             print(f"CASE {name} {'ok' if ok else 'FAIL'}", flush=True)
     return 1 if failures else 0
+
+
+def main() -> int:
+    return run_cases((("data-k1", lambda: case_data(1)), ("data-k2", lambda: case_data(2)),
+                      ("pipeline-2stage", case_pipeline), ("pipeline-2stage-bf16", lambda: case_pipeline("bfloat16")),
+                      ("allreduce-tree", case_allreduce_tree)))
 
 
 if __name__ == "__main__":

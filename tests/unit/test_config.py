@@ -63,6 +63,13 @@ BAD = [
     # k sizes the chunks of the all-reduce streamed into the offloaded optimizer (Myelin V-C), nothing else.
     (["optim.allreduce_coarsening=2"], ["optim.allreduce_coarsening=2 sizes the all-reduce chunks",
                                         "without optim.offload=true", "or optim.allreduce_coarsening=1"]),
+    # Half-precision all-reduce (Myelin IV-B): only half gradients of the offloaded optimizer, over MPI ranks.
+    (["optim.allreduce_dtype=half"], ["optim.allreduce_dtype='half'; choose float32 or compute"]),
+    (["optim.allreduce_dtype=compute", "optim.offload=true"],
+     ["optim.allreduce_dtype=compute", "optim.offload=True and precision.compute_dtype=float32", "are float32"]),
+    (["optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"], ["optim.offload=False"]),
+    (["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=bfloat16",
+      "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
@@ -156,6 +163,12 @@ def test_a_checkpoint_interval_that_divides_every_stage_is_accepted():
         cfg = load_config(None, ["train.remat=full", f"train.checkpoint_interval={ac}",
                                  f"pipeline.microbatches={sets[0][-1]}", *sets])
         assert cfg.train.checkpoint_interval == ac
+
+
+def test_half_precision_allreduce_is_accepted_for_an_offloaded_half_pipeline():
+    sets = ["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=float16",
+            "parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2"]
+    assert load_config(None, sets).optim.allreduce_dtype == "compute"
 
 
 def test_allreduce_coarsening_is_accepted_with_offload():

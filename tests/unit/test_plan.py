@@ -327,3 +327,22 @@ def test_a_config_is_scored_with_its_own_offload_bucket_size():
     ranked = {b: rank_plans(cfg.model, 16, m, 512, seq, top=1, tensor=False, offload=True, bucket_size=b)[0]
               for b in (1 << 20, 1 << 24)}
     assert ranked[1 << 24]["memory_per_device_bytes"] > ranked[1 << 20]["memory_per_device_bytes"]
+
+
+def test_half_precision_allreduce_halves_the_modelled_data_allreduce():
+    """myelin-50b-offload.yaml all-reduces its bf16 gradients as bf16 (``optim.allreduce_dtype: compute``,
+    Myelin IV-B): the step model charges its MPI replicas half the float32 wire's all-reduce time, and the
+    step that much less; nothing else changes."""
+    from pathlib import Path
+
+    from jaxhybrid.config import load_config
+    from jaxhybrid.planner.plan import score_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "runs" / "myelin-50b-offload.yaml"
+    half, f32 = load_config(path), load_config(path, ["optim.allreduce_dtype=float32"])
+    assert half.optim.allreduce_dtype == "compute" and half.precision.compute_dtype == "bfloat16"
+    m, seq = _machine(), half.data.seq_len
+    a, b = score_config(half, m, seq), score_config(f32, m, seq)
+    assert b["data_allreduce_s"] > 0 and a["data_allreduce_s"] == pytest.approx(b["data_allreduce_s"] / 2)
+    assert a["predicted_step_s"] == pytest.approx(b["predicted_step_s"] - b["data_allreduce_s"] / 2)
+    assert a["memory_per_device_bytes"] == b["memory_per_device_bytes"]
