@@ -8,8 +8,15 @@ activation between stages: ``[mb, seq, d_model]`` in the compute dtype).
 (eager mpi4jax recompiles on every call), into a device buffer: the main loop ``Iprobe``s a header
 communicator (a 3-int envelope sent just before the payload) and only then calls the jitted receive, so
 it never waits for a message that has not been sent. A sender thread sends each payload from a host
-buffer with a blocking ``MPI_Send``, header first. :class:`Mpi4pyTransport` stages both ways through
-host numpy buffers with ``Isend`` and ``Improbe``/``Mrecv``.
+buffer with a blocking ``MPI_Send``, header first. ``Mpi4pyTransport``
+(:mod:`jaxhybrid.pipeline.mpi4py_transport`) stages both ways through host numpy buffers with ``Isend``
+and receives posted ahead of the messages (Myelin Sec. IV-A's preemptive ``MPI_Irecv``).
+
+Where pre-posting applies: only to the mpi4py transport. mpi4jax has no non-blocking receive (facts.md),
+and a receive posted as a jitted ``mpi4jax.recv`` would block the rank's main thread (or, under its
+ordered effect, every MPI program of the rank behind it) until a message arrives, so this transport
+receives only what its header says has been sent, when the loop asks for it; a message sent earlier
+waits in MPI's queue (or, above the eager limit, in its sender's ``MPI_Send``) until then.
 
 Why the mpi4jax transport does not send with ``mpi4jax.send`` (it did until session 22): mpi4jax's calls
 carry an ordered effect, so JAX runs a process's MPI programs one after another in dispatch order, and
@@ -50,24 +57,9 @@ def wire_dtype(dtype: Any) -> Any:
     return jnp.uint16 if jnp.dtype(dtype) in _HALF else jnp.dtype(dtype)
 
 
-_MB_SLOTS = 1 << 12  # microbatches per step a tag can name
+class MpiTransportBase:
+    """What both MPI transports share: the wire dtype, the journal, the payloads' layout."""
 
-
-def _encode_tag(env: Envelope, tag_ub: int) -> int:
-    """(stage, microbatch, kind) -> an MPI tag; raises if it exceeds the library's ``MPI_TAG_UB``."""
-    tag = ((env.stage * _MB_SLOTS) + env.microbatch) * 2 + (int(env.kind) - 1)
-    if env.microbatch >= _MB_SLOTS or tag > tag_ub:
-        raise ValueError(f"message {env} does not fit an MPI tag (MPI_TAG_UB={tag_ub}); use fewer than "
-                         f"{_MB_SLOTS} microbatches per step or the mpi4jax transport")
-    return tag
-
-
-def _decode_tag(tag: int) -> Envelope:
-    kind, rest = tag % 2 + 1, tag // 2
-    return Envelope(MsgKind(kind), rest % _MB_SLOTS, rest // _MB_SLOTS)
-
-
-class _Base:
     def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -95,52 +87,7 @@ class _Base:
         return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
 
 
-class Mpi4pyTransport(_Base):
-    """Host-staged buffers: ``Isend`` returns at once; ``Improbe``+``Mrecv`` receive a whole message."""
-
-    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
-        from mpi4py import MPI
-
-        super().__init__(comm, template, sharding)
-        self._pending: list[tuple[Any, np.ndarray]] = []
-        self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
-
-    def send(self, x, dest: int, envelope: Envelope) -> None:
-        buf = self._host_wire(x)  # waits for x, copies device -> host where they differ
-        req = self.comm.Isend(buf, dest=dest, tag=_encode_tag(envelope, self._tag_ub))
-        self._pending.append((req, buf))  # the buffer must live until the send completes
-        self.journal.sent(dest, envelope)
-        self._retire()
-
-    def _retire(self) -> None:
-        if self._pending:
-            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
-
-    def poll(self) -> Message | None:
-        from mpi4py import MPI
-
-        self._retire()
-        status = MPI.Status()
-        handle = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
-        if handle is None:
-            return None
-        buf = np.empty(self.template.shape, dtype=self.wire)
-        handle.Recv(buf)
-        env = _decode_tag(status.Get_tag())
-        self.journal.received(status.Get_source(), env)
-        return Message(env, status.Get_source(), self._to_jax(buf))
-
-    def flush(self) -> None:
-        from mpi4py import MPI
-
-        MPI.Request.Waitall([r for r, _ in self._pending])
-        self._pending = []
-
-    def close(self) -> None:
-        self.flush()
-
-
-class Mpi4jaxTransport(_Base):
+class Mpi4jaxTransport(MpiTransportBase):
     """mpi4jax payloads in cached jits, a sender thread, and an mpi4py header channel to probe.
 
     Args:
@@ -237,5 +184,7 @@ def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, shardin
     if name == "mpi4jax":
         return Mpi4jaxTransport(comm, template, sharding)
     if name == "mpi4py":
+        from jaxhybrid.pipeline.mpi4py_transport import Mpi4pyTransport  # imports this module's base
+
         return Mpi4pyTransport(comm, template, sharding)
     raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax or mpi4py")

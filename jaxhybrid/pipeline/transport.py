@@ -12,8 +12,8 @@ Implementations:
 - ``jaxhybrid.pipeline.mpi_transport.Mpi4jaxTransport``: payloads move with ``mpi4jax`` inside cached
   jitted send/recv; a sender thread makes sends non-blocking; a small mpi4py header on a dedicated
   communicator is what ``Iprobe`` sees, so dispatch needs no per-tag compilation.
-- ``jaxhybrid.pipeline.mpi_transport.Mpi4pyTransport``: host-staged numpy buffers, ``Isend`` and
-  ``Improbe``/``Mrecv`` (measured faster on CPU; ``pipeline.transport=mpi4py``).
+- ``jaxhybrid.pipeline.mpi4py_transport.Mpi4pyTransport``: host-staged numpy buffers, ``Isend`` and
+  receives posted ahead (Myelin Sec. IV-A; measured faster on CPU; ``pipeline.transport=mpi4py``).
 """
 from __future__ import annotations
 

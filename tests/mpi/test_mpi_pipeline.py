@@ -1,6 +1,7 @@
 """MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
-(tests/mpi/drive_parity.py), and three fault jobs check that a failing, killed or stuck rank ends the
-job within 10 s with a message naming the rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``)."""
+(tests/mpi/drive_parity.py), one the mpi4py transport's pre-posted receives (drive_transport.py), and
+three fault jobs check that a failing, killed or stuck rank ends the job within 10 s with a message
+naming the rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``)."""
 import json
 import os
 import re
@@ -77,6 +78,19 @@ def test_parity_every_schedule(p, d, schedules, flags, extra):
         assert "BF16 ok" in r.stdout
     if "--trace" in flags:
         assert re.search(r"TRACE bubble_ratio=0\.\d+", r.stdout), out[-2000:]
+
+
+def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages():
+    """Myelin IV-A on the mpi4py transport (tests/mpi/drive_transport.py): messages sent before the
+    receiver polls land in its posted receives, found without a probe and handed out in order; the
+    buffers posted in their place take the next ones without overwriting a payload. A tag-7 message on
+    the row (tied.py's exchange) and an mpi4jax payload on ``p2p`` are never taken by the posted ANY_TAG
+    receives; the probe-on-demand path (``recv_depth=0``) moves bfloat16 bit-exactly."""
+    r = _mpirun(2, "drive_transport.py", timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    for case in ("landed depth=2", "landed depth=4", "foreign", "depth0"):
+        assert f"TRANSPORT {case} ok" in r.stdout, out[-4000:]
 
 
 @pytest.mark.parametrize("p,d,tensor,flags,cases", [
