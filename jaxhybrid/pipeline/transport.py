@@ -114,6 +114,27 @@ def wait_message(transport: Transport, timeout: float | None = None, max_sleep: 
         nap = min(nap * 2, max_sleep)
 
 
+def on_threads(n: int, body: Callable[[int], Any], timeout: float = 120.0) -> list:
+    """``body(r)`` for ranks ``0..n-1`` of an :class:`InProcessHub`, each on its own thread (unit tests of
+    the event loop without MPI); returns their results and re-raises the first rank's exception."""
+    results, errors = [None] * n, []
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = body(r)
+        except BaseException as e:  # re-raised below, with the rank's traceback
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if errors:
+        raise errors[0]
+    return results
+
+
 class InProcessHub:
     """Queues between ``n`` in-process ranks; ``hub.transport(r)`` is rank ``r``'s endpoint."""
 

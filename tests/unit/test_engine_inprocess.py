@@ -1,7 +1,5 @@
 """The pipeline event loop over the in-process transport (threads and queues): every schedule, with and
 without 2BP, gives the single-device loss and gradients (fp32 parity, leaf by leaf)."""
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,7 @@ from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.model.stage import weight_join
 from jaxhybrid.pipeline.engine import EventLoop
 from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.transport import Envelope, InProcessHub, MsgKind
+from jaxhybrid.pipeline.transport import Envelope, InProcessHub, MsgKind, on_threads
 from jaxhybrid.step import LocalEngine, split_batch
 from jaxhybrid.testing import assert_tree_close
 from jaxhybrid.topology import partition_blocks
@@ -33,27 +31,6 @@ def _stages(model, p):
     return _STAGES[(model, p)]
 
 
-def _on_rank_threads(p, body):
-    """Run ``body(r)`` for ranks ``0..p-1`` on threads (the in-process transport's ranks); return their
-    results and re-raise the first rank's exception."""
-    results, errors = [None] * p, []
-
-    def rank(r):
-        try:
-            results[r] = body(r)
-        except BaseException as e:  # surfaced below with the rank
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0][1]
-    return results
-
-
 def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops=None, join="sum", **opts):
     stages = _stages(model, p)
     sched = make_schedule(name, p, M, split_backward=split, pipeline_limit=limit, **opts)
@@ -67,7 +44,7 @@ def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops
             loops[r] = loop
         return loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
 
-    return stages, _on_rank_threads(p, rank)
+    return stages, on_threads(p, rank)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +111,7 @@ def test_forward_only_evaluation_matches_single_device(reference, p):
         assert loop.recorder is before and not loop.mailbox
         return out
 
-    sums = _on_rank_threads(p, rank)
+    sums = on_threads(p, rank)
     assert all(v is None for v in sums[:-1])
     want = LocalEngine(model, M).eval_loss(params, batch)
     assert_tree_close(want, loss, "fp32_parity", "single-device eval loss vs training loss")
@@ -209,7 +186,7 @@ def test_receives_and_journal_name_peers_as_the_waits_do(reference):
         loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
         return loop.report()
 
-    reports = _on_rank_threads(2, rank)
+    reports = on_threads(2, rank)
     for r, other in ((0, 1), (1, 0)):
         peer = f"rank {2 + other} (stage {other}, replica 1)"
         named = [x.split(" from ", 1)[1] for x in said[r] if " from " in x]  # waits and receives
