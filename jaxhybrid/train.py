@@ -209,6 +209,8 @@ class Trainer:
         try:
             with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
                 while st.step < cfg.train.steps:
+                    if cfg.metrics.trace and st.step + 1 == cfg.train.steps and hasattr(self.engine, "time_tasks"):
+                        self.engine.time_tasks()  # the trace written below is this step's: kernel times, synced
                     t0 = time.perf_counter()
                     st, info = self.step(st)
                     dt = time.perf_counter() - t0

@@ -9,11 +9,21 @@ those still pending after the last backward run as one weight pass (2BP Sec. 3.2
 simulator's :class:`~jaxhybrid.pipeline.policies.MessageDrivenPolicy` models this order, budget included
 (``simulate(..., weight_budget=...)``); tests/unit/test_engine_vs_simulator.py holds the two to the same
 order and peak on :mod:`~jaxhybrid.pipeline.virtual_clock`. Change them together.
+
+With asynchronous dispatch (:mod:`.engine`) "no message is waiting" is not yet idle time: the kernels
+already dispatched may still be running. A gap-filling weight pass is dispatched only once they have all
+finished, and the next one only once it has finished too, the loop polling for messages meanwhile; the
+budget's forced pass and the trailing joined pass are work that must run anyway and are only dispatched.
 """
 from __future__ import annotations
 
+import time
+
 from jaxhybrid.pipeline.tasks import Schedule
 from jaxhybrid.pipeline.transport import MsgKind
+
+
+_NAP, _MAX_NAP = 5e-6, 2e-4  # polling back-off while the device runs (as transport.wait_message)
 
 
 class MessageDriven:
@@ -51,12 +61,27 @@ class MessageDriven:
                     backward(injected - 1)
 
         inject()
+        nap = _NAP
         while backwards < m:
             if not self.mailbox and not self._receive_into_mailbox(block=False):
-                if pending_w:  # nothing arrived: fill the wait with a weight pass (message-driven 2BP)
+                if pending_w and self.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
                     self._weight(s, (pending_w.pop(0),))
+                    nap = _NAP
+                    continue
+                if pending_w:
+                    # Why poll rather than dispatch the weight pass now or block on it: queued behind running
+                    # kernels, it (and with it every weight pass pending) would sit in the device queue
+                    # ahead of the forward or backward that the next message brings, on the critical path
+                    # (it is interruptible only at kernel granularity once queued). Blocking on it would
+                    # keep that message unheard until the pass ends and then idle the device while the
+                    # host dispatches; polling hears it at once and queues its task behind the one pass.
+                    if nap == _NAP:
+                        self.waiting("waiting for the device to idle (a weight pass) or for a message")
+                    time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU (facts.md)
+                    nap = min(2 * nap, _MAX_NAP)
                     continue
                 self._receive_into_mailbox(block=True)
+            nap = _NAP
             env = next(iter(self.mailbox))
             if env.kind is MsgKind.ACT:
                 self._forward(s, env.microbatch)

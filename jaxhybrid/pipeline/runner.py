@@ -105,6 +105,12 @@ class PipelineEngine:
                                       pipeline_limit=pipeline_limit)
         self.microbatches = m
 
+    def time_tasks(self, on: bool = True) -> None:
+        """From the next step on, every task waits for its kernel so the recorded events are kernel times
+        (the step :meth:`write_trace` writes, benchmarks); off, kernels are dispatched asynchronously
+        (training, Myelin Sec. IV-A; :mod:`~jaxhybrid.pipeline.engine`)."""
+        self.loop.synced = on
+
     # -- GradEngine ----------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array) -> dict:
         """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
@@ -220,7 +226,9 @@ class PipelineEngine:
 
     # -- trace and shutdown ----------------------------------------------------------------------------
     def gather_events(self) -> list | None:
-        """The last step's events of every rank, on rank 0 (others get None), clocks aligned."""
+        """The last step's events of every rank, on rank 0 (others get None), clocks aligned. The step must
+        have been timed (:meth:`time_tasks`; every rank raises alike, before the barrier)."""
+        self.loop.recorder.check_timed(self.who)
         with self.watchdog.watching("barrier before gathering the trace"):
             self.topo.world.Barrier()
         sync = time.perf_counter()

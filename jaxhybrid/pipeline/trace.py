@@ -4,7 +4,8 @@ The one timeline type serves the simulator and the engine's measurements:
 
 ``Event(rank, name, kind, start, end, microbatches=(), stage=-1)``
   ``rank``: pipeline rank (one Gantt row). ``kind``: ``"F"``, ``"B"``, ``"BI"``, ``"BW"`` for compute;
-  ``"wait"`` for time a rank spent blocked on a message; ``"send"`` / ``"recv"`` for a message in
+  ``"wait"`` for time a rank spent blocked on a message; ``"dispatch"`` for a task the event loop
+  queued without waiting for its kernel (never counted as compute); ``"send"`` / ``"recv"`` for a message in
   flight (``rank`` is the sender / receiver); anything else is drawn as ``"other"``. ``start`` and
   ``end`` are seconds (simulated timelines use cost units, shown as seconds). ``microbatches`` are
   the microbatch numbers written in the box (several for a concatenated BW); ``stage`` is the
@@ -52,10 +53,22 @@ class Event:
 @dataclass
 class Recorder:
     """Per-rank timeline of :class:`Event` (kinds F/B/BI/BW, wait, send,
-    recv), times in seconds of ``time.perf_counter`` (merge ranks with per-rank offsets)."""
+    recv), times in seconds of ``time.perf_counter`` (merge ranks with per-rank offsets).
+
+    ``synced`` False: the event loop dispatched its kernels without waiting for them, so its task events
+    are ``"dispatch"`` spans, not kernel times, and :meth:`check_timed` refuses to pass them off as a trace.
+    """
 
     rank: int = 0
     events: list[Event] = field(default_factory=list)
+    synced: bool = True
+
+    def check_timed(self, who: str) -> None:
+        """Raise unless the events hold kernel times (a step run with ``synced``)."""
+        if not self.synced:
+            raise RuntimeError(f"{who}: the last step dispatched its kernels asynchronously, so its events "
+                               f"are dispatch spans, not kernel times; time the step to trace "
+                               f"(PipelineEngine.time_tasks(), EventLoop(synced=True))")
 
     def add(self, name: str, kind: str, start: float, end: float, mbs: tuple[int, ...] = (),
             stage: int = -1) -> None:

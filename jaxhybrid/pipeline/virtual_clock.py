@@ -155,12 +155,18 @@ class ClockedStage:
 
 
 def run_engine(schedule, costs: Costs, stages: list[Any], params: list[Any], tokens, cotangent: float,
-               weight_budget: int = 0, join: Callable[[Any, list[Any]], Any] = lambda stage, parts: list(parts)):
+               weight_budget: int = 0, join: Callable[[Any, list[Any]], Any] = lambda stage, parts: list(parts),
+               synced: bool = False):
     """One step of ``schedule`` by the real :class:`~jaxhybrid.pipeline.engine.EventLoop` of every rank on
     the clock (``stages[s]`` runs stage ``s`` on rank ``s``). Returns the ranks' ``StepResult``, the
-    order each ran (:class:`~jaxhybrid.pipeline.trace.Event` list of F/B/BI/BW) and the most
+    order each ran (``EventLoop.order``: :class:`~jaxhybrid.pipeline.tasks.Task` lists) and the most
     microbatches each held at once: its stored residuals and weight residuals while a pass runs, plus
-    what that pass holds."""
+    what that pass holds.
+
+    ``synced`` (``EventLoop(synced=...)``): a pass takes its virtual time when called, so the loop's view of
+    an idle device must not depend on real kernels. Stages that return numpy arrays are finished when they
+    return, and the loop may dispatch asynchronously (as in training); stages that run real JAX kernels need
+    ``synced=True``, else whether the CPU finished one would decide the order."""
     clock = VirtualClock(costs)
     n = costs.num_stages
     results, orders, peaks, errors = [None] * n, [None] * n, [0] * n, []
@@ -174,9 +180,9 @@ def run_engine(schedule, costs: Costs, stages: list[Any], params: list[Any], tok
 
             stage = ClockedStage(clock, r, stages[r], probe)
             loop = EventLoop({r: stage}, tuple(range(n)), r, ClockedTransport(clock, r), join=clocked_join(join),
-                             weight_budget=weight_budget)
+                             weight_budget=weight_budget, synced=synced)
             results[r] = loop.run(schedule, {r: params[r]}, tokens, cotangent)
-            orders[r] = [e for e in loop.recorder.events if e.kind in ("F", "B", "BI", "BW")]
+            orders[r] = loop.order
         except BaseException as e:  # re-raised below, after every rank has stopped
             errors.append(e)
         finally:

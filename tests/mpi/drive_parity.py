@@ -211,6 +211,7 @@ def main() -> int:
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
             engine.set_schedule(name, split, microbatches=m)
+            engine.time_tasks(a.trace and name == "1f1b" and split)  # the traced case: kernel times (synced)
             losses, grads, params, val = train(engine, cfg, batches(cfg))
             what = f"[{name} 2bp={split} {transport} tied={tied} {kind} {letters} rank {topo.rank}]"
             if a.tensor:  # the stage really runs sharded: every kernel is split over the whole local mesh
