@@ -4,7 +4,7 @@ Started as one process, it relaunches itself under the venv's ``mpiexec`` with `
 sized to ``cores // P``, each rank pinned to its share of the cores). Every rank builds its stage once; the fused schedule and its 2BP twin (and the
 same 2BP schedule over the other transport) then run the same model and batch, interleaved in rounds so
 machine noise hits all alike. A step is timed from a barrier to the slowest rank's end of the pipeline
-phase (no optimizer). Printed JSON:
+phase, its gradients computed (no optimizer). Printed JSON:
 
 - ``throughput_fused`` / ``throughput_split``: tokens/s; ``gain`` = split / fused;
 - ``theoretical_gain``: the simulated makespan ratio with F = BI = BW (2BP Table 1 for naive, GPipe,
@@ -18,6 +18,12 @@ phase (no optimizer). Printed JSON:
   kernels' time with 2BP over without (largest over ranks; > 1 is fusion lost by splitting);
   ``throughput_split_<other>`` and
   ``transport_ratio`` (this transport over the other) for the transport choice.
+
+Those runs time every task (``PipelineEngine.time_tasks``: each waits for its kernel), which the kernel
+medians need. The fused and 2BP schedules also run as training runs them, dispatching asynchronously
+(Myelin Sec. IV-A, :mod:`~jaxhybrid.pipeline.engine`), in the same rounds: ``step_s_median`` per run and
+``async_over_sync`` (median step time, asynchronous over timed, per schedule; < 1 is the host dispatch
+the timed loop left the device idle for).
 """
 from __future__ import annotations
 
@@ -157,11 +163,13 @@ def _cfg(args: argparse.Namespace, m: int, transport: str):
 
 
 def _step(engine, params, batch, world) -> tuple[float, dict]:
+    import jax
     from mpi4py import MPI
 
     world.Barrier()
     t0 = time.perf_counter()
-    engine.loss_and_grads(params, batch, 1.0)
+    _, grads = engine.loss_and_grads(params, batch, 1.0)
+    jax.block_until_ready(grads)  # dispatched asynchronously, they may still be computing
     wall = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     rec = engine.loop.recorder
     loop_wall = engine.loop.wall_s  # this rank's event loop, first task to the end of the flush
@@ -187,18 +195,22 @@ def _worker(args: argparse.Namespace, m: int) -> int:
     params = main.init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
     batch = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, args.seq + 1)).astype(np.int32)
-    runs = {"fused": (main, False), "split": (main, True), f"split_{other}": (alt, True)}
+    # (engine, 2BP, timed tasks): timed runs give the kernel medians, the asynchronous ones training's pace.
+    runs = {"fused": (main, False, True), "split": (main, True, True), f"split_{other}": (alt, True, True),
+            "fused_async": (main, False, False), "split_async": (main, True, False)}
     times = {k: [] for k in runs}
     shares = {k: [] for k in runs}
     for r in range(args.warmup + args.rounds):
-        for key, (engine, split) in runs.items():
+        for key, (engine, split, timed) in runs.items():
             engine.set_schedule(args.schedule, split)
+            engine.time_tasks(timed)
             wall, share = _step(engine, params, batch, topo.world)
             if r >= args.warmup:
                 times[key].append(wall)
                 shares[key].append(share)
     tokens = cfg.train.global_batch * args.seq
     best = {k: min(v) for k, v in times.items()}  # least-disturbed round of each
+    median = {k: float(np.median(v)) for k, v in times.items()}
     split_shares = shares["split"]
     overhead = max(1 - (s["compute"] + s["messages"]) / s["wall"] for s in split_shares if s["wall"] > 0)
     msg_frac = max(s["messages"] / s["wall"] for s in split_shares if s["wall"] > 0)
@@ -227,7 +239,9 @@ def _worker(args: argparse.Namespace, m: int) -> int:
                "event_loop_overhead": overhead, "message_fraction": msg_frac, "kernel_time_ratio": kernel,
                f"throughput_split_{other}": tokens / best[f"split_{other}"],
                "transport_ratio": best[f"split_{other}"] / best["split"],
-               "step_s": best, "rounds": args.rounds}
+               "step_s": best, "step_s_median": median,
+               "async_over_sync": {k: median[f"{k}_async"] / median[k] for k in ("fused", "split")},
+               "rounds": args.rounds}
         print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
     main.close()
     alt.close()

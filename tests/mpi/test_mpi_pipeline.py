@@ -285,3 +285,7 @@ def test_bench_pipeline_prints_side_by_side_json():
     assert set(out["kernel_ms"]) == {"F", "B", "BI", "BW"} and all(
         len(v) == 2 and min(v) > 0 for v in out["kernel_ms"].values())
     assert out["gain_over_expected"] == pytest.approx(out["gain"] / out["expected_gain"])
+    # Timed tasks (every kernel waited for) and training's asynchronous dispatch, side by side.
+    med = out["step_s_median"]
+    assert set(out["async_over_sync"]) == {"fused", "split"} and min(med.values()) > 0
+    assert all(out["async_over_sync"][k] == pytest.approx(med[f"{k}_async"] / med[k]) for k in ("fused", "split"))
