@@ -2,11 +2,11 @@
 
 In normal training the loop (:mod:`~jaxhybrid.pipeline.engine`) does not wait for its kernels: JAX's
 dispatch is asynchronous, so the next task's program is queued while the device still runs the last one,
-and the device never idles for the host's dispatch (about 1.1 ms per task on an H100 when the loop waited
-for every task, README "Known limits"). The loop still needs to know one thing about the device: whether
-it has drained its queue, because Myelin's message-driven 2BP fills only *idle* time with a weight pass
-(:mod:`~jaxhybrid.pipeline.message_driven`). :class:`InFlight` answers that without blocking, from
-``jax.Array.is_ready``.
+and the device does not idle for the host's dispatch (about 1.1 ms per task by the H100's jit call costs,
+README "Known limits", when the loop waited for every task). The loop still needs to know one thing about
+the device: whether it has drained its queue, because Myelin's message-driven 2BP fills only *idle* time
+with a weight pass (:mod:`~jaxhybrid.pipeline.message_driven`). :class:`InFlight` answers that without
+blocking, from ``jax.Array.is_ready``.
 """
 from __future__ import annotations
 

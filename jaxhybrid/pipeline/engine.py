@@ -10,15 +10,16 @@ Two policies (schedules are data; the engine only decides order in the message-d
 
 Dispatch (Myelin Sec. IV-A: the loop never waits for work it does not need): by default a task's kernel
 is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the next task, so
-the device does not idle while the host dispatches (a loop that waited for every task left an H100 idle
-about 1.1 ms per task: 0.5 ms to dispatch the next program and 0.6 ms to return from the wait, README
-"Known limits"). The loop waits only where it must: a send needs its payload on the host (the transports
-wait for it, :mod:`~jaxhybrid.pipeline.mpi_transport`), and message-driven 2BP fills only idle device time
-with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). With ``synced`` every task
-waits for its kernel instead, so the recorder holds kernel times: the step whose trace is written
-(``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record dispatch
-spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute; :attr:`EventLoop.order` is the
-order of the tasks run, in either mode.
+the device does not idle while the host dispatches (on an H100 a jit call took 0.5 ms to dispatch and
+0.6 ms to return synchronously, README "Known limits": about 1.1 ms of idle device per task for a loop
+that waited for each). The loop waits only where it must: a send needs its payload on the host (the
+transports wait for it, :mod:`~jaxhybrid.pipeline.mpi_transport`), and message-driven 2BP fills only idle
+device time with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). No MPI call
+waits on a queued kernel: a receive still starts only once its sender, its payload computed, is in
+``MPI_Send``. With ``synced`` every task waits for its kernel instead, so the recorder holds kernel times:
+the step whose trace is written (``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so.
+Unsynced steps record dispatch spans (kind ``"dispatch"``) that no trace or bubble ratio counts as
+compute; :attr:`EventLoop.order` is the order of the tasks run, in either mode.
 
 The loss is pre-divided by the number of microbatches in the global batch (Myelin Sec. IV-B): the last
 stage's output cotangent is ``loss_scale / (microbatches x replicas)``, so summing the stage gradients
