@@ -14,12 +14,16 @@ the device does not idle while the host dispatches (on an H100 a jit call took 0
 0.6 ms to return synchronously, README "Known limits": about 1.1 ms of idle device per task for a loop
 that waited for each). The loop waits only where it must: a send needs its payload on the host (the
 transports wait for it, :mod:`~jaxhybrid.pipeline.mpi_transport`), and message-driven 2BP fills only idle
-device time with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). No MPI call
-waits on a queued kernel: a receive still starts only once its sender, its payload computed, is in
-``MPI_Send``. With ``synced`` every task waits for its kernel instead, so the recorder holds kernel times:
-the step whose trace is written (``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so.
-Unsynced steps record dispatch spans (kind ``"dispatch"``) that no trace or bubble ratio counts as
-compute; :attr:`EventLoop.order` is the order of the tasks run, in either mode.
+device time with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). Receives stay
+safe: one still starts only once its sender, its payload computed, is in ``MPI_Send``; the collectives
+after the phase (tied sum, all-reduce) wait for queued kernels, but ``run`` returns only once every
+message of the step is received and sent (``flush``), so those kernels need nothing from a peer. The
+``progress`` heartbeat marks dispatches: a step's last beat can precede the kernels still queued (on a
+one-stage rank, the whole step's) within the watchdog's deadline. With ``synced`` every task waits for its
+kernel instead, so the recorder holds kernel times: the step whose trace is written
+(``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record dispatch
+spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute; :attr:`EventLoop.order` is
+the order of the tasks run, in either mode.
 
 The loss is pre-divided by the number of microbatches in the global batch (Myelin Sec. IV-B): the last
 stage's output cotangent is ``loss_scale / (microbatches x replicas)``, so summing the stage gradients
