@@ -93,7 +93,6 @@ class PipelineEngine:
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
         self.microbatch_size = mb
-        self.last_step: dict[str, float] = {}
 
     def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0,
                      microbatches: int | None = None) -> None:
@@ -142,30 +141,26 @@ class PipelineEngine:
             self.watchdog.disarm()
 
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
-        t0 = time.perf_counter()
         self.watchdog.arm("pipeline phase")
         try:
-            loss, grads, t1 = self._pipeline_phase(params, batch, loss_scale)
+            loss, grads = self._pipeline_phase(params, batch, loss_scale)
             self.watchdog.beat("data-parallel all-reduce")
             if self.replicas > 1:
                 grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
         finally:
             self.watchdog.disarm()
-        t2 = time.perf_counter()
-        self.last_step = {"pipeline_s": t1 - t0, "reduce_s": t2 - t1, "step_s": t2 - t0}
         return loss, grads
 
     def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float):
         """The schedule over this replica's microbatches: (global mean loss, this rank's gradients with
-        tied embeddings summed, not yet reduced over replicas, the time it ended)."""
+        tied embeddings summed, not yet reduced over replicas)."""
         mbs = self._microbatches(batch)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)
         res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
-        t1 = time.perf_counter()
         grads = tied.sum_tied(res.grads[self.stage_index], self.stage_index, self.num_stages,
                               self.cfg.model.tie_embeddings, self.topo.row)
-        return self._mean_over_batch(res.loss_sum), grads, t1
+        return self._mean_over_batch(res.loss_sum), grads
 
     @property
     def streams_reduced_chunks(self) -> bool:
@@ -183,15 +178,13 @@ class PipelineEngine:
         parameters + gradients + buckets)."""
         if not self.streams_reduced_chunks:
             raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1 and one device per rank")
-        t0 = time.perf_counter()
         self.watchdog.arm("pipeline phase")
         try:
-            loss, grads, t1 = self._pipeline_phase(params, batch, loss_scale)
+            loss, grads = self._pipeline_phase(params, batch, loss_scale)
         finally:
             self.watchdog.disarm()
         flat = flatten(grads)
         release(grads)
-        self.last_step = {"pipeline_s": t1 - t0, "step_s": t1 - t0}
         return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire),
                                    "data-parallel all-reduce streamed into the optimizer")
 
