@@ -108,6 +108,9 @@ class PipelineConfig:
     split_backward: bool = False  # 2BP: separate input- and weight-gradient passes
     pipeline_limit: int = 0  # schedule myelin only (others: must be 0): microbatches in flight; 0 = stages
     transport: str = "mpi4jax"  # mpi4jax | mpi4py
+    # The event loop's kernels: async (dispatched, Myelin IV-A) | sync (each waited for) | auto: sync on CPU,
+    # where a rank's polling shares its core with XLA:CPU's kernels, async elsewhere (pipeline/engine.py).
+    dispatch: str = "auto"
     # 2BP: one BW over several microbatches as sum (their weight passes in one program) | concat (2BP Fig. 2:
     # residuals copied into one batch, one larger matmul per site) | auto (concat where that copy moves fewer bytes
     # than K gradient trees and is at most one tree, else sum: jaxhybrid.model.stage.auto_weight_join)

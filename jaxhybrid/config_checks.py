@@ -158,6 +158,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
                       "set pipeline.split_backward=true (or choose 1f1b without the split)")
     if pl.transport not in ("mpi4jax", "mpi4py"):
         errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
+    if pl.dispatch not in ("auto", "async", "sync"):
+        errors.append(f"pipeline.dispatch={pl.dispatch!r}; choose auto, async or sync")
     if pl.weight_join not in ("auto", "sum", "concat"):
         errors.append(f"pipeline.weight_join={pl.weight_join!r}; choose auto, sum or concat")
     if p.mesh_data and p.pipeline > 1:

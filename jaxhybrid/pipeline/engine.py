@@ -8,8 +8,9 @@ Two policies (schedules are data; the engine only decides order in the message-d
 - ``message-driven`` (Myelin Alg. 2, :mod:`~jaxhybrid.pipeline.message_driven`): each arriving message
   picks the work; with 2BP the weight passes fill the time no message is waiting.
 
-Dispatch (Myelin Sec. IV-A: the loop never waits for work it does not need): by default a task's kernel
-is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the next task, so
+Dispatch (Myelin Sec. IV-A: the loop never waits for work it does not need): unsynced (``pipeline.dispatch``
+async, or auto off the CPU: :func:`~jaxhybrid.pipeline.dispatch.synced_dispatch` says why not on it) a task's
+kernel is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the next task, so
 the device does not idle while the host dispatches (on an H100 a jit call took 0.5 ms to dispatch and
 0.6 ms to return synchronously, README "Known limits": about 1.1 ms of idle device per task for a loop
 that waited for each). The loop waits only where it must: a send needs its payload on the host (the

@@ -24,6 +24,7 @@ from jaxhybrid.model import Model
 from jaxhybrid.optim.allreduce import allreduce_tree, iter_reduced_chunks
 from jaxhybrid.optim.flat import release
 from jaxhybrid.pipeline import tied
+from jaxhybrid.pipeline.dispatch import synced_dispatch
 from jaxhybrid.pipeline.engine import EventLoop
 from jaxhybrid.pipeline.schedule import make_schedule
 from jaxhybrid.pipeline.transport import InProcessHub
@@ -89,7 +90,8 @@ class PipelineEngine:
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
                               self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
-                              waiting=self.watchdog.note, peer_name=topology.name)  # row rank = stage
+                              waiting=self.watchdog.note, peer_name=topology.name,  # row rank = stage
+                              synced=synced_dispatch(pl.dispatch, jax.devices()[0].platform))
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
         self.microbatch_size = mb
@@ -107,7 +109,7 @@ class PipelineEngine:
     def time_tasks(self, on: bool = True) -> None:
         """From the next step on, every task waits for its kernel so the recorded events are kernel times
         (the step :meth:`write_trace` writes, benchmarks); off, kernels are dispatched asynchronously
-        (training, Myelin Sec. IV-A; :mod:`~jaxhybrid.pipeline.engine`)."""
+        (Myelin Sec. IV-A; :mod:`~jaxhybrid.pipeline.engine`), whatever ``pipeline.dispatch`` chose."""
         self.loop.synced = on
 
     # -- GradEngine ----------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ BAD = [
     (["optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"], ["optim.offload=False"]),
     (["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=bfloat16",
       "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
+    (["pipeline.dispatch=eager"], ["pipeline.dispatch='eager'; choose auto, async or sync"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),

@@ -225,3 +225,14 @@ def test_trainer_times_the_step_it_traces(tmp_path):
     t.engine = Engine()
     t.run()
     assert seen == ["step", "step", ("time_tasks", True), "step", "write_trace"]
+
+
+def test_dispatch_setting_waits_on_cpu_by_default_and_obeys_a_forced_mode():
+    """``pipeline.dispatch``: auto waits for every task on CPU (polling shares the rank's core with the
+    kernels: ``dispatch.synced_dispatch``) and dispatches asynchronously on an accelerator."""
+    from jaxhybrid.pipeline.dispatch import synced_dispatch
+
+    assert synced_dispatch("auto", "cpu") and not synced_dispatch("auto", "gpu")
+    assert synced_dispatch("sync", "gpu") and not synced_dispatch("async", "cpu")
+    with pytest.raises(ValueError, match="pipeline.dispatch='eager'; choose auto, async or sync"):
+        synced_dispatch("eager", "cpu")
