@@ -74,7 +74,7 @@ class OptimConfig:
     allreduce_coarsening: int = 1
     stream_allreduce: bool = True  # offload x data replicas: update each reduced chunk's buckets at once (V-C)
     # What the MPI data replicas' all-reduce moves: float32 (MPI reduces no half floats), or compute: the
-    # offloaded optimizer's half-precision gradients as they are, around a ring (Myelin IV-B; optim/ring.py).
+    # offloaded optimizer's half-precision gradients as they are (Myelin IV-B; optim/half_allreduce.py).
     allreduce_dtype: str = "float32"
 
 

@@ -5,7 +5,7 @@ For k in 1, 2, 4, 8 it times (a) the all-reduce alone in chunks of ``k x bsize``
 optimizer alone on an already reduced gradient, and (c) the chunk-fed step, where a reduced chunk's k
 buckets update before the rest is reduced. Rank 0 prints one JSON line; (c) below (a) + (b) would be
 overlap (on CPU it was not: mpi4jax's all-reduce returns only when it is done). For a half-precision
-``--dtype`` it also times (a) and (c) with the gradients on the wire as half precision (the ring of
+``--dtype`` it also times (a) and (c) with the gradients on the wire as half precision (the sendrecvs of
 ``optim.allreduce_dtype: compute``, Myelin IV-B) against float32, side by side in the same rounds.
 """
 from __future__ import annotations

@@ -6,15 +6,16 @@ jitted ``mpi4jax.allreduce`` (never eager: an eager mpi4jax call recompiles ever
 
 MPI cannot reduce bfloat16/float16 ("Unknown MPI type"), so by default half-precision vectors travel and
 are summed in float32, then cast back (``optim.allreduce_dtype: float32``). With ``compute`` they travel
-as half precision, Myelin's choice (Sec. IV-B), through :func:`jaxhybrid.optim.ring.half_ring_sum`: half
-the bytes. Myelin avoids overflow by pre-dividing the loss by the number of microbatches in the global
+as half precision, Myelin's choice (Sec. IV-B), through :func:`jaxhybrid.optim.half_allreduce.half_sum`:
+half the bytes. Myelin avoids overflow by pre-dividing the loss by the number of microbatches in the global
 batch, which the pipeline engine does before the backward pass.
 
 Two entry points, for two kinds of caller:
 
 * :func:`allreduce_tree` (the pipeline x data step) needs the whole reduced pytree before anything can
   use it, so it is ONE jitted program per gradient structure: flatten, upcast, one all-reduce of the
-  whole vector, downcast, scale, unflatten. Chunking it bought nothing: a jitted mpi4jax call blocks the
+  whole vector, downcast (or, with ``half_wire``, the half-precision reduce-scatter and all-gather),
+  scale, unflatten. Chunking it bought nothing: a jitted mpi4jax call blocks the
   Python thread until its reduction is done, so on CPU chunk k + 1 never overlapped chunk k, and each
   chunk cost a dispatch and a slice copy, plus a pad and a concatenation of the whole vector (a 32 MiB
   vector: 325 ms in 128 chunks, 116 ms in 8, 58 ms whole). The eager ``ravel_pytree`` and its unravel
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.optim import ring
+from jaxhybrid.optim import half_allreduce
 from jaxhybrid.optim.flat import FlatSpec
 
 _HALF = (jnp.bfloat16, jnp.float16)
@@ -53,12 +54,12 @@ def _check_chunk(chunk_elems: int) -> None:
 
 def _sum(x: jax.Array, comm: Any, half_wire: bool) -> jax.Array:
     """Traced: ``x`` (1-D) summed over ``comm``, ``x``'s dtype back. Half floats travel as float32, or as
-    themselves around a ring with ``half_wire`` (:mod:`~jaxhybrid.optim.ring`)."""
+    themselves with ``half_wire`` (:mod:`~jaxhybrid.optim.half_allreduce`)."""
     import mpi4jax
     from mpi4py import MPI
 
-    if half_wire and x.dtype in _HALF and ring.fits(x.shape[0], comm.Get_size()):
-        return ring.half_ring_sum(x, comm)
+    if half_wire and x.dtype in _HALF and half_allreduce.fits(x.shape[0], comm.Get_size()):
+        return half_allreduce.half_sum(x, comm)
     wire = x.astype(jnp.float32) if x.dtype in _HALF else x
     n = wire.shape[0]
     if n <= _MAX_MESSAGE:

@@ -194,7 +194,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
                   for s_, n_ in enumerate(parts))
     # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py) unless the
     # offloaded optimizer's half-precision gradients travel as they are (optim.allreduce_dtype: compute, the
-    # ring of optim/ring.py). The tensor engine reduces float32 where it accumulates each replica's float32
+    # sendrecvs of optim/half_allreduce.py). The tensor engine reduces float32 where it accumulates each replica's float32
     # gradients over its scan and reduces them once after it (step.accumulated_step's replicas); else each
     # layer's backward of every microbatch reduces in the compute dtype (eq. 8 as is).
     mpi = lay.pipeline > 1 or ts == 1

@@ -13,7 +13,7 @@ clip norm summed over stages and an injected overflow (infinite loss scale) skip
 Case ``allreduce-tree``: ``allreduce_tree`` over the data column keeps its reduction rules, checked bit for
 bit against sums of the gathered leaves: the leaves flattened to their common dtype, half floats summed
 in float32 (MPI has no half type) and cast back, times the scale in that dtype, each leaf back in its own
-dtype, shape and device; the same with ``half_wire`` (the half-precision ring, ``optim/ring.py``), whose
+dtype, shape and device; the same with ``half_wire`` (``optim/half_allreduce.py``), whose
 one rounding of each float32 sum at two replicas gives the same bits.
 Rank 0 prints ``CASE name ok|FAIL`` lines; the exit code is 1 if any case failed.
 """
@@ -147,7 +147,7 @@ def case_allreduce_tree() -> None:
                 return (total if scale is None else total * np.asarray(scale, common)).astype(dt)
 
             ref = jax.tree.map(lambda x, *xs: want(*xs, dt=x.dtype), tree, *gathered)
-            # Two replicas: the half-precision ring rounds the float32 sum once, as the float32 wire does.
+            # Two replicas: the half-precision all-reduce rounds the float32 sum once, as the float32 wire does.
             for half_wire in (False, True):
                 got = allreduce_tree(tree, comm, 4, scale, half_wire=half_wire)
                 assert jax.tree.structure(got) == jax.tree.structure(tree)
