@@ -1,12 +1,27 @@
-"""What the event loop has dispatched and the device has not finished (Myelin Sec. IV-A asynchrony).
+"""When the event loop waits for its kernels (Myelin Sec. IV-A asynchrony), and what it has in flight.
 
-In normal training the loop (:mod:`~jaxhybrid.pipeline.engine`) does not wait for its kernels: JAX's
-dispatch is asynchronous, so the next task's program is queued while the device still runs the last one,
-and the device does not idle for the host's dispatch (about 1.1 ms per task by the H100's jit call costs,
-README "Known limits", when the loop waited for every task). The loop still needs to know one thing about
-the device: whether it has drained its queue, because Myelin's message-driven 2BP fills only *idle* time
-with a weight pass (:mod:`~jaxhybrid.pipeline.message_driven`). :class:`InFlight` answers that without
-blocking, from ``jax.Array.is_ready``.
+Unsynced (``pipeline.dispatch`` async, or auto off the CPU: :func:`synced_dispatch` says why not on it), a
+task's kernel is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the
+next task (:mod:`~jaxhybrid.pipeline.engine`), so the device does not idle while the host dispatches (on an H100 a jit call took 0.5 ms to dispatch and
+0.6 ms to return synchronously, README "Known limits": 0.6-1.1 ms of idle device per task for a loop
+that waited for each). The loop waits only where it must: a send needs its payload on the host (the
+transports wait for it, :mod:`~jaxhybrid.pipeline.mpi_transport`), and message-driven 2BP fills only idle
+device time with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). Receives stay
+safe: over mpi4jax one still starts only once its sender, its payload computed, is in ``MPI_Send`` (the
+mpi4py transport's are posted ahead and complete whenever their ``Isend`` arrives); the collectives
+after the phase (tied sum, all-reduce) wait for queued kernels, but ``run`` returns only once every
+message of the step is received and sent (``flush``), so those kernels need nothing from a peer. The
+``progress`` heartbeat marks dispatches: a step's last beat can precede the kernels still queued (on a
+one-stage rank, the whole step's) within the watchdog's deadline. With ``synced`` every task waits for its
+kernel instead, so the recorder holds kernel times: the step whose trace is written
+(``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record dispatch
+spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute; :attr:`EventLoop.order` is
+the order of the tasks run, in either mode.
+
+The loop still needs to know one thing about the device: whether it has drained its queue, because
+Myelin's message-driven 2BP fills only *idle* time with a weight pass
+(:mod:`~jaxhybrid.pipeline.message_driven`). :class:`InFlight` answers that without blocking, from
+``jax.Array.is_ready``.
 """
 from __future__ import annotations
 
@@ -43,13 +58,16 @@ def synced_dispatch(setting: str, platform: str) -> bool:
 
 
 class InFlight:
-    """The kernels dispatched and not yet finished, one output leaf each (pruned as they finish)."""
+    """The kernels dispatched and not yet finished, one output leaf each. A held leaf keeps its buffer
+    alive, so finished ones are dropped at every ``add`` and ``count``: what stays is what the device still
+    computes (an activation already sent is not held through the step, nor the step's through the update)."""
 
     def __init__(self) -> None:
         self._pending: list[Any] = []
 
     def add(self, out: Any) -> None:
         leaf = _future(out)
+        self._pending = [x for x in self._pending if not _finished(x)]
         if leaf is not None:
             self._pending.append(leaf)
 

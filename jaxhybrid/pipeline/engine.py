@@ -8,23 +8,9 @@ Two policies (schedules are data; the engine only decides order in the message-d
 - ``message-driven`` (Myelin Alg. 2, :mod:`~jaxhybrid.pipeline.message_driven`): each arriving message
   picks the work; with 2BP the weight passes fill the time no message is waiting.
 
-Dispatch (Myelin Sec. IV-A: the loop never waits for work it does not need): unsynced (``pipeline.dispatch``
-async, or auto off the CPU: :func:`~jaxhybrid.pipeline.dispatch.synced_dispatch` says why not on it) a task's
-kernel is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the next task, so
-the device does not idle while the host dispatches (on an H100 a jit call took 0.5 ms to dispatch and
-0.6 ms to return synchronously, README "Known limits": about 1.1 ms of idle device per task for a loop
-that waited for each). The loop waits only where it must: a send needs its payload on the host (the
-transports wait for it, :mod:`~jaxhybrid.pipeline.mpi_transport`), and message-driven 2BP fills only idle
-device time with a weight pass, one at a time (:mod:`~jaxhybrid.pipeline.message_driven`). Receives stay
-safe: one still starts only once its sender, its payload computed, is in ``MPI_Send``; the collectives
-after the phase (tied sum, all-reduce) wait for queued kernels, but ``run`` returns only once every
-message of the step is received and sent (``flush``), so those kernels need nothing from a peer. The
-``progress`` heartbeat marks dispatches: a step's last beat can precede the kernels still queued (on a
-one-stage rank, the whole step's) within the watchdog's deadline. With ``synced`` every task waits for its
-kernel instead, so the recorder holds kernel times: the step whose trace is written
-(``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record dispatch
-spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute; :attr:`EventLoop.order` is
-the order of the tasks run, in either mode.
+Dispatch (Myelin Sec. IV-A): unsynced, a task's kernel is only dispatched and the loop goes on; with
+``synced`` every task waits for its kernel and the recorder holds kernel times (traces, benchmarks). When
+it may wait, and why that is safe: :mod:`~jaxhybrid.pipeline.dispatch`.
 
 The loss is pre-divided by the number of microbatches in the global batch (Myelin Sec. IV-B): the last
 stage's output cotangent is ``loss_scale / (microbatches x replicas)``, so summing the stage gradients
@@ -132,6 +118,7 @@ class EventLoop(MessageDriven):
         # The step's arrays leave with the result: kept here, the unreduced gradients stayed on the device
         # through the all-reduce, the update and any save, beside the reduced ones (a stage's gradients twice).
         grads, self.grads, self.params, self.losses = self.grads, {}, None, []
+        self.inflight = InFlight()  # its leaves (activations sent, input gradients) are the step's too
         return StepResult(loss, grads, self.wall_s)
 
     def evaluate(self, params: dict[int, Any], tokens: jax.Array) -> jax.Array | None:

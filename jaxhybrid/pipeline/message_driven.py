@@ -20,10 +20,9 @@ from __future__ import annotations
 import time
 
 from jaxhybrid.pipeline.tasks import Schedule
-from jaxhybrid.pipeline.transport import MsgKind
+from jaxhybrid.pipeline.transport import MAX_NAP, NAP, MsgKind
 
 
-_NAP, _MAX_NAP = 5e-6, 2e-4  # polling back-off while the device runs (as transport.wait_message)
 
 
 class MessageDriven:
@@ -61,12 +60,12 @@ class MessageDriven:
                     backward(injected - 1)
 
         inject()
-        nap = _NAP
+        nap = NAP
         while backwards < m:
             if not self.mailbox and not self._receive_into_mailbox(block=False):
                 if pending_w and self.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
                     self._weight(s, (pending_w.pop(0),))
-                    nap = _NAP
+                    nap = NAP
                     continue
                 if pending_w:
                     # Why poll rather than dispatch the weight pass now or block on it: queued behind running
@@ -75,13 +74,13 @@ class MessageDriven:
                     # (it is interruptible only at kernel granularity once queued). Blocking on it would
                     # keep that message unheard until the pass ends and then idle the device while the
                     # host dispatches; polling hears it at once and queues its task behind the one pass.
-                    if nap == _NAP:
+                    if nap == NAP:
                         self.waiting("waiting for the device to idle (a weight pass) or for a message")
                     time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU (facts.md)
-                    nap = min(2 * nap, _MAX_NAP)
+                    nap = min(2 * nap, MAX_NAP)
                     continue
                 self._receive_into_mailbox(block=True)
-            nap = _NAP
+            nap = NAP
             env = next(iter(self.mailbox))
             if env.kind is MsgKind.ACT:
                 self._forward(s, env.microbatch)

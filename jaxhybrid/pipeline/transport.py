@@ -99,11 +99,15 @@ class Journal:
         return f"last sends: {s}; last receives: {r}"
 
 
-def wait_message(transport: Transport, timeout: float | None = None, max_sleep: float = 2e-4) -> Message | None:
-    """Poll with exponential back-off (sleeping yields the core to other ranks on oversubscribed
-    machines, where spinning starves them, facts.md). None after ``timeout`` seconds."""
+# Polling back-off, first and longest nap in seconds: sleeping yields the core to other ranks on
+# oversubscribed machines, where spinning starves them (facts.md). Also the message-driven gap fill's.
+NAP, MAX_NAP = 5e-6, 2e-4
+
+
+def wait_message(transport: Transport, timeout: float | None = None, max_sleep: float = MAX_NAP) -> Message | None:
+    """Poll with exponential back-off (:data:`NAP` to ``max_sleep``). None after ``timeout`` seconds."""
     start = time.perf_counter()
-    nap = 5e-6
+    nap = NAP
     while True:
         msg = transport.poll()
         if msg is not None:
@@ -132,6 +136,9 @@ def on_threads(n: int, body: Callable[[int], Any], timeout: float = 120.0) -> li
         t.join(timeout=timeout)
     if errors:
         raise errors[0]
+    hung = [t.name for t in threads if t.is_alive()]
+    if hung:  # a rank still waiting (for a message never sent) is a failure, not a result of None
+        raise TimeoutError(f"{', '.join(hung)} still running after {timeout} s")
     return results
 
 

@@ -106,6 +106,10 @@ def test_streamed_allreduce_matches_reduce_then_update(tmp_path, streamed_2x2):
     lon, loff = _losses(on), _losses(off)
     assert sorted(lon) == sorted(loff) == [1, 2, 3, 4, 5, 6]
     assert_tree_close([lon[s] for s in sorted(lon)], [loff[s] for s in sorted(loff)], "fp32_parity", "losses ")
+    # The clip norm counts the tied table once on both paths (a double count below the clip leaves no
+    # other trace).
+    gon, goff = _losses(on, "grad_norm"), _losses(off, "grad_norm")
+    assert_tree_close([gon[s] for s in sorted(gon)], [goff[s] for s in sorted(goff)], "fp32_parity", "grad norms ")
     von, voff = _losses(on, "val_loss"), _losses(off, "val_loss")
     assert sorted(von) == sorted(voff) == [3, 6], (von, voff)
     assert_tree_close(von, voff, "fp32_parity", "val losses ")

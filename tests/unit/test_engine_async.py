@@ -121,7 +121,7 @@ def test_unsynced_step_returns_before_its_kernels_run():
                    np.zeros((M, 1, 3), np.int32), 1.0)
     assert dev.forced == 0 and isinstance(res.loss_sum, Pending) and isinstance(res.grads[0], Pending)
     assert [t.kind.value for t in loop.order] == ["F"] * M + ["BI"] * M + ["BW"]
-    assert loop.inflight.count() == len(loop.order)  # nothing finished, nothing waited for
+    assert loop.inflight.count() == 0  # the step's outputs are not held beyond it
     assert {e.kind for e in loop.recorder.events} <= {"dispatch", "wait"}
     with pytest.raises(RuntimeError, match="dispatch spans, not kernel times"):
         loop.recorder.check_timed("rank 0")
@@ -236,3 +236,19 @@ def test_dispatch_setting_waits_on_cpu_by_default_and_obeys_a_forced_mode():
     assert synced_dispatch("sync", "gpu") and not synced_dispatch("async", "cpu")
     with pytest.raises(ValueError, match="pipeline.dispatch='eager'; choose auto, async or sync"):
         synced_dispatch("eager", "cpu")
+
+
+def test_in_flight_holds_only_what_the_device_still_computes():
+    """``InFlight`` drops finished outputs as it goes: a held leaf keeps its buffer (an activation already
+    sent, an input gradient) alive, which through a static schedule's M microbatches was every one."""
+    from jaxhybrid.pipeline.dispatch import InFlight
+
+    dev, track = FakeDevice(0.0), InFlight()
+    done = [dev.run("F") for _ in range(5)]
+    for out in done:
+        track.add(out)
+    assert track._pending == [done[-1]]  # each add dropped the ones before, finished
+    slow = FakeDevice(math.inf)
+    track.add(slow.run("F"))
+    track.add(slow.run("F"))
+    assert track.count() == 2 and not track.drained()

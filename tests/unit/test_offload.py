@@ -221,15 +221,17 @@ def test_streamed_update_matches_whole_gradient_update_and_rolls_back_on_a_peer_
     assert_tree_close(pc, a.opt.params_tree(a.opt.device_params(sa)), "exact", "params after a peer's overflow ")
 
 
-def test_streamed_norm_leaves_out_what_the_engines_norm_view_drops():
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_streamed_norm_leaves_out_what_the_engines_norm_view_drops(clip):
     """With tied embeddings the last stage holds a copy of the table that the first stage counts in the
     global norm; streamed (V-C), the updater's per-chunk norm leaves the ranges ``norm_view`` drops out, as
-    ``stats(norm_view(grads))`` does on the whole gradient. Here ``block`` (bytes 16-288 of 480, cut by
-    the 128-element chunks) plays the copy; clipping makes the norm reach the parameters."""
+    ``stats(norm_view(grads))`` does on the whole gradient. Here ``block`` (elements 16-288 of 480, cut by
+    the 128-element chunks) plays the copy. With clipping the norm is summed before the first bucket
+    (and reaches the parameters); without, chunk by chunk as they update (the logged norm)."""
     from jaxhybrid.config import Config, OptimConfig
 
     _, params, batches, grad = _setup()
-    cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=0.05))
+    cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=clip))
     view = lambda g: {k: v for k, v in g.items() if k != "block"}  # noqa: E731
     a, b = OffloadUpdater(TX, cfg), OffloadUpdater(TX, cfg)
     pa, sa, pb, sb = a.compute_params(params), a.init(params), b.compute_params(params), b.init(params)
