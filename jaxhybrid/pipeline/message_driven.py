@@ -23,8 +23,6 @@ from jaxhybrid.pipeline.tasks import Schedule
 from jaxhybrid.pipeline.transport import MAX_NAP, NAP, MsgKind
 
 
-
-
 class MessageDriven:
     """The policy as a mixin of :class:`~jaxhybrid.pipeline.engine.EventLoop`, whose task methods
     (``_forward``, ``_backward``, ``_weight``) and mailbox it drives; the order of work is the only thing
