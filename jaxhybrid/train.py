@@ -205,12 +205,15 @@ class Trainer:
         # Model flops (mfu) count no recomputation; hardware flops (hfu) add what train.remat recomputes.
         flops = metrics_lib.model_flops_per_step(cfg.model, batch, seq)
         hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, batch, seq, cfg.train.remat)
-        losses, times, last_val = [], [], None
+        losses, times, last_val, traced_apart = [], [], None, False
         try:
             with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/stop.py)
                 while st.step < cfg.train.steps:
                     if cfg.metrics.trace and st.step + 1 == cfg.train.steps and hasattr(self.engine, "time_tasks"):
-                        self.engine.time_tasks()  # the trace written below is this step's: kernel times, synced
+                        # The trace written below is this step's: kernel times, synced. Where the others were
+                        # dispatched asynchronously its time is not theirs: the summary leaves it out.
+                        traced_apart = not self.engine.tasks_timed
+                        self.engine.time_tasks()
                     t0 = time.perf_counter()
                     st, info = self.step(st)
                     dt = time.perf_counter() - t0
@@ -252,4 +255,5 @@ class Trainer:
         # Steady state (Myelin VI-D averages the last 10 of 11 batches): the steps after the first, which compiles.
         return {"steps": st.step, "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None, "last_val_loss": last_val,
-                **metrics_lib.steady_state(times, flops, hw_flops, batch, seq, n_dev, peak)}
+                **metrics_lib.steady_state(times[:-1] if traced_apart and len(times) > 2 else times, flops,
+                                           hw_flops, batch, seq, n_dev, peak)}

@@ -176,6 +176,9 @@ class Mpi4jaxTransport(MpiTransportBase):
     def close(self) -> None:
         self._sendq.put(None)
         self._thread.join(timeout=5)
+        if self.header_comm is not None and not self._thread.is_alive():  # a send still stuck uses it
+            self.header_comm.Free()
+            self.header_comm = None
 
 
 def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):

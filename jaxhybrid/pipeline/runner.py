@@ -106,6 +106,11 @@ class PipelineEngine:
                                       pipeline_limit=pipeline_limit)
         self.microbatches = m
 
+    @property
+    def tasks_timed(self) -> bool:
+        """Whether the next step waits for every task (:meth:`time_tasks`, or ``pipeline.dispatch``)."""
+        return self.loop.synced
+
     def time_tasks(self, on: bool = True) -> None:
         """From the next step on, every task waits for its kernel so the recorded events are kernel times
         (the step :meth:`write_trace` writes, benchmarks); off, kernels are dispatched asynchronously

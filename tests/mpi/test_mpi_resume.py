@@ -119,6 +119,20 @@ def test_streamed_allreduce_matches_reduce_then_update(tmp_path, streamed_2x2):
         for step in ("3", "6"):
             got, want = (_without_key_bias(read_state(r / "checkpoints" / rank / step / "state")) for r in (on, off))
             assert_tree_close(got, want, "fp32_parity", f"{rank} step-{step} checkpoint, streamed vs not ")
+    # The tied table's fp32 masters: the first stage's and the last stage's copy, in every replica, the
+    # same bits after 6 streamed updates (each reduced at its own offset in its stage's chunks).
+    tables = {rank: _tied_master(read_state(on / "checkpoints" / rank / "6" / "state")) for rank in ranks}
+    assert len({t.tobytes() for t in tables.values()}) == 1, {r: t.ravel()[:3] for r, t in tables.items()}
+
+
+def _tied_master(state) -> np.ndarray:
+    """The offloaded fp32 master of a stage's tied table: ``embed.wte`` (first stage) or its copy (last)."""
+    from jaxhybrid.model.stage import TIED_KEY
+    from jaxhybrid.optim.flat import FlatSpec
+
+    spec = FlatSpec(state["params"])
+    i = spec.paths.index("['embed']['wte']" if "embed" in state["params"] else f"['{TIED_KEY}']")
+    return np.asarray(state["opt_state"]["master"])[spec.offsets[i]:spec.offsets[i] + spec.sizes[i]]
 
 
 def _check_resume(a, b, n: int, resume) -> None:

@@ -196,9 +196,11 @@ def test_message_driven_gap_fill_keeps_one_weight_pass_in_flight():
     assert fills >= 1  # the first rank did wait for gradients (the check above ran on something)
 
 
-def test_trainer_times_the_step_it_traces(tmp_path):
+@pytest.mark.parametrize("timed_before", [False, True])
+def test_trainer_times_the_step_it_traces(tmp_path, timed_before):
     """metrics.trace: the trainer asks the engine to time its tasks before the last step only, then writes
-    that step's trace (an engine without time_tasks, one device, is left alone)."""
+    that step's trace (an engine without time_tasks, one device, is left alone). Where the steps before
+    were dispatched asynchronously, the summary's steady state leaves the timed step out."""
     from jaxhybrid.config import load_config
     from jaxhybrid.train import Trainer
 
@@ -212,6 +214,8 @@ def test_trainer_times_the_step_it_traces(tmp_path):
         def __getattr__(self, name):
             return getattr(inner, name)
 
+        tasks_timed = timed_before
+
         def time_tasks(self, on=True):
             seen.append(("time_tasks", on))
 
@@ -223,8 +227,9 @@ def test_trainer_times_the_step_it_traces(tmp_path):
             seen.append("write_trace")
 
     t.engine = Engine()
-    t.run()
+    summary = t.run()
     assert seen == ["step", "step", ("time_tasks", True), "step", "write_trace"]
+    assert summary["steady_steps"] == (2 if timed_before else 1)  # steps 2-3, or step 2 alone
 
 
 def test_dispatch_setting_waits_on_cpu_by_default_and_obeys_a_forced_mode():
