@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from jaxhybrid.bench.pipeline import step_wall  # noqa: E402
 from jaxhybrid.pipeline.mpi4py_transport import Mpi4pyTransport  # noqa: E402
 from jaxhybrid.pipeline.transport import Envelope, MsgKind, wait_message  # noqa: E402
 
@@ -68,13 +69,6 @@ def exposed(world, t, compute, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def pipeline_step(engine, params, batch, world) -> float:
-    world.Barrier()
-    t0 = time.perf_counter()
-    jax.block_until_ready(engine.loss_and_grads(params, batch, 1.0))  # asynchronous dispatch: the kernels too
-    return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt-tiny")
@@ -111,7 +105,7 @@ def main() -> None:
     for r in range(a.rounds + 1):  # round 0 warms up (compiles)
         for d in DEPTHS:
             engine.loop.transport = step_ts[d]
-            wall = pipeline_step(engine, params, batch, world)
+            wall = step_wall(engine, params, batch, world)
             for s in sizes:
                 wait = exposed(world, probe_ts[d, s], compute, s)
                 if r:

@@ -162,7 +162,8 @@ def _cfg(args: argparse.Namespace, m: int, transport: str):
                      "weight_join": args.weight_join}})
 
 
-def _step(engine, params, batch, world) -> tuple[float, dict]:
+def step_wall(engine, params, batch, world) -> float:
+    """One pipeline phase of ``engine`` from a barrier until the slowest rank's gradients are computed."""
     import jax
     from mpi4py import MPI
 
@@ -170,7 +171,11 @@ def _step(engine, params, batch, world) -> tuple[float, dict]:
     t0 = time.perf_counter()
     _, grads = engine.loss_and_grads(params, batch, 1.0)
     jax.block_until_ready(grads)  # dispatched asynchronously, they may still be computing
-    wall = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def _step(engine, params, batch, world) -> tuple[float, dict]:
+    wall = step_wall(engine, params, batch, world)
     rec = engine.loop.recorder
     loop_wall = engine.loop.wall_s  # this rank's event loop, first task to the end of the flush
     compute = rec.total("F", "B", "BI", "BW")
