@@ -4,7 +4,10 @@ processor; Algorithm 1 (:func:`jaxhybrid.planner.madpipe.madpipe_partition`) sea
 T(l, p, t_P, m_P, V) is the best period of the first l layers on p normal processors when the special
 processor already carries load t_P and memory m_P, and the delay between F_l and B_l of a batch is at
 least V (Sec. 4.2.2). t_P, m_P and V live on grids (101 / 11 / 51 points by default, Sec. 5); values are
-rounded up to the grid, so the DP never under-estimates a load or a memory. The recurrence is evaluated
+rounded up to the grid, so the DP never under-estimates a load or a memory. V's grid keeps Sec. 5's step,
+(U(1, L) + sum C) / (v - 1), but runs on past that sum to the largest V any split reaches: (+) pads V to
+a multiple of T_hat at each new group, so V exceeds the sum (by 10-75 % on the bench chains), and
+cutting it there would shrink the groups g(k, l, V), hence the memory. The recurrence is evaluated
 bottom-up in numpy: for each (p, l) all stage starts k and all grid points at once.
 
 Two facts keep it fast: T(...) >= t_P, so the special branch's max(t'_P, ...) is the looked-up value; and
@@ -61,11 +64,25 @@ class _DP:
         self.dv = chain.total_period_bound() / (grid.v - 1)
         self.nt = min(grid.t, int(np.floor(cap / self.dt + _EPS)) + 1)  # t_P > cap is useless
         self.tg = np.arange(self.nt) * self.dt
-        self.vg = np.arange(grid.v) * self.dv
-        self.tables = np.full((processors, chain.L + 1, grid.v, self.nt + 1, grid.m + 1), np.inf,
+        top = int(np.ceil(self.v_reach() / self.dv - _EPS))  # see module docstring
+        self.vg = np.arange(max(grid.v, top + 1)) * self.dv
+        # V rows kept: past max_l v_count(l) every layer l >= 1 is inf and layer 0 does not depend on V,
+        # so a V' beyond is read at the last kept row (an inf row, or all V's fit and it is the grid's top).
+        self.nv = min(len(self.vg), max(self.v_count(l) for l in range(1, chain.L + 1)) + 1)
+        self.tables = np.full((processors, chain.L + 1, self.nv, self.nt + 1, grid.m + 1), np.inf,
                               dtype=np.float32)
-        self.cum_u = np.cumsum(chain.u)
-        self.mem0 = None
+
+    def v_reach(self) -> float:
+        """The largest V' = (V (+) U(k, l)) (+) C(k - 1) over all splits into stages k_range allows: x (+) y
+        is non-decreasing in x, so the largest V at each layer follows from the largest at the layers after."""
+        vmax = np.full(self.ch.L + 1, -np.inf)
+        vmax[self.ch.L] = 0.0
+        for l in range(self.ch.L, 0, -1):
+            k = self.k_range(l)
+            if np.isfinite(vmax[l]) and len(k):
+                v = _oplus(_oplus(vmax[l], self.ch.U(k, l), self.T), self.ch.C(k - 1), self.T)
+                vmax[k - 1] = np.maximum(vmax[k - 1], v)
+        return float(vmax[np.isfinite(vmax)].max())
 
     def k_range(self, l: int, p: int = 1) -> np.ndarray:
         """Stage starts worth trying: U(k, l) <= cap and weights + buffers M(k, l, 0) <= M; with no
@@ -94,7 +111,7 @@ class _DP:
         memN = ch.mem(k[:, None], l, grp)
         memS = ch.mem(k[:, None], l, grp - 1)
         Vp = _oplus(_oplus(V, Ukl[:, None], self.T), Ck[:, None], self.T)
-        vpi = np.minimum(_ceil_div(Vp, self.dv), g.v - 1)
+        vpi = np.minimum(_ceil_div(Vp, self.dv), self.nv - 1)
         dti = np.minimum(_ceil_div(Ukl, self.dt), self.nt)
         dmi = np.minimum(_ceil_div(memS, self.dm), g.m)
         return Ukl, Ck, memN <= ch.memory * (1 + _EPS), vpi, dti, dmi
@@ -102,7 +119,7 @@ class _DP:
     def branches(self, l: int, p: int, k: np.ndarray, nv_l: int):
         """Candidate values (k, v, t, m), v < nv_l, of the normal and special branches for T(l, p, ...)."""
         Ukl, Ck, fitN, vpi, dti, dmi = self.stage_terms(l, k, nv_l)
-        nt, nm, nv = self.nt, self.g.m, self.g.v
+        nt, nm, nv = self.nt, self.g.m, self.nv
         if p >= 1:
             prev = self.tables[p - 1][(k - 1)[:, None], vpi, :nt, :nm]  # T(k-1, p-1, t_P, m_P, V')
             base = np.maximum(Ukl, Ck).astype(np.float32)[:, None, None, None]

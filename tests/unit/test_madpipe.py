@@ -231,3 +231,17 @@ def test_madpipe_dp_keeps_v_states_where_only_a_longer_stage_fits():
     chain = Chain.from_profile(six, 3.2, 10.0)
     mp = madpipe(chain, 3, 6, Grid(21, 11, 11))
     assert mp.valid_period == pytest.approx(4.1) and pipedream(chain, 3).valid_period == pytest.approx(5.4)
+
+
+def test_madpipe_dp_v_above_the_load_sum_is_not_cut_down():
+    """Sec. 4.2.2's (+) pads V to the next multiple of T_hat at each new group, so V can pass U(1, L) +
+    sum C, the top of the Sec. 5 grid. Here T_hat = 8 and the stages 5 | 4 (special) | 3 | 2 | 1 from the
+    end give V = 5, 14, 20, 31 before layer 1: layer 1 is in group ceil((31 + 5) / 8) = 5 and the special
+    processor keeps (5 - 1) x 3 = 12 bytes for it (> M = 11), the recurrence's best period is 11. Cutting
+    V at the grid's top (27) gave group 4, 9 bytes, and period 9 from a memory estimate below the
+    recurrence's."""
+    u = np.array([0, 5, 7, 4, 6, 5.0])
+    chain = Chain(u, u / 3, np.zeros(6), np.zeros(6), 11.0, 1.0, np.array([0, 3, 1, 0, 3, 3.0]))
+    grid = Grid(28, 12, 28)  # integer steps of t_P, m_P and V: no rounding anywhere
+    period, stages = madpipe_dp(chain, 4, 8.0, grid)
+    assert period == pytest.approx(11.0)
