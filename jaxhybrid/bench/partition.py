@@ -13,10 +13,10 @@ import math
 import sys
 import time
 
-from jaxhybrid.commands.argtypes import positive_int
+from jaxhybrid.commands.argtypes import grid_sizes, positive_int
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.costs import resnet50_chain, transformer_chain
-from jaxhybrid.planner.madpipe import Grid, madpipe
+from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.pipedream import pipedream
 
 GB = 1e9
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (the default prints a table too)")
     p.add_argument("--quick", action="store_true", help="a small subset: P in {2, 4}, M in {4, 8} GB, beta 12")
     p.add_argument("--networks", default="resnet50,transformer", help="comma-separated: resnet50, transformer")
-    p.add_argument("--grid", default="101,11,51", help="t_P, m_P, V grid sizes")
+    p.add_argument("--grid", type=grid_sizes, default="101,11,51", help="t_P, m_P, V grid sizes")
     p.add_argument("--iterations", type=positive_int, default=10, help="K of Algorithm 1")
 
 
@@ -38,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
     nets = {"resnet50": resnet50_chain, "transformer": transformer_chain}
     names = [n.strip() for n in args.networks.split(",") if n.strip()]
     bad = [n for n in names if n not in nets]
-    if bad:
-        raise ValueError(f"unknown networks {bad}; choose from {sorted(nets)}")
-    grid = Grid(*(int(v) for v in args.grid.split(",")))
+    if bad or not names:  # no network: no case, and the summary's max() of nothing
+        what = f"unknown networks {bad}" if bad else f"--networks {args.networks!r} names no network"
+        raise ValueError(f"{what}; choose from {', '.join(sorted(nets))}")
+    grid = args.grid
     procs = (2, 4) if args.quick else tuple(range(2, 9))
     mems = (4, 8) if args.quick else (3, 4, 6, 8, 10, 12, 16)
     betas = (12,) if args.quick else (12, 24)

@@ -34,6 +34,21 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+def grid_sizes(text: str):
+    """argparse ``type=`` of MadPipe's grid sizes ``t,m,V`` (points of t_P, m_P and V; Sec. 5: 101,11,51),
+    for ``partition`` and ``bench partition`` alike: exactly three, each >= 2."""
+    from jaxhybrid.planner.madpipe_dp import Grid
+
+    parts = text.split(",")
+    try:
+        if len(parts) == 3:
+            return Grid(*(int(x) for x in parts))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be three integers t,m,V >= 2 (the grid sizes of t_P, m_P and V), "
+                                     f"got {text!r}")
+
+
 def check_seq_len(seq_len: int | None, model, flag: str = "--seq-len") -> None:
     """A given sequence length fits the model's position table (``train`` rejects a longer
     ``data.seq_len``; the planner and the profiler would otherwise cost a model that cannot run)."""

@@ -16,10 +16,10 @@ import argparse
 import json
 import math
 
-from jaxhybrid.commands.argtypes import check_seq_len, check_writable, positive_int
+from jaxhybrid.commands.argtypes import check_seq_len, check_writable, grid_sizes, positive_int
 from jaxhybrid.planner.chain import Chain, check_platform, check_processors
 from jaxhybrid.planner.costs import load_profile
-from jaxhybrid.planner.madpipe import Grid, madpipe
+from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.pipedream import pipedream
 
 
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=float, required=True, help="M, bytes per GPU")
     p.add_argument("--bandwidth", type=float, required=True, help="beta, bytes/s between GPUs")
     p.add_argument("--algorithm", choices=("madpipe", "pipedream"), default="madpipe")
-    p.add_argument("--grid", default="101,11,51", help="MadPipe grid sizes of t_P, m_P, V")
+    p.add_argument("--grid", type=grid_sizes, default="101,11,51", help="MadPipe grid sizes of t_P, m_P, V")
     p.add_argument("--iterations", type=positive_int, default=10, help="K of MadPipe's Algorithm 1 (>= 1)")
     p.add_argument("--profile-model", default="", metavar="CFG", help="instead of reading --profile, profile the "
                    "stage kernels of this model (a preset, or a run config's model) on the current device (and "
@@ -113,15 +113,10 @@ def _profile(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     check_platform(args.memory, args.bandwidth, ("--memory", "--bandwidth"))
-    try:
-        t, m, v = (int(x) for x in args.grid.split(","))
-        grid = Grid(t, m, v)
-    except ValueError as e:
-        raise ValueError(f"--grid={args.grid!r} must be three integers t,m,V >= 2 ({e})") from None
     profile = _profile(args)
     chain = Chain.from_profile(profile, args.memory, args.bandwidth)
     if args.algorithm == "madpipe":
-        alloc = madpipe(chain, args.processors, args.iterations, grid)
+        alloc = madpipe(chain, args.processors, args.iterations, args.grid)
     else:
         alloc = pipedream(chain, args.processors)
     if not alloc.stages:

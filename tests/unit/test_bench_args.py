@@ -67,3 +67,27 @@ def test_help_states_each_default_once(capsys):
         bench.prepare(argparse.Namespace(name="tensor", rest=["--help"]))
     tensor = " ".join(capsys.readouterr().out.split())
     assert "--layers LAYERS default: 2" in tensor and "--rounds ROUNDS default: 3" in tensor
+
+
+@pytest.mark.parametrize("grid", ["21,11", "21,11,11,4", "a,b,c", "21,1,11"])
+def test_partition_grids_are_checked_when_parsed(capsys, grid):
+    """MadPipe's three grid sizes (t_P, m_P, V; Sec. 5) are checked by argparse in both commands: ``bench
+    partition --grid 21,11,11,4`` ended in a TypeError traceback, ``21,11`` silently ran with V's default
+    and ``a,b,c`` said only "invalid literal for int()"."""
+    want = f"argument --grid: must be three integers t,m,V >= 2 (the grid sizes of t_P, m_P and V), got {grid!r}"
+    assert _usage_error(capsys, "partition", "--quick", "--grid", grid) == f"jaxhybrid bench partition: error: {want}"
+    from jaxhybrid.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(["partition", "--processors", "2", "--memory", "1e9", "--bandwidth", "1e9", "--grid", grid])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"jaxhybrid partition: error: {want}"
+
+
+def test_bench_partition_needs_a_network():
+    """``--networks ""`` ran no case and ended in "max() arg is an empty sequence"."""
+    from jaxhybrid.bench import partition
+
+    p = argparse.ArgumentParser()
+    partition.add_arguments(p)
+    with pytest.raises(ValueError, match=r"^--networks ' , ' names no network; choose from resnet50, transformer"):
+        partition.run(p.parse_args(["--quick", "--networks", " , "]))
