@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.period is not None:
         if key != "1f1b-star":
             raise ValueError(f"--period applies to --schedule 1f1b-star only, not {args.schedule}")
-        f, bi, bw = (float(x) for x in args.costs.split(","))
-        opts.update(stage_costs=[(f, bi + bw)] * args.stages, period=args.period)
+        opts["period"] = args.period  # stage loads: --costs (make_schedule's default)
     if args.message_bytes and math.isinf(args.bandwidth):
         raise ValueError(f"--message-bytes {args.message_bytes:g} needs --bandwidth BYTES_PER_S: at the default "
                          f"infinite bandwidth a message's size costs nothing")

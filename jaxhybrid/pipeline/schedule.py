@@ -9,7 +9,8 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
   M is an error (use ``1f1b`` for that M).
 * ``zb-h1``: zero-bubble H1 (always split backward); needs M >= stages.
 * ``1f1b-star``: MadPipe 1F1B* (Sec. 4.1) for a contiguous partition, from ``stage_costs=[(U_F, U_B),
-  ...]`` and ``period=T`` (default: the largest stage load, i.e. plain 1F1B), or explicit ``groups``.
+  ...]`` (default: ``costs``' F and BI + BW) and ``period=T`` (default: the largest stage load; plain 1F1B
+  when the stages are equal and messages free), or explicit ``groups``.
 * ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages) microbatches
   in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
   engine and the simulator re-derive the order from arriving messages and treat the F/B/BI tasks of a
@@ -118,7 +119,8 @@ def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
     resource of their own between the stages."""
     if opts.get("groups") is not None:
         return gen.check_groups(opts["groups"], stages)
-    stage_costs = opts.get("stage_costs") or [(1.0, 2.0)] * stages
+    # Loads in the units of the links below (message times of ``costs``), not fixed ones.
+    stage_costs = opts.get("stage_costs") or [(costs.forward[s], costs.fused_backward(s)) for s in range(stages)]
     if len(stage_costs) != stages:
         raise ValueError(f"stage_costs has {len(stage_costs)} (U_F, U_B) pairs for {stages} stages")
     period = opts.get("period")

@@ -118,6 +118,18 @@ def test_1f1b_star_groups_and_memory():
     assert peak_stashed(explicit) == [2, 1, 1]
 
 
+def test_1f1b_star_default_loads_are_the_costs():
+    """Without ``stage_costs``, 1F1B*'s stage loads U = F + BI + BW come from ``costs``, the same units as
+    its links (``2 x message_time``, MadPipe 4.1). They were (1, 2) whatever the costs: ``jaxhybrid simulate
+    --schedule 1f1b-star --costs 10,10,10 --latency 5`` failed with "period 3 is below the largest stage or
+    link load 10", a period nobody gave, and uneven stages got plain 1F1B's groups."""
+    heavy = Costs.uniform(3, 10.0, 10.0, 10.0, latency=5.0)  # T = U = 30, links 10: each its own group
+    assert peak_stashed(make_schedule("1f1b-star", 3, 6, costs=heavy)) == [5, 3, 1]
+    uneven = Costs((1.0, 1.0, 4.0), (1.0, 1.0, 3.0), (0.0, 0.0, 1.0))  # loads 2, 2, 8; T = 8: {s0, s1} {s2}
+    assert peak_stashed(make_schedule("1f1b-star", 3, 6, costs=uneven)) == [2, 2, 1]
+    assert peak_stashed(make_schedule("1f1b-star", 3, 6)) == [3, 2, 1]  # unit costs, free links: 1F1B
+
+
 def test_1f1b_star_counts_the_links_as_resources():
     """MadPipe 4.1: with messages of 1 time unit each way, a 4-stage chain of U = 3 is 7 resources of
     loads 3, 2, 3, 2, 3, 2, 3; at T = 6 the stages fall in groups 4, 3, 2, 1 and the pattern runs a
