@@ -23,6 +23,9 @@ def madpipe_partition(chain: Chain, processors: int, iterations: int = 10, grid:
     Returns ``(best max(T_i, T_hat_i), stages, history)``.
     """
     lb = float(chain.u.sum()) / processors
+    if not lb > 0:  # Algorithm 1 would start at T_hat = 0, which no DP can take
+        raise ValueError(f"the chain's compute U(1, L) is {float(chain.u.sum())} s: every layer's forward_s and "
+                         "backward_s are 0; MadPipe's period search needs some compute time")
     ub = chain.total_period_bound()
     step = float(chain.u.sum()) / (grid.t - 1)
     if upper is not None and np.isfinite(upper):

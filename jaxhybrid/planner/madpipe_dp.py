@@ -188,8 +188,10 @@ def madpipe_dp(chain: Chain, processors: int, t_hat: float, grid: Grid = Grid(),
     Returns ``(period, stages)``; ``period`` is ``inf`` (and ``stages`` empty) when nothing fits or the
     period would exceed ``cap``.
     """
-    if processors < 1 or not t_hat > 0:
-        raise ValueError(f"processors={processors} must be >= 1 and t_hat={t_hat} > 0")
+    if processors < 1:
+        raise ValueError(f"processors={processors} must be >= 1")
+    if not t_hat > 0:
+        raise ValueError(f"t_hat={t_hat} must be > 0")
     cap = chain.total_period_bound() if cap is None else cap
     dp = _DP(chain, processors, t_hat, grid, cap)
     period = dp.run()

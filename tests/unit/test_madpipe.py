@@ -245,3 +245,14 @@ def test_madpipe_dp_v_above_the_load_sum_is_not_cut_down():
     grid = Grid(28, 12, 28)  # integer steps of t_P, m_P and V: no rounding anywhere
     period, stages = madpipe_dp(chain, 4, 8.0, grid)
     assert period == pytest.approx(11.0)
+
+
+def test_madpipe_names_a_chain_without_compute():
+    """A profile whose forward_s and backward_s are all 0 gives U(1, L) = 0, so Algorithm 1 starts at
+    T_hat = U(1, L) / P = 0; the error said "processors=2 must be >= 1 and t_hat=0.0 > 0"."""
+    zero = Profile(1.0, tuple(LayerCost(f"l{i}", 0.0, 0.0, 1.0, 1.0) for i in range(3)))
+    chain = Chain.from_profile(zero, memory=100.0, bandwidth=1.0)
+    with pytest.raises(ValueError, match=r"^the chain's compute U\(1, L\) is 0.0 s"):
+        madpipe(chain, 2)
+    with pytest.raises(ValueError, match=r"^t_hat=0.0 must be > 0$"):
+        madpipe_dp(chain, 2, 0.0)
