@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
     gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
     seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
     bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold
-    ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket)  # all
+    # The run's own settings, with which score_config scores its layout (defaults for a preset).
+    own_settings = {"letters": cfg.tensor.optimizations, "allreduce_dtype": cfg.optim.allreduce_dtype} if cfg else {}
+    ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket,
+                        **own_settings)  # all
     plans = ranked[:args.top]
     notes, own = latency_notes(plans), None
     if cfg is not None:

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxhybrid.config import OptimConfig
+from jaxhybrid.config import OptimConfig, TensorConfig
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
 from jaxhybrid.planner.comm_model import Network
@@ -68,16 +68,23 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
                tensor: bool = True, offload: bool | None = None, bucket_size: int = OptimConfig.bucket_size,
+               letters: str = TensorConfig.optimizations, allreduce_dtype: str = OptimConfig.allreduce_dtype,
                ) -> list[dict]:
     """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix, or when
     ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`). Offloaded layouts hold buckets
-    of ``bucket_size`` elements (the run's ``optim.bucket_size``: a plan file leaves it as it is)."""
+    of ``bucket_size`` elements (the run's ``optim.bucket_size``: a plan file leaves it as it is). ``letters``
+    (``tensor.optimizations``) and ``allreduce_dtype`` (``optim.allreduce_dtype``: Myelin IV-B's
+    half-precision all-reduce) are the run's too, as :func:`score_config` scores its own layout: a plan file
+    leaves them as they are, and the config's layout is ranked among plans scored the same way."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
-    for lay, r, fits in search(cfg, gpus, global_batch, lambda lay: evaluate(cfg, lay, machine, seq, bucket_size),
-                               machine.memory_bytes, tensor, offload):
+
+    def score(lay: Layout) -> dict:
+        return evaluate(cfg, lay, machine, seq, bucket_size, letters, allreduce_dtype)
+
+    for lay, r, fits in search(cfg, gpus, global_batch, score, machine.memory_bytes, tensor, offload):
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
             smallest = (r["memory_per_device_bytes"], lay)
         if fits:

@@ -346,3 +346,26 @@ def test_half_precision_allreduce_halves_the_modelled_data_allreduce():
     assert b["data_allreduce_s"] > 0 and a["data_allreduce_s"] == pytest.approx(b["data_allreduce_s"] / 2)
     assert a["predicted_step_s"] == pytest.approx(b["predicted_step_s"] - b["data_allreduce_s"] / 2)
     assert a["memory_per_device_bytes"] == b["memory_per_device_bytes"]
+
+
+def test_plan_ranks_a_config_with_its_own_allreduce_dtype(tmp_path, capsys):
+    """`plan --model CONFIG` scored the config's own layout with its optim.allreduce_dtype (Myelin IV-B's
+    half-precision all-reduce: half the float32 wire's bytes) but ranked every plan with float32, so the
+    same layout listed as a plan was predicted slower than "the config's own layout" and its rank compared
+    two wires. Both now use the config's setting: the identical plan has the identical prediction."""
+    from jaxhybrid.cli import main
+
+    path = tmp_path / "half.yaml"
+    path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"
+                    "optim: {offload: true, bucket_size: 1048576, allreduce_dtype: compute}\n"
+                    "precision: {compute_dtype: bfloat16}\nparallel: {pipeline: 2, data: 2}\n"
+                    "pipeline: {schedule: myelin, microbatches: 4}\n")
+    assert main(["plan", "--model", str(path), "--gpus", "4", "--gpus-per-node", "4", "--hardware", "h100-node",
+                 "--no-tensor", "--offload", "--top", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    own = out["config_layout"]
+    keys = ("pipeline", "data", "microbatch_size", "schedule", "pipeline_limit", "split_backward", "remat", "offload")
+    same = [p for p in out["plans"] if all(p[k] == own[k] for k in keys)]
+    assert len(same) == 1 and own["data_allreduce_s"] > 0
+    assert same[0]["predicted_step_s"] == own["predicted_step_s"]
+    assert own["rank"] == sum(p["predicted_step_s"] < own["predicted_step_s"] for p in out["plans"])
