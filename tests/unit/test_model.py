@@ -48,6 +48,26 @@ def test_large_presets_are_abstract(name, billions):
     assert sum(x.size for x in jax.tree.leaves(shapes)) == n
 
 
+# Myelin Table I (sequence 512, vocabulary 51200, Sec. VI-C) and AxoNN Table III (sequence 2048, Sec. IV):
+# (layers, hidden, heads, sequence) and the billions of parameters each paper names the model by.
+PAPER_MODELS = {"myelin-12b": (48, 4512, 24, 512, 12), "myelin-24b": (48, 6336, 36, 512, 24),
+                "myelin-50b": (96, 6528, 48, 512, 50), "myelin-100b": (96, 9360, 60, 512, 100),
+                "axonn-gpt-5b": (24, 4096, 32, 2048, 5), "axonn-gpt-10b": (32, 5120, 40, 2048, 10),
+                "axonn-gpt-20b": (32, 7168, 56, 2048, 20), "axonn-gpt-40b": (38, 9216, 72, 2048, 40),
+                "axonn-gpt-80b": (42, 12288, 96, 2048, 80)}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_MODELS))
+def test_paper_presets_are_the_tables_shapes(name):
+    """The presets are the papers' tables, and their parameter counts the billions the papers name them by
+    within 5% (12 l h^2 + the 51200 x h table: AxoNN's "80B" has 76.8B, Myelin's "24B" 23.5B)."""
+    layers, hidden, heads, seq, billions = PAPER_MODELS[name]
+    c = PRESETS[name]
+    assert (c.kind, c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab_size, c.max_seq_len) == \
+        ("gpt2", layers, hidden, heads, 4 * hidden, 51200, seq)
+    assert c.param_count() / 1e9 == pytest.approx(billions, rel=0.05)
+
+
 def test_tied_embeddings_share_gradient():
     cfg = PRESETS["gpt-tiny"].__class__(**{**PRESETS["gpt-tiny"].__dict__, "tie_embeddings": True})
     m = Model(cfg)

@@ -369,3 +369,25 @@ def test_plan_ranks_a_config_with_its_own_allreduce_dtype(tmp_path, capsys):
     assert len(same) == 1 and own["data_allreduce_s"] > 0
     assert same[0]["predicted_step_s"] == own["predicted_step_s"]
     assert own["rank"] == sum(p["predicted_step_s"] < own["predicted_step_s"] for p in out["plans"])
+
+
+@pytest.mark.parametrize("name,gpus,grid", [("myelin-12b", 48, (6, 8)), ("myelin-24b", 96, (12, 8))])
+def test_myelin_table_ii_grid_is_the_step_models_fastest(name, gpus, grid):
+    """Myelin Table II: tuned on Summit (6 x 16 GB V100 per node, float16, batch 16384 x 512, Sec. VI), Myelin
+    runs the 12B model as G_inter x G_data = 6 x 8 and the 24B as 12 x 8. Scored Myelin's way (its
+    message-driven schedule, checkpointing at ac (V-A), the bucketed offload with bsize 16M (V-B), no tensor
+    parallelism, microbatch 1 to keep the search short), the step model's fastest layout that fits is the
+    same grid: the smallest G_inter whose 4 phi / G_inter leaves room, as V-B argues."""
+    from jaxhybrid.planner.layouts import layouts
+
+    cfg, m = PRESETS[name], machine_from_hardware(load_hardware("summit"), 6, "float16", 0.5)
+    fastest = {}
+    for lay in layouts(cfg, gpus, 16384, tensor=False, offload=True, schedules=("myelin",), remats=("full",),
+                       max_microbatch=1):
+        if lay.split_backward or lay.pipeline_limit:  # Myelin's Alg. 2 as published: no 2BP, limit G_inter
+            continue
+        r = evaluate(cfg, lay, m, 512, 16_000_000)
+        if r["memory_per_device_bytes"] <= m.memory_bytes:
+            fastest[lay.pipeline, lay.data] = r["predicted_step_s"]
+    assert min(fastest, key=fastest.get) == grid
+    assert (grid[0] // 2, grid[1] * 2) not in fastest  # half the stages do not fit 16 GB
