@@ -59,6 +59,25 @@ def test_hardware_files_have_bandwidths_and_sources():
         assert t["total"] > 0
 
 
+def test_hardware_files_carry_the_papers_machines():
+    """The figures the papers state for their machines, which their models are scored on. AxoNN VI: a
+    Perlmutter node has 4 A100s of 40 GB at 312 TFLOP/s half precision and 4 NICs of 200 Gb/s (beta_inter);
+    a Frontier node 4 MI250X (8 GCDs, the file's GPUs) of 128 GB and 383 TFLOP/s each, and the same NICs.
+    Myelin VI: a Summit node has 6 V100s of 16 GB at 125 TFLOP/s half precision, 50 GB/s between GPUs of a
+    node (NVLink, the 3 of a socket). Its 12.5 GB/s inter-node figure is one of the node's two EDR rails;
+    the file counts both (AxoNN's beta_inter is a node pair's, summit.yaml says so)."""
+    hw = {n: yaml.safe_load(open(f"configs/hardware/{n}.yaml")) for n in ("perlmutter", "frontier", "summit")}
+    nets = {n: Network.from_hardware(h) for n, h in hw.items()}
+    nic = 200e9 / 8  # bytes/s of one 200 Gb/s Slingshot-11 NIC
+    p, f, s = hw["perlmutter"], hw["frontier"], hw["summit"]
+    assert (p["gpus_per_node"], float(p["memory_bytes"]), p["peak_tflops"]["float16"]) == (4, 40e9, 312.0)
+    assert nets["perlmutter"].inter_node == 4 * nic
+    assert (f["gpus_per_node"], 2 * float(f["memory_bytes"]), 2 * f["peak_tflops"]["float16"]) == (8, 128e9, 383.0)
+    assert nets["frontier"].inter_node == 4 * nic
+    assert (s["gpus_per_node"], float(s["memory_bytes"]), s["peak_tflops"]["float16"]) == (6, 16e9, 125.0)
+    assert nets["summit"].intra_bandwidth(3) == 50e9 and nets["summit"].inter_node == 2 * 12.5e9
+
+
 def test_bad_sizes_raise():
     with pytest.raises(ValueError, match="G_r"):
         layer_comm_volumes(16, 16, 16, 1, 0, 1)
