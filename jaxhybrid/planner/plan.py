@@ -162,8 +162,13 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
     # The limit it was modelled with (0: stages), whatever the run set; 0 under the other schedules, which
     # have no limit (a run config's own Myelin limit would be an error with them).
     pipe["pipeline_limit"] = plan.get("pipeline_limit", 0) if plan["schedule"] == "myelin" else 0
-    out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe,
-           "optim": {"offload": plan["offload"]},
+    # Myelin V-C's coarsening and IV-B's half-precision wire exist only for the offloaded optimizer, the
+    # latter on MPI replicas in half precision (config_checks): where the plan has none, it resets the run's
+    # to what it was scored with, so a plan of a config like myelin-50b-offload.yaml applies to it.
+    optim = {"offload": plan["offload"]} | ({} if plan["offload"] else {"allreduce_coarsening": 1})
+    if not plan["offload"] or dtype == "float32" or (plan["pipeline"] == 1 and any(plan[k] > 1 for k in axes[2:])):
+        optim["allreduce_dtype"] = "float32"
+    out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe, "optim": optim,
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
     return (out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
             | ({"data": {"seq_len": seq_len}} if seq_len else {}))

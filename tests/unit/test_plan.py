@@ -391,3 +391,28 @@ def test_myelin_table_ii_grid_is_the_step_models_fastest(name, gpus, grid):
             fastest[lay.pipeline, lay.data] = r["predicted_step_s"]
     assert min(fastest, key=fastest.get) == grid
     assert (grid[0] // 2, grid[1] * 2) not in fastest  # half the stages do not fit 16 GB
+
+
+def test_a_plan_applies_to_the_config_it_was_made_for(tmp_path):
+    """A config with Myelin V-C's coarsening and IV-B's half-precision all-reduce (as myelin-50b-offload.yaml)
+    ranks plans without offload or on a tensor mesh too, where neither exists: their plan files reset both
+    (else `--set plan.file` was a ConfigError on the config the plan was made for); a plan with offload on
+    MPI replicas keeps the run's own."""
+    from jaxhybrid.config import load_config
+
+    path = tmp_path / "half.yaml"
+    path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"
+                    "optim: {offload: true, bucket_size: 1048576, allreduce_coarsening: 4, allreduce_dtype: compute}\n"
+                    "precision: {compute_dtype: bfloat16}\nparallel: {pipeline: 2, data: 2}\n"
+                    "pipeline: {schedule: myelin, microbatches: 4}\n")
+    cfg = load_config(path)
+    plans = rank_plans(cfg.model, 4, _machine("h100-node", 4), 16, 1024, top=100000,
+                       allreduce_dtype=cfg.optim.allreduce_dtype)
+    picks = {"no offload": lambda p: not p["offload"], "mesh": lambda p: p["offload"] and p["pipeline"] == 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1,
+             "offload on MPI": lambda p: p["offload"] and p["pipeline"] > 1 and p["data"] > 1}
+    for what, pick in picks.items():
+        plan = next(p for p in plans if pick(p))
+        write_plan(tmp_path / "p.json", plan, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+        run = load_config(path, [f"plan.file={tmp_path / 'p.json'}"])
+        want = {"no offload": ("float32", 1), "mesh": ("float32", 4), "offload on MPI": ("compute", 4)}[what]
+        assert (run.optim.allreduce_dtype, run.optim.allreduce_coarsening) == want, what
