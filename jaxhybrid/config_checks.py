@@ -120,6 +120,10 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if t.eval_every and not cfg.data.path and cfg.data.val_fraction <= 0:
         errors.append(f"train.eval_every={t.eval_every} needs a validation split, but data.val_fraction="
                       f"{cfg.data.val_fraction} holds none out of the built-in corpus: set it > 0 or eval_every=0")
+    from jaxhybrid.data.tokenizer import TOKENIZERS
+
+    if cfg.data.tokenizer not in TOKENIZERS:  # the ranks' data preparation found it, after mpiexec started
+        errors.append(f"data.tokenizer={cfg.data.tokenizer!r}; choose {' or '.join(TOKENIZERS)}")
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     per = p.data * pl.microbatches

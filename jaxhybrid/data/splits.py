@@ -21,6 +21,7 @@ def cache_dir() -> Path:
 def open_dataset(cfg, split: str = "train"):
     """A split (train or val) of the token dataset: ``data.path`` if given, else the built-in corpus
     prepared once into the cache."""
+    check_builtin_vocab(cfg)
     path = cfg.data.path or ensure_builtin_data(
         cache_dir() / "builtin", cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
         vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
@@ -29,6 +30,26 @@ def open_dataset(cfg, split: str = "train"):
     if cfg.data.path:
         check_prepared_settings(cfg, ds)
     return ds
+
+
+def check_builtin_vocab(cfg) -> None:
+    """The built-in corpus's ids fit ``model.vocab_size``: 256 byte symbols, or a BPE of ``model.vocab_size``
+    tokens, which holds them too. Known from the config alone, so ``jaxhybrid launch`` says it before mpiexec
+    (:func:`check_data`); the ranks found it while preparing the corpus, each printing it (a BPE's in
+    ``prepare-data``'s ``--vocab-size`` terms). A ``data.path``'s vocabulary is its meta's
+    (:meth:`TokenDataset.check_vocab`)."""
+    from jaxhybrid.config import ConfigError
+    from jaxhybrid.data.tokenizer import BYTE_VOCAB
+
+    vocab = cfg.model.vocab_size
+    if cfg.data.path or vocab >= BYTE_VOCAB:
+        return
+    if cfg.data.tokenizer == "bpe":
+        raise ConfigError(f"data.tokenizer=bpe trains a BPE of model.vocab_size={vocab} tokens on the built-in "
+                          f"corpus, and a byte-level BPE holds at least the {BYTE_VOCAB} byte symbols; set "
+                          f"model.vocab_size >= {BYTE_VOCAB}")
+    raise ConfigError(f"model.vocab_size={vocab} is smaller than the built-in corpus's {BYTE_VOCAB} byte symbols "
+                      f"(data.tokenizer={cfg.data.tokenizer}); set model.vocab_size >= {BYTE_VOCAB}")
 
 
 def check_prepared_settings(cfg, ds: TokenDataset) -> None:
@@ -53,11 +74,12 @@ def check_prepared_settings(cfg, ds: TokenDataset) -> None:
 
 
 def check_data(cfg) -> None:
-    """A given ``data.path`` holds the splits this run reads (a train split of at least one sequence),
-    with ids the model can embed and, with
+    """The built-in corpus's ids fit the model (:func:`check_builtin_vocab`), or a given ``data.path`` holds
+    the splits this run reads (a train split of at least one sequence), with ids the model can embed and, with
     ``train.eval_every``, a val split long enough: what every rank's trainer meets first. Cheap (memmaps),
-    so ``jaxhybrid launch`` checks it once for all ranks. The built-in corpus is left to the ranks: it is
-    prepared on first use, under a lock."""
+    so ``jaxhybrid launch`` checks it once for all ranks. The built-in corpus itself is left to the ranks:
+    they prepare it on first use, under a lock."""
+    check_builtin_vocab(cfg)
     if cfg.data.path:
         # The train split must hold one window of data.seq_len + 1 tokens: the sampler says so, as the
         # trainer's own sampler would on every rank.

@@ -15,6 +15,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 
 TOKENIZERS = ("byte", "bpe")
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary, and the least a byte-level BPE holds
 _CHUNK_LINES = 4096  # lines per encode_batch call: bounded memory, parallel inside the Rust encoder
 
 
@@ -38,7 +39,7 @@ class ByteTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return 256
+        return BYTE_VOCAB
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)

@@ -106,6 +106,8 @@ BAD = [
     # Without a tensor grid too (the tensor engine's own check only runs when it is built).
     (["tensor.optimizations=XYZ"], ["tensor.optimizations='XYZ' has unknown letters ['X', 'Y', 'Z']", "ABCDE"]),
     (["data.val_fraction=1.5"], ["data.val_fraction=1.5 must be in [0, 1)"]),
+    # Found by the ranks' data preparation, after mpiexec had started every rank.
+    (["data.tokenizer=wordpiece"], ["data.tokenizer='wordpiece'; choose byte or bpe"]),
     (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
 ]
 

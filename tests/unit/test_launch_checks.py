@@ -56,6 +56,21 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_the_ranks_start(tm
         check_job(*_job(tmp_path / "run", *sets, config=config, flags=flags), n)
 
 
+@pytest.mark.parametrize("sets,needle", [
+    (("model.vocab_size=200",), "model.vocab_size=200 is smaller than the built-in corpus's 256 byte symbols "
+                                "(data.tokenizer=byte); set model.vocab_size >= 256"),
+    (("model.vocab_size=200", "data.tokenizer=bpe"),
+     "data.tokenizer=bpe trains a BPE of model.vocab_size=200 tokens on the built-in corpus, and a byte-level BPE "
+     "holds at least the 256 byte symbols; set model.vocab_size >= 256"),
+])
+def test_a_vocabulary_below_the_built_in_corpus_is_refused_before_the_ranks_start(tmp_path, sets, needle):
+    """The built-in corpus was left to the ranks: each prepared it after mpiexec started and failed, BPE's
+    error asking for prepare-data's ``--vocab-size``, which the run does not take."""
+    with pytest.raises(ConfigError) as e:
+        check_job(*_job(tmp_path / "run", *sets), 4)
+    assert str(e.value) == needle
+
+
 def test_plan_file_and_train_arguments_are_read_once(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="plan file not found: nope.json"):
         _job(tmp_path, "plan.file=nope.json")
