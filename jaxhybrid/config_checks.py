@@ -99,7 +99,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     cfg.model.validate()
     errors = range_errors(cfg)
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError(_with_plan_note(cfg, "; ".join(errors)))
     errors = _cross_field_errors(cfg)
     p = cfg.parallel
     if world_size is not None and world_size != cfg.world_size:
@@ -111,7 +111,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                       + ("; or parallel.mesh_data=true for data replicas on this process's devices"
                          if world_size == 1 and p.pipeline == 1 else ""))
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError(_with_plan_note(cfg, "; ".join(errors)))
+
+
+def _with_plan_note(cfg: Config, message: str) -> str:
+    """``message``, and the values among those it names that ``plan.file`` set: a plan sits between the YAML
+    file and ``--set`` (layout, remat, dtype, batch), so the run may break a rule with a value its own
+    config does not hold. A key whose value differs from the plan's was set over it by the command line."""
+    if not cfg.plan.file:
+        return message
+    from jaxhybrid.config_parse import flatten, to_plain
+    from jaxhybrid.planner.plan import load_plan_overrides
+
+    try:
+        planned = flatten(load_plan_overrides(cfg.plan.file))
+    except (OSError, ValueError):  # a plan that cannot be read says so where it is loaded; the rule's message stands
+        return message
+    named = [f"{k}={to_plain(v)}" for k, v in planned.items()
+             if k in message and to_plain(reduce(getattr, k.split("."), cfg)) == to_plain(v)]
+    return f"{message} (plan.file={cfg.plan.file} set {', '.join(named)})" if named else message
 
 
 def _cross_field_errors(cfg: Config) -> list[str]:

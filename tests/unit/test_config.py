@@ -304,3 +304,29 @@ def test_plan_for_other_sizes_of_the_same_preset_is_refused(tmp_path):
                                    f"128 there, 64 here; model.n_layers 8 there, 4 here; model.d_ff 512 there, 256 here")
     cfg = load_config(wide, [f"plan.file={plan}", "model.rope_theta=500000"])  # sizes alike: taken
     assert cfg.model.d_model == 128 and cfg.parallel.pipeline == json.loads(plan.read_text())["plan"]["pipeline"]
+
+
+def test_an_error_on_a_value_the_plan_set_names_the_plan(tmp_path):
+    """A plan sets remat, dtype, batch and layout over the YAML file: a rule broken by a plan's value named
+    only the value (``got train.remat='none'`` for a config that says ``remat: full``), not where it came
+    from; ``train`` prints the plan's settings only once the config has passed."""
+    import json
+
+    from jaxhybrid.config import validate
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"config": {"parallel": {"pipeline": 2, "data": 1}, "pipeline": {"microbatches": 2},
+                                           "optim": {"offload": False}, "train": {"remat": "none"}}}))
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {remat: full, checkpoint_interval: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, [f"plan.file={plan}"])
+    assert str(e.value) == (f"train.checkpoint_interval=2 needs train.remat=full (Myelin's ac: blocks per "
+                            f"recomputed segment); got train.remat='none' (plan.file={plan} set train.remat=none)")
+    cfg = load_config(None, [f"plan.file={plan}"])
+    with pytest.raises(ConfigError, match=r"!= world size 4; .* \(plan.file=.* set parallel.pipeline=2, "
+                                          r"parallel.data=1\)$"):
+        validate(cfg, world_size=4)
+    with pytest.raises(ConfigError) as e:  # a value the command line set over the plan's is not the plan's
+        load_config(f, [f"plan.file={plan}", "train.remat=dots"])
+    assert "plan.file" not in str(e.value)
