@@ -8,6 +8,7 @@ so the two do not import each other in a cycle.
 """
 from __future__ import annotations
 
+import math
 from functools import reduce
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -60,7 +61,8 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.min_lr_ratio", *_in(0, 1, hi_open=False)),
     ("optim.grad_clip", *_ge(0, " (0 disables clipping)")),
     ("optim.bucket_size", *_gt(0)),
-    ("precision.loss_scale_init", *_gt(0)),
+    # inf overflows every step, and halving keeps it inf: every update would be skipped without an error.
+    ("precision.loss_scale_init", lambda v: 0 < v < math.inf, "must be > 0 and finite"),
     ("pipeline.pipeline_limit", *_ge(0, " (0 = the number of stages)")),
     ("pipeline.watchdog_s", *_gt(0)),
     ("pipeline.watchdog_compile_s", *_gt(0)),

@@ -99,6 +99,9 @@ BAD = [
     (["train.checkpoint_interval=-2"], ["train.checkpoint_interval=-2 must be >= 0"]),
     (["precision.loss_scale_window=0"], ["precision.loss_scale_window=0 must be >= 1"]),
     (["precision.loss_scale_init=0"], ["precision.loss_scale_init=0.0 must be > 0"]),
+    # An infinite scale overflows every step and halving keeps it infinite: the run would skip every update.
+    (["precision.loss_scale_init=inf", "precision.compute_dtype=float16"],
+     ["precision.loss_scale_init=inf must be > 0 and finite"]),
     (["pipeline.watchdog_s=0"], ["pipeline.watchdog_s=0.0 must be > 0"]),
     (["pipeline.watchdog_s=-5"], ["pipeline.watchdog_s=-5.0 must be > 0"]),
     (["pipeline.pipeline_limit=-3"], ["pipeline.pipeline_limit=-3 must be >= 0"]),
