@@ -23,8 +23,9 @@ from typing import Any, TextIO
 from jaxhybrid.tb_events import EventFile, tb_tag
 
 
-def _finite_or_none(x: Any) -> Any:
-    """JSON has no NaN/Infinity: a non-finite float (an overflow step's scale, a diverged loss) is null."""
+def finite_or_none(x: Any) -> Any:
+    """JSON has no NaN/Infinity: a non-finite float (an overflow step's scale, a diverged loss) is null, in
+    metrics.jsonl and in ``jaxhybrid train``'s summary on stdout."""
     if hasattr(x, "item") and not isinstance(x, (list, dict)):
         x = x.item()  # numpy / jax scalars
     if isinstance(x, float) and not math.isfinite(x):
@@ -99,7 +100,7 @@ class MetricsWriter:
         """Record ``metrics`` of ``step``: one JSON line and its TensorBoard scalars (both flushed), progress."""
         if not self.enabled or self._closed:
             return
-        rec = {"step": int(step), **{k: _finite_or_none(v) for k, v in metrics.items() if k != "step"}}
+        rec = {"step": int(step), **{k: finite_or_none(v) for k, v in metrics.items() if k != "step"}}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()  # a crash loses at most the line being written
         _collect(self._series, rec)

@@ -168,5 +168,9 @@ def run(args: argparse.Namespace) -> int:
     if writer:
         if line := nothing_to_train_line(cfg, summary):
             print(line, file=sys.stderr, flush=True)
-        print(json.dumps({"run_dir": str(cfg.run.dir), **summary}), file=sys.stdout)
+        from jaxhybrid.metrics_writer import finite_or_none
+
+        # Strict JSON, as metrics.jsonl: a diverged or overflowed loss is null, not NaN.
+        summary = {k: finite_or_none(v) for k, v in summary.items()}
+        print(json.dumps({"run_dir": str(cfg.run.dir), **summary}, allow_nan=False), file=sys.stdout)
     return 0

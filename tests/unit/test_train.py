@@ -519,3 +519,17 @@ def test_overlap_note_says_why_myelin_v_c_is_partial_or_off():
     assert "full overlap" not in clipped  # grad_clip=0 updates chunk by chunk, not beside the reductions
     assert note(True, "optim.grad_clip=0") is None
     assert note(False, "optim.stream_allreduce=false") is None and note(False, "optim.offload=false") is None
+
+
+def test_the_summary_on_stdout_is_strict_json_when_a_loss_is_not_finite(tmp_path, capsys):
+    """metrics.jsonl writes a non-finite loss as null (JSON has no NaN); the summary printed NaN, which strict
+    parsers (jq, JavaScript, Go) refuse. An injected overflow makes the single-device step's loss non-finite."""
+    assert _train_cli(tmp_path, "train.steps=1", "train.inject_overflow_step=1",
+                      "precision.compute_dtype=float16") == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON: {line}")
+
+    summary = json.loads(line, parse_constant=refuse)
+    assert summary["first_loss"] is None and summary["last_loss"] is None
