@@ -251,6 +251,11 @@ class Trainer:
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)
+        # Every rank reaches here after the same last step (an interrupt or a failure aborts the job instead):
+        # a pipeline rank cancels its posted receives, frees its communicators and stops its watchdog.
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
         self.final_state = st
         # Steady state (Myelin VI-D averages the last 10 of 11 batches): the steps after the first, which compiles.
         return {"steps": st.step, "first_loss": losses[0] if losses else None,

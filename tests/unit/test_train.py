@@ -533,3 +533,14 @@ def test_the_summary_on_stdout_is_strict_json_when_a_loss_is_not_finite(tmp_path
 
     summary = json.loads(line, parse_constant=refuse)
     assert summary["first_loss"] is None and summary["last_loss"] is None
+
+
+def test_a_finished_run_closes_its_engine(tmp_path):
+    """A pipeline rank's engine closes its transport (the mpi4py one cancels its posted receives, the
+    mpi4jax one frees its header communicator) and its watchdog. The trainer never called it: every
+    mpi4py job's ranks ended with UCX warning that the posted receives' requests were not returned."""
+    t = Trainer(_cfg(tmp_path, "train.steps=1"))
+    closed = []
+    t.engine.close = lambda: closed.append(True)
+    t.run()
+    assert closed == [True]
