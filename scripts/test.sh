@@ -27,16 +27,10 @@ fi
 rc=0
 .venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal tests/unit tests/parity \
   || rc=$?
-# The MPI tests keep their XLA cache in a directory of their own, $JAXHYBRID_CACHE/mpi (its xla/ and the
-# built-in corpus, prepared again in a few seconds). Their jobs compile under their own XLA flags
-# (tests/mpi/test_mpi_pipeline.py's _env, the launcher's), so no rank finds its programs among the unit phase's
-# entries (only the few references a test computes in pytest's own process could), and JAX's
-# bounded cache (enable_compilation_cache) scans its whole directory, reading each entry's access time,
-# on every write while holding the lock every rank's read waits for: about 90 ms a write among 1,660
-# entries of other programs (as many as one hour of this checkout's unit runs left), 5 ms among the 100
-# of one MPI grid. In a directory with those 1,660 entries test_parity_every_schedule[4x1] took 95 and
-# 72 s, test_mpi_resume_is_bit_exact[hybrid-2x1-col2] 46 s; in their own 64 and 53 s, 34 s (2 cores,
-# others' load beside them). Nothing a test checks changes.
+# The MPI tests keep their XLA cache apart, in $JAXHYBRID_CACHE/mpi: their ranks compile under the launcher's
+# XLA flags, so the unit phase's entries never hit, and JAX's bounded cache scans its whole directory on every
+# write under the lock every rank's read waits for (about 90 ms among 1,660 entries, 5 ms among 100):
+# test_parity_every_schedule[4x1] took 53-64 s apart against 72-95 s beside the unit phase's entries.
 JAXHYBRID_CACHE="$JAXHYBRID_CACHE/mpi" .venv/bin/python -m pytest -q -rs --durations=15 tests/mpi \
   || { [ "$rc" -ne 0 ] || rc=$?; }
 exit "$rc"
