@@ -9,7 +9,7 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
   M is an error (use ``1f1b`` for that M).
 * ``zb-h1``: zero-bubble H1 (always split backward); needs M >= stages.
 * ``1f1b-star``: MadPipe 1F1B* (Sec. 4.1) for a contiguous partition, from ``stage_costs=[(U_F, U_B),
-  ...]`` (default: ``costs``' F and BI + BW) and ``period=T`` (default: the largest stage load; plain 1F1B
+  ...]`` (default: ``costs``' F and BI + BW) and ``period=T`` (default: the largest stage or link load; plain 1F1B
   when the stages are equal and messages free), or explicit ``groups``.
 * ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages) microbatches
   in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
@@ -123,10 +123,10 @@ def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
     stage_costs = opts.get("stage_costs") or [(costs.forward[s], costs.fused_backward(s)) for s in range(stages)]
     if len(stage_costs) != stages:
         raise ValueError(f"stage_costs has {len(stage_costs)} (U_F, U_B) pairs for {stages} stages")
-    period = opts.get("period")
-    if period is None:
-        period = max(f + b for f, b in stage_costs)
     links = [2 * costs.message_time(b) for b in range(stages - 1)]
+    period = opts.get("period")
+    if period is None:  # the smallest period 4.1's rule accepts: no resource, stage or link, exceeds it
+        period = max([f + b for f, b in stage_costs] + links)
     return gen.madpipe_groups(stage_costs, float(period), links)
 
 

@@ -130,6 +130,14 @@ def test_1f1b_star_default_loads_are_the_costs():
     assert peak_stashed(make_schedule("1f1b-star", 3, 6)) == [3, 2, 1]  # unit costs, free links: 1F1B
 
 
+def test_1f1b_star_default_period_covers_the_links():
+    """Without ``period``, T is the largest load of any resource, a link's (2 x message time) included: a
+    round trip of 4 against stages of 3 failed with "period 3 is below the largest stage or link load 4".
+    At T = 4 the links (4) and the stages (3) each fill a group of their own: 1F1B* holds 5, 3, 1."""
+    slow_links = Costs.uniform(3, 1.0, 1.0, 1.0, latency=2.0)
+    assert peak_stashed(make_schedule("1f1b-star", 3, 6, costs=slow_links)) == [5, 3, 1]
+
+
 def test_1f1b_star_counts_the_links_as_resources():
     """MadPipe 4.1: with messages of 1 time unit each way, a 4-stage chain of U = 3 is 7 resources of
     loads 3, 2, 3, 2, 3, 2, 3; at T = 6 the stages fall in groups 4, 3, 2, 1 and the pattern runs a
