@@ -93,7 +93,7 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
         raise ValueError(f"no layout of {gpus} GPUs is valid for {cfg.name} (n_layers={cfg.n_layers}, "
                          f"global batch {global_batch}); use a GPU count that divides the batch and the layers")
     if not plans:
-        more = _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size)
+        more = _smallest_gpus(cfg, gpus, machine, tensor, score)
         raise ValueError(
             f"{cfg.name} ({cfg.param_count() / 1e9:.3g}B parameters) does not fit on {gpus} GPUs with "
             f"{machine.memory_bytes / 1e9:.3g} GB usable each: the leanest layout ({_describe(smallest[1])}) needs "
@@ -130,10 +130,11 @@ def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
         g *= 2
 
 
-def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
+def _smallest_gpus(cfg, gpus, machine, tensor, score) -> str:
     """Grow the GPU count until the leanest layout fits: pipeline x tensor only (data replicas do not
     lower memory per device), the smallest microbatch (1, or the depth's size), as many microbatches as
-    stages, recomputation on, and the optimizer offloaded."""
+    stages, recomputation on, and the optimizer offloaded; ``score`` is the plans' own (the run's buckets and
+    tensor optimizations: E's cached all-gathers hold memory)."""
     for g in _larger_counts(gpus, machine.net.gpus_per_node, gpus * 4096):
         for pipe in divisors(g):
             rest = g // pipe
@@ -145,7 +146,7 @@ def _smallest_gpus(cfg, gpus, machine, seq, tensor, bucket_size) -> str:
                     if rest > 1 and not tensor_fits(cfg, pipe, 1, d, r, c, d):
                         continue
                     lay = Layout(pipe, 1, c, r, d, d, pipe, "1f1b", False, True, "full")
-                    if evaluate(cfg, lay, machine, seq, bucket_size)["memory_per_device_bytes"] <= machine.memory_bytes:
+                    if score(lay)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
     return f"even {gpus * 4096} GPUs do not fit; use a larger-memory device"
