@@ -80,8 +80,11 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
     costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
                   message_bytes=(msg,) * p, bandwidth=1.0)
     fixed = not split or schedule in ("myelin", "zb-h1")  # ZB-H1 places its BWs by rule, not by costs
+    # The engine builds 1F1B* from unit costs and free links (runner.py): equal stages, one per group, which
+    # these ratios' links would regroup; only where its weight passes go follows the costs.
+    star = {"groups": tuple(range(p, 0, -1))} if schedule == "1f1b-star" else {}
     order = (_fixed_schedule(schedule, p, m, split, limit) if fixed
-             else make_schedule(schedule, p, m, split, costs=costs))
+             else make_schedule(schedule, p, m, split, costs=costs, **star))
     core = run_order(order, costs)
     return max(r.end for r in core.records), memory_states(core, p)
 

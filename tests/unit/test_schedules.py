@@ -270,3 +270,14 @@ def test_golden_tables():
         assert path.exists(), f"{path} missing: run scripts/regen_golden.py"
         assert mod.render(stem) == path.read_text(), (
             f"schedule table {stem} changed; if intended, run scripts/regen_golden.py and review the diff")
+
+
+@pytest.mark.parametrize("msg", [0.5, 2.0])
+def test_step_model_scores_split_1f1b_star_as_the_engine_runs_it(msg):
+    """The engine builds 1F1B* from unit costs and free links, one equal stage per group (plain 1F1B's
+    groups); the step model's simulation at these ratios regrouped the stages around its links (at
+    messages of 2 it scored 41 where the engine's 1F1B + 2BP takes 55) or failed below the links' load."""
+    from jaxhybrid.planner.makespan import pipeline_makespan
+
+    star, plain = (pipeline_makespan(name, 4, 8, True, 1.0, 1.0, msg) for name in ("1f1b-star", "1f1b"))
+    assert star == plain
