@@ -408,11 +408,15 @@ def test_a_plan_applies_to_the_config_it_was_made_for(tmp_path):
     cfg = load_config(path)
     plans = rank_plans(cfg.model, 4, _machine("h100-node", 4), 16, 1024, top=100000,
                        allreduce_dtype=cfg.optim.allreduce_dtype)
-    picks = {"no offload": lambda p: not p["offload"], "mesh": lambda p: p["offload"] and p["pipeline"] == 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1,
-             "offload on MPI": lambda p: p["offload"] and p["pipeline"] > 1 and p["data"] > 1}
-    for what, pick in picks.items():
+    def mesh(p):
+        return p["pipeline"] == 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1
+
+    # (which plan, the run's (allreduce_dtype, allreduce_coarsening) from its plan file)
+    cases = {"no offload": (lambda p: not p["offload"], ("float32", 1)),
+             "mesh": (lambda p: p["offload"] and mesh(p), ("float32", 4)),
+             "offload on MPI": (lambda p: p["offload"] and p["pipeline"] > 1 and p["data"] > 1, ("compute", 4))}
+    for what, (pick, want) in cases.items():
         plan = next(p for p in plans if pick(p))
         write_plan(tmp_path / "p.json", plan, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
         run = load_config(path, [f"plan.file={tmp_path / 'p.json'}"])
-        want = {"no offload": ("float32", 1), "mesh": ("float32", 4), "offload on MPI": ("compute", 4)}[what]
         assert (run.optim.allreduce_dtype, run.optim.allreduce_coarsening) == want, what
