@@ -10,13 +10,16 @@ per-round ratio (the noise band). Prints JSON with ``split_over_fused = (input +
 (goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
 ``split_over_fused_queued`` is the same ratio with 8 calls queued per sync: the device-bound cost, without
 the host's per-call dispatch (on a GPU about 0.5-1 ms per jitted call of a few hundred kernels).
+``noop_call_s`` (a jitted scalar add, called synchronously) and ``dispatch_s`` (each backward, from an idle
+device until the call returns, its work enqueued) show the host's share: on an H200 the synchronous
+split paid about 0.8 ms per call that its device time did not, which a trivial call does not show.
 ``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
 a call of the same kernel. The split pays for reading back what the input pass stored for the weight
 pass (2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
 ``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
-kernels' flops and bytes (:mod:`jaxhybrid.model.stage_costs`), the same on every run and machine: what
-the split adds in work, apart from what the timings add in locality and per-call cost (the ratios are null
-on a GPU, where XLA's count misses library calls).
+kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.model.stage_costs`), the
+same on every run and machine: what the split adds in work, apart from what the timings add in locality and
+per-call cost (the ratios are null on a GPU, where XLA's count misses library calls).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.bench.stage_timing import cache_times, queued_times, time_call
+from jaxhybrid.bench.stage_timing import cache_times, dispatch_times, noop_call_s, queued_times, time_call
 from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.host_alloc import host_malloc_status
 from jaxhybrid.metrics import forward_flops
@@ -137,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
             times[k].append(time_call(fn, *a) / per_mb.get(k, 1))
     med = {k: float(np.median(v)) for k, v in times.items()}
     queued = queued_times(calls, args.repeats, order)
-    by_cache = cache_times(calls, ["backward_fused", "backward_input", "backward_weight"], args.repeats, order)
+    backwards = ["backward_fused", "backward_input", "backward_weight"]
+    by_cache = cache_times(calls, backwards, args.repeats, order)
+    dispatch = dispatch_times(calls, backwards, args.repeats, order)
     cache_ratio = {s: (t["backward_input"] + t["backward_weight"]) / t["backward_fused"] for s, t in by_cache.items()}
     split = med["backward_input"] + med["backward_weight"]
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         # the host's per-call cost behind the kernels already queued; the synchronous ratio above pays it).
         "queued_backward_fused_s": queued["fused"], "queued_split_s": queued["split"],
         "split_over_fused_queued": queued["split"] / queued["fused"],
+        # The host's share of a synchronous call: a trivial program's, and each backward's enqueueing.
+        "noop_call_s": noop_call_s(args.repeats), "dispatch_s": dispatch,
         # The same ratio from a known cache state: cold (caches flushed before each call) and warm.
         "split_over_fused_cold": cache_ratio["cold"], "split_over_fused_warm": cache_ratio["warm"],
         "cache_state_s": by_cache,

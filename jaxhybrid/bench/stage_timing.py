@@ -18,6 +18,31 @@ def time_call(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
+def noop_call_s(repeats: int) -> float:
+    """Median seconds of one synchronous call of a jitted program that adds 1 to a scalar: the fixed
+    cost of a call (host dispatch, launch, the wait for its result) apart from its kernels. The split
+    pays it twice (input and weight programs) where the fused backward pays it once, so on a fast device
+    it sets a floor under ``split_over_fused`` that the kernels do not cause."""
+    fn, x = jax.jit(lambda v: v + 1), jnp.zeros((), jnp.float32)
+    jax.block_until_ready(fn(x))  # compile outside the timing
+    return float(np.median([time_call(fn, x) for _ in range(max(5, repeats))]))
+
+
+def dispatch_times(calls: dict, names, repeats: int, order) -> dict[str, float]:
+    """Median seconds until a call returns (its program enqueued, not finished), each from an idle device:
+    the host's share of a synchronous call. Where it nears the synchronous time minus the queued time,
+    the device waits on the host's launches, which asynchronous dispatch hides behind queued work."""
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(max(3, repeats // 2)):
+        for k in order.permutation(list(names)):
+            fn, *a = calls[k]
+            t0 = time.perf_counter()
+            out = fn(*a)
+            times[k].append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def queued_times(calls: dict, repeats: int, order, depth: int = 8) -> dict[str, float]:
     """Per-call seconds of the fused backward and of the split pair (backward_input then backward_weight)
     when ``depth`` calls are queued before one ``block_until_ready``: the host's dispatch overlaps the

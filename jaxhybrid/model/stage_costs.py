@@ -16,11 +16,39 @@ stage's split 1.6x the fused pass's flops. :func:`split_ratios` gives no ratio t
 from __future__ import annotations
 
 
+# Entry-computation instructions that launch no device work (buffer plumbing).
+_NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def entry_ops(hlo_text: str) -> int:
+    """Instructions of the optimized program's ENTRY computation that do device work (fusions, library
+    calls, copies, command buffers): about the launches each call makes, which a synchronous call
+    cannot overlap with earlier work."""
+    lines = hlo_text.split("\nENTRY ", 1)[-1].split("\n}", 1)[0].splitlines()[1:]
+    count = 0
+    for line in lines:
+        rhs = line.split(" = ", 1)[-1].strip()
+        if rhs.startswith("("):  # a tuple type: skip to its closing parenthesis
+            depth = 0
+            for i, ch in enumerate(rhs):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0:
+                    rhs = rhs[i + 1:]
+                    break
+        else:
+            rhs = rhs.split(" ", 1)[-1]
+        count += rhs.strip().split("(", 1)[0] not in _NO_LAUNCH
+    return count
+
+
 def compiled_cost(jitted, *args) -> dict[str, float]:
-    """``{"flops", "bytes_accessed"}`` of ``jitted`` compiled for ``args``, by XLA's HloCostAnalysis."""
-    ca = jitted.lower(*args).compile().cost_analysis()
+    """``{"flops", "bytes_accessed", "entry_ops"}`` of ``jitted`` compiled for ``args``: XLA's
+    HloCostAnalysis and :func:`entry_ops`."""
+    compiled = jitted.lower(*args).compile()
+    ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca  # a list per program in older jax
-    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+            "entry_ops": entry_ops(compiled.as_text())}
 
 
 def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, float]]:

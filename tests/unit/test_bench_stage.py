@@ -38,6 +38,11 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
     for key, field in (("flops", "split_flops_over_fused"), ("bytes_accessed", "split_bytes_over_fused")):
         assert out[field] == pytest.approx(
             (costs["backward_input"][key] + costs["backward_weight"][key]) / costs["backward"][key])
+    assert all(c["entry_ops"] > 0 for c in costs.values()), costs
+    # The host's side of a call: a trivial program's, and each backward's enqueueing from an idle device.
+    assert out["noop_call_s"] > 0
+    assert set(out["dispatch_s"]) == {"backward_fused", "backward_input", "backward_weight"}
+    assert min(out["dispatch_s"].values()) > 0
     assert out["grad_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["concat_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
     assert out["list_sum_max_rel_err"] <= TOLERANCES["fp32_kernel"]
@@ -71,3 +76,30 @@ def test_bench_stage_set_changes_a_presets_width(capsys):
     assert main(["bench", "stage", "--model", "gpt-tiny", "--set", "model.d_model=32"] + rest) != 0
     assert "--model gpt-tiny replaces the whole model config, so model.d_model=32 would be lost" in \
         capsys.readouterr().err
+
+
+def test_entry_ops_counts_the_instructions_that_launch_work():
+    """Only the ENTRY computation counts (not the fused computations it calls), and parameters, constants,
+    tuples (a tuple-typed result too) and bitcasts launch nothing."""
+    from jaxhybrid.model.stage_costs import entry_ops
+
+    hlo = """HloModule m
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %e = f32[4]{0} exponential(%p)
+}
+
+ENTRY %main.2 (a.1: f32[4], b.1: f32[4]) -> (f32[4], f32[]) {
+  %a.1 = f32[4]{0} parameter(0), metadata={op_name="a"}
+  %b.1 = f32[4]{0} parameter(1)
+  %c = f32[] constant(1)
+  %f = f32[4]{0} fusion(%a.1), kind=kLoop, calls=%fused_computation
+  %g = (f32[4]{0}, s8[16]{0}) custom-call(%f, %b.1), custom_call_target="__cublas$gemm"
+  %h = f32[4]{0} get-tuple-element(%g), index=0
+  %i = f32[2,2]{1,0} bitcast(%h)
+  %j = f32[4]{0} copy(%b.1)
+  ROOT %t = (f32[4]{0}, f32[]) tuple(%j, %c)
+}
+"""
+    assert entry_ops(hlo) == 3  # the fusion, the custom call and the copy
