@@ -22,12 +22,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 TENSOR_OPTIMIZATIONS = "ABCDE"  # AxoNN Sec. IV's optimizations A-E
 
 
-def _ge(lo: float, why: str = "") -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v >= lo), f"must be >= {lo}{why}"
+# ``finite``: a bound from below admits inf, which these fields cannot use (their RANGES entry says why).
+def _ge(lo: float, why: str = "", *, finite: bool = False) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= lo and (v < math.inf or not finite)), f"must be >= {lo}{' and finite' * finite}{why}"
 
 
-def _gt(lo: float, why: str = "") -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v > lo), f"must be > {lo}{why}"
+def _gt(lo: float, why: str = "", *, finite: bool = False) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > lo and (v < math.inf or not finite)), f"must be > {lo}{' and finite' * finite}{why}"
 
 
 def _in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True) -> tuple[Callable[[Any], bool], str]:
@@ -55,14 +56,15 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.lr", *_in(0, 1, lo_open=True)),
     ("optim.beta1", *_in(0, 1)),
     ("optim.beta2", *_in(0, 1)),
-    ("optim.eps", *_gt(0)),
-    ("optim.weight_decay", *_ge(0)),
+    # inf: every Adam update 0 (eps), or every parameter non-finite after one step (weight_decay).
+    ("optim.eps", *_gt(0, finite=True)),
+    ("optim.weight_decay", *_ge(0, finite=True)),
     ("optim.warmup_steps", *_ge(0)),
     ("optim.min_lr_ratio", *_in(0, 1, hi_open=False)),
     ("optim.grad_clip", *_ge(0, " (0 disables clipping)")),
     ("optim.bucket_size", *_gt(0)),
     # inf overflows every step, and halving keeps it inf: every update would be skipped without an error.
-    ("precision.loss_scale_init", lambda v: 0 < v < math.inf, "must be > 0 and finite"),
+    ("precision.loss_scale_init", *_gt(0, finite=True)),
     ("pipeline.pipeline_limit", *_ge(0, " (0 = the number of stages)")),
     ("pipeline.watchdog_s", *_gt(0)),
     ("pipeline.watchdog_compile_s", *_gt(0)),

@@ -5,6 +5,7 @@ and 2BP's Transformer-7b (LLaMA-style, context 1024, d_model 4096).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -49,8 +50,8 @@ class ModelConfig:
         if self.n_kv_heads < 0:  # -2 would pass n_heads % kv_heads and fail deep inside the model's split
             errs.append(f"model.n_kv_heads={self.n_kv_heads} must be >= 0 (0 = n_heads, multi-head attention)")
         for k in ("norm_eps", "rope_theta", "init_std"):  # they feed sqrt, log and init directly
-            if not getattr(self, k) > 0:  # NaN fails too
-                errs.append(f"model.{k}={getattr(self, k)} must be > 0")
+            if not 0 < getattr(self, k) < math.inf:  # NaN fails too; inf: zero norms, no rotation, inf weights
+                errs.append(f"model.{k}={getattr(self, k)} must be > 0 and finite")
         if self.attention not in ("auto", "xla", "cudnn"):
             errs.append(f"model.attention={self.attention!r}; choose auto, xla or cudnn")
         if not errs and self.d_model % self.n_heads:

@@ -106,6 +106,13 @@ BAD = [
     (["pipeline.watchdog_s=-5"], ["pipeline.watchdog_s=-5.0 must be > 0"]),
     (["pipeline.pipeline_limit=-3"], ["pipeline.pipeline_limit=-3 must be >= 0"]),
     (["model.norm_eps=0"], ["model.norm_eps=0.0 must be > 0"]),
+    # Infinities passed "> 0": weight_decay or init_std inf skipped every step as an overflow, eps inf made every
+    # Adam update 0, norm_eps inf zeroed every normalised activation; each trained on without an error.
+    (["optim.weight_decay=inf"], ["optim.weight_decay=inf must be >= 0 and finite"]),
+    (["optim.eps=inf"], ["optim.eps=inf must be > 0 and finite"]),
+    (["model.init_std=inf"], ["model.init_std=inf must be > 0 and finite"]),
+    (["model.norm_eps=inf"], ["model.norm_eps=inf must be > 0 and finite"]),
+    (["model.rope_theta=inf", "model.name=llama-tiny"], ["model.rope_theta=inf must be > 0 and finite"]),
     # Without a tensor grid too (the tensor engine's own check only runs when it is built).
     (["tensor.optimizations=XYZ"], ["tensor.optimizations='XYZ' has unknown letters ['X', 'Y', 'Z']", "ABCDE"]),
     (["data.val_fraction=1.5"], ["data.val_fraction=1.5 must be in [0, 1)"]),
