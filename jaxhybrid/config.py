@@ -101,6 +101,8 @@ class ParallelConfig:
     mesh_data: bool = False
 
 
+# Read by the MPI pipeline engine (more than one rank); a one-process run reads only microbatches and notes
+# the others it sets (jaxhybrid.config_notes).
 @dataclass(frozen=True)
 class PipelineConfig:
     schedule: str = "1f1b"  # naive | gpipe | 1f1b | zb-h1 | myelin | 1f1b-star
@@ -136,7 +138,7 @@ class MetricsConfig:
     hardware: str = "auto"  # configs/hardware/<name>.yaml (peak flop/s for MFU); auto: the run's device's
     tensorboard: bool = True
     plot: bool = True  # loss-curve PNG at the end
-    trace: bool = False  # Chrome trace of pipeline ranks
+    trace: bool = False  # Chrome trace of the MPI ranks' last step (a one-process run writes none, and notes it)
     progress: bool = True
 
 

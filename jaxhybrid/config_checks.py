@@ -12,7 +12,7 @@ import math
 from functools import reduce
 from typing import TYPE_CHECKING, Any, Callable
 
-from jaxhybrid.config_parse import ConfigError
+from jaxhybrid.config_parse import ConfigError, lookup
 from jaxhybrid.model.config import REMATS
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def range_errors(cfg: Config) -> list[str]:
     """One message per field of :data:`RANGES` (and ``tensor.optimizations``) out of its range."""
     errors = []
     for key, ok, phrase in RANGES:
-        v = reduce(getattr, key.split("."), cfg)
+        v = lookup(cfg, key)
         if not ok(v):
             errors.append(f"{key}={v!r} {phrase}" if isinstance(v, str) else f"{key}={v} {phrase}")
     try:
@@ -132,7 +132,7 @@ def _with_plan_note(cfg: Config, message: str) -> str:
     except (OSError, ValueError):  # a plan that cannot be read says so where it is loaded; the rule's message stands
         return message
     named = [f"{k}={to_plain(v)}" for k, v in planned.items()
-             if k in message and to_plain(reduce(getattr, k.split("."), cfg)) == to_plain(v)]
+             if k in message and lookup(cfg, k) == to_plain(v)]
     return f"{message} (plan.file={cfg.plan.file} set {', '.join(named)})" if named else message
 
 

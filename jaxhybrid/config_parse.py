@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,11 @@ def merge(a: dict, b: dict, prefix: str = "") -> dict:
             v = merge(old, v, f"{prefix}{k}.")
         out[k] = v
     return out
+
+
+def lookup(cfg: Any, key: str) -> Any:
+    """The value of dotted ``key`` (``"optim.lr"``) in a config, as plain data (a tuple as a list)."""
+    return to_plain(reduce(getattr, key.split("."), cfg))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -116,14 +116,12 @@ def plan_line(cfg, overrides: list[str]) -> str | None:
     sets too is the command line's (it sits above the plan), so it is not listed."""
     if not cfg.plan.file:
         return None
-    from functools import reduce
-
-    from jaxhybrid.config_parse import flatten, parse_overrides, to_plain
+    from jaxhybrid.config_parse import flatten, lookup, parse_overrides
     from jaxhybrid.planner.plan import load_plan_overrides
 
     cli = flatten(parse_overrides(overrides))
     keys = [k for k in flatten(load_plan_overrides(cfg.plan.file)) if k not in cli]
-    sets = ", ".join(f"{k}={to_plain(reduce(getattr, k.split('.'), cfg))}" for k in keys)
+    sets = ", ".join(f"{k}={lookup(cfg, k)}" for k in keys)
     return f"jaxhybrid: plan {cfg.plan.file} sets: {sets}"
 
 
@@ -159,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer
     if writer:
+        from jaxhybrid.config_notes import unread_settings_note
         from jaxhybrid.data.splits import repetition_notes
 
-        notes = [*repetition_notes(cfg), trainer.overlap_note()]
+        notes = [*repetition_notes(cfg), trainer.overlap_note(), unread_settings_note(cfg)]
         for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
             print(line, file=sys.stderr, flush=True)
     summary = trainer.run()

@@ -1,0 +1,37 @@
+"""A one-process run names the pipeline engine's settings it does not read (jaxhybrid.config_notes): the
+single-device engine and the tensor mesh have no schedule, 2BP split, dispatch, transport, watchdog or
+trace, and dropped them without a word (metrics.trace=true wrote no trace, zb-h1 did not split)."""
+import pytest
+
+from jaxhybrid.cli import main
+from jaxhybrid.config import load_config
+from jaxhybrid.config_notes import unread_settings_note
+
+FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4", "train.steps=1",
+        "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]
+
+
+def test_train_notes_the_pipeline_settings_a_single_device_run_ignores(tmp_path, capsys):
+    sets = FAST + [f"run.dir={tmp_path / 'run'}", "metrics.trace=true", "pipeline.schedule=zb-h1",
+                   "pipeline.split_backward=true"]
+    assert main(["train"] + [a for kv in sets for a in ("--set", kv)]) == 0
+    err = capsys.readouterr().err
+    assert ("jaxhybrid: note: pipeline.schedule=zb-h1, pipeline.split_backward=True, metrics.trace=True not used: "
+            "only the MPI pipeline engine reads them (parallel.pipeline > 1, or parallel.data > 1 as MPI ranks); "
+            "this run is one process on the single-device engine") in err
+    assert not (tmp_path / "run" / "trace.json").exists()  # what the note is for
+
+
+@pytest.mark.parametrize("sets,expected", [
+    ([], None),  # defaults: nothing set
+    (["pipeline.schedule=1f1b", "pipeline.dispatch=auto"], None),  # the defaults, written out
+    (["pipeline.dispatch=sync", "pipeline.watchdog_s=60"], "pipeline.dispatch=sync, pipeline.watchdog_s=60.0 not used"),
+    (["parallel.data=2", "parallel.mesh_data=true", "pipeline.weight_join=concat"], "on one tensor mesh"),
+    (["parallel.tensor_col=2", "metrics.trace=true"], "metrics.trace=True not used"),
+    # MPI ranks: the pipeline engine reads them, one stage of data replicas included.
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "metrics.trace=true", "pipeline.dispatch=sync"], None),
+    (["parallel.data=2", "metrics.trace=true"], None),
+])
+def test_note_names_only_settings_the_engine_does_not_read(sets, expected):
+    note = unread_settings_note(load_config(None, sets))
+    assert note == expected if expected is None else expected in note
