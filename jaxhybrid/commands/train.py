@@ -34,17 +34,43 @@ def enable_compilation_cache(setting: str) -> Path | None:
     a rerun, a resume or another rank with the same stage loads its executables instead of compiling.
     Process-wide and only read before the first compile, so the CLI calls it, not the Trainer. The size
     bound turns on JAX's LRU eviction, whose writes take a file lock: ranks can share one directory."""
-    if not setting:
+    path = compilation_cache_path(setting)
+    if path is None:
         return None
     import jax
 
-    from jaxhybrid.data.splits import cache_dir
-
-    path = cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_compilation_cache_max_size", 4 << 30)
     return path
+
+
+def compilation_cache_path(setting: str) -> Path | None:
+    """The folder ``run.compilation_cache`` names: ``auto`` is ``cache_dir()/xla``, ``""`` none."""
+    if not setting:
+        return None
+    from jaxhybrid.data.splits import cache_dir
+
+    return cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
+
+
+def check_compilation_cache(cfg) -> None:
+    """The cache folder can be made where :func:`enable_compilation_cache` makes it: every process of a job
+    makes it after its start, so a file in its place failed each rank with a traceback naming no key."""
+    from jaxhybrid.commands.argtypes import check_writable
+    from jaxhybrid.config import ConfigError
+
+    setting = cfg.run.compilation_cache
+    path = compilation_cache_path(setting)
+    if path is None:
+        return
+    auto = setting == "auto"  # named with the folder it resolved to: JAXHYBRID_CACHE may be set unseen
+    hint = f"; set {'JAXHYBRID_CACHE or ' if auto else ''}run.compilation_cache to a folder that can be made, or ''"
+    try:
+        check_writable(path, "run.compilation_cache=", directory=True, hint=hint + " for no cache")
+    except ValueError as e:
+        shown = f"auto ({path})" if auto else str(path)
+        raise ConfigError(str(e).replace(f"run.compilation_cache={path}", f"run.compilation_cache={shown}", 1)) from None
 
 
 def check_distributed(cfg, args) -> None:
@@ -87,6 +113,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     check_run_dir(cfg)
     check_init_from(cfg)
     check_metrics(cfg)
+    check_compilation_cache(cfg)
     return world
 
 

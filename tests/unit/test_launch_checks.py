@@ -207,6 +207,19 @@ def test_failure_summary_names_the_error_of_ranks_that_failed_at_setup(tmp_path)
     assert failure_summary(watch, [error + "\n"]) == f"1 of 4 ranks failed: {error}"
 
 
+def test_a_compilation_cache_that_cannot_be_made_is_found_once(tmp_path, monkeypatch):
+    """Each rank made the folder after mpiexec started: a file there failed every rank with a FileExistsError
+    traceback, /proc/x with a bare '[Errno 2] ... /proc/x' naming no key."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"run.compilation_cache={tmp_path}/file is a file; give a directory"):
+        check_job(*_job(tmp_path / "run", f"run.compilation_cache={tmp_path / 'file'}"), 4)
+    monkeypatch.setenv("JAXHYBRID_CACHE", str(tmp_path / "file"))  # auto: $JAXHYBRID_CACHE/xla
+    with pytest.raises(ConfigError, match=rf"run.compilation_cache=auto \({tmp_path}/file/xla\) cannot be written: "
+                                          rf"{tmp_path}/file is not a directory; set JAXHYBRID_CACHE or "):
+        check_job(*_job(tmp_path / "run"), 4)
+    check_job(*_job(tmp_path / "run", "run.compilation_cache="), 4)  # off: nothing to make
+
+
 def test_a_missing_data_path_is_found_once(tmp_path):
     with pytest.raises(FileNotFoundError, match="/nonexistent/tokens"):
         check_job(*_job(tmp_path, "data.path=/nonexistent/tokens"), 4)
