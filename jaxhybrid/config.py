@@ -63,7 +63,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01  # decoupled (AdamW)
     weight_decay_mask: str = "matrices"  # matrices: kernels and embeddings decay, biases and norm scales not | all
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # updates ramping to lr; a run of no more steps ramps over train.steps - 1 (its last: lr)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     offload: bool = False  # fp32 master weights + Adam state on host, streamed in buckets (Myelin V-B)
@@ -136,10 +136,10 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     hardware: str = "auto"  # configs/hardware/<name>.yaml (peak flop/s for MFU); auto: the run's device's
-    tensorboard: bool = True
-    plot: bool = True  # loss-curve PNG at the end
+    tensorboard: bool = True  # TensorBoard events of every step in run.dir (needs tensorboardX)
+    plot: bool = True  # loss_curve.png in run.dir at the end
     trace: bool = False  # Chrome trace of the MPI ranks' last step (a one-process run writes none, and notes it)
-    progress: bool = True
+    progress: bool = True  # console: a bar on a terminal, else a line every train.log_every steps; false: none
 
 
 @dataclass(frozen=True)
