@@ -49,7 +49,7 @@ class TrainConfig:
     # Myelin's ac: blocks per recomputed segment with remat full, a factor of every stage's blocks (N / G_inter);
     # 0 = the optimal one (Sec. V-A)
     checkpoint_interval: int = 0
-    inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (its number as logged, from 1)
+    inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (as logged, from 1); -1: off
     eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
     init_from: str = ""  # a `jaxhybrid export` folder: start from its weights (any layout), fresh optimizer

@@ -51,6 +51,8 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((k, *_ge(1)) for k in _COUNTS),
     ("data.val_fraction", *_in(0, 1)),
     ("train.seed", *_ge(0, " (it keys numpy's SeedSequence)")),
+    # Compared with the step as logged, from 1: any other value below 1 would inject nothing.
+    ("train.inject_overflow_step", lambda v: v == -1 or v >= 1, "must be -1 (off) or a step >= 1 (steps count from 1)"),
     ("train.eval_every", *_ge(0, " (0 turns evaluation off)")),
     ("train.checkpoint_interval", *_ge(0, " (0 = Myelin's optimal interval)")),
     ("optim.lr", *_in(0, 1, lo_open=True)),

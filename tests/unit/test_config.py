@@ -119,6 +119,9 @@ BAD = [
     # Found by the ranks' data preparation, after mpiexec had started every rank.
     (["data.tokenizer=wordpiece"], ["data.tokenizer='wordpiece'; choose byte or bpe"]),
     (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
+    # Steps are logged from 1: 0 (a 0-based guess) or -5 injected nothing, without a word.
+    (["train.inject_overflow_step=0"], ["train.inject_overflow_step=0 must be -1 (off) or a step >= 1"]),
+    (["train.inject_overflow_step=-5"], ["train.inject_overflow_step=-5 must be -1 (off) or a step >= 1"]),
 ]
 
 
