@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxhybrid.config_checks import check_optimizations
+from jaxhybrid.config_ranges import check_optimizations
 from jaxhybrid.model.layers import KEEP_STATS, Ops, layer_norm_body, rms_norm_body
 from jaxhybrid.tensor.linear import ALLGATHER_NAME, NORMAL, TRANSPOSED, Layout, Linear3D, Switches
 from jaxhybrid.tensor.mesh import BATCH, COL, DEPTH, REPLICA_BATCH, ROW

@@ -81,7 +81,7 @@ BAD = [
     (["train.steps=abc"], ["train.steps", "abc"]),
     (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
     (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
-    # Single-field ranges (jaxhybrid.config_checks.RANGES): key, value and the allowed range.
+    # Single-field ranges (jaxhybrid.config_ranges.RANGES): key, value and the allowed range.
     (["run.dir="], ["run.dir='' must not be empty"]),
     (["run.dir=' '"], ["run.dir=' ' must not be empty"]),
     (["optim.beta1=1"], ["optim.beta1=1.0 must be in [0, 1)"]),
