@@ -21,7 +21,7 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int = 0  # llama grouped-query attention; 0 = n_heads
+    n_kv_heads: int = 0  # grouped-query attention (either kind: one block code path); 0 = n_heads
     d_ff: int = 256
     max_seq_len: int = 128
     tie_embeddings: bool = False  # head reuses the token embedding table (GPT-2)
@@ -66,27 +66,25 @@ class ModelConfig:
     def param_count(self) -> int:
         """Exact parameter count of the model built from this config."""
         d, f, v, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
-        kvd = self.kv_heads * self.head_dim
+        qkv = d + 2 * self.kv_heads * self.head_dim  # 3d without grouped-query attention
         if self.kind == "gpt2":
-            block = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+            block = (d * qkv + qkv) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
             emb = v * d + self.max_seq_len * d
             head = 2 * d + (0 if self.tie_embeddings else v * d)
         else:
-            block = d * (d + 2 * kvd) + d * d + 3 * d * f + 2 * d
+            block = d * qkv + d * d + 3 * d * f + 2 * d
             emb = v * d
             head = d + (0 if self.tie_embeddings else v * d)
         return emb + L * block + head
 
 
 def block_matmuls(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(k, n, transposed) of a block's matmuls in order (qkv, attention out, MLP in, MLP out; LLaMA: q with
-    its grouped k/v heads, SwiGLU's gate and up side by side); every second one transposed in AxoNN's
+    """(k, n, transposed) of a block's matmuls in order (qkv: q with its grouped k/v heads, attention out,
+    MLP in, MLP out; LLaMA: SwiGLU's gate and up side by side); every second one transposed in AxoNN's
     3D tensor parallelism (optimization A). The flop count (metrics) and the planner read them."""
     d, f = cfg.d_model, cfg.d_ff
-    if cfg.kind == "llama":
-        kvd = cfg.kv_heads * cfg.head_dim
-        return [(d, d + 2 * kvd, False), (d, d, True), (d, 2 * f, False), (f, d, True)]
-    return [(d, 3 * d, False), (d, d, True), (d, f, False), (f, d, True)]
+    qkv = d + 2 * cfg.kv_heads * cfg.head_dim
+    return [(d, qkv, False), (d, d, True), (d, 2 * f if cfg.kind == "llama" else f, False), (f, d, True)]
 
 
 def _gpt(name, layers, d, heads, vocab=51200, seq=512, tie=True):

@@ -39,6 +39,20 @@ def test_gpt2_small_parameter_count():
     assert n == PRESETS["gpt2-small"].param_count()
 
 
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_counts_follow_grouped_query_attention_of_either_kind(name):
+    """model.n_kv_heads shapes the qkv kernel of both kinds (the block is one code path); param_count and
+    block_matmuls (MFU's flops, the planner) counted GPT-2 as multi-head: gpt-tiny with 2 k/v heads built
+    224384 parameters and was counted as 241024."""
+    from jaxhybrid.model.config import block_matmuls
+
+    cfg = dataclasses.replace(PRESETS[name], n_kv_heads=2)
+    shapes = Model(cfg).abstract_params()
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.param_count()
+    qkv = shapes["block_000"]["qkv"]["kernel"].shape
+    assert block_matmuls(cfg)[0][:2] == qkv == (64, 64 + 2 * 2 * 16)
+
+
 @pytest.mark.parametrize("name,billions", [("myelin-12b", 12), ("myelin-100b", 100), ("axonn-gpt-80b", 80),
                                            ("2bp-transformer-7b", 7)])
 def test_large_presets_are_abstract(name, billions):
