@@ -50,6 +50,30 @@ def test_shipped_config_passes_the_launch_checks(path, tmp_path, monkeypatch):
         assert int(m.group(2)) * int(m.group(3)) == n
 
 
+HARDWARE = sorted((RUNS.parent / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", HARDWARE, ids=lambda p: p.stem)
+def test_shipped_hardware_file_serves_mfu_and_the_planner(path):
+    """Each configs/hardware file, by name as metrics.hardware takes it: a peak for every compute dtype
+    (a run of any dtype can name it), and, where it has bandwidths, a planner machine at every dtype and
+    GPU count per node (`jaxhybrid plan --hardware NAME`), so a broken file fails here, not in a run."""
+    from jaxhybrid.config_checks import DTYPES
+    from jaxhybrid.metrics import load_hardware as load_for_mfu
+    from jaxhybrid.metrics import peak_tflops
+    from jaxhybrid.planner.costs import planner_hardware_names
+
+    hw = load_for_mfu(path.stem)
+    assert hw["name"] == path.stem and all(peak_tflops(hw, d) > 0 for d in DTYPES)
+    if path.stem == "cpu":
+        assert path.stem not in planner_hardware_names()  # no bandwidths: MFU bookkeeping only
+        return
+    hw = load_hardware(path.stem)
+    for dtype in DTYPES:
+        for gpn in range(1, int(hw["gpus_per_node"]) + 1):
+            assert machine_from_hardware(hw, gpn, dtype, 0.5).memory_bytes > 0
+
+
 CLUSTER = [p for p in CONFIGS if re.search(r"^metrics:.*hardware: (?!auto)", p.read_text(), re.M)]
 
 
