@@ -1,6 +1,7 @@
-"""A one-process run names the pipeline engine's settings it does not read (jaxhybrid.config_notes): the
-single-device engine and the tensor mesh have no schedule, 2BP split, dispatch, transport, watchdog or
-trace, and dropped them without a word (metrics.trace=true wrote no trace, zb-h1 did not split)."""
+"""A run names the settings it sets but does not read (jaxhybrid.config_notes): a one-process run, whose
+single-device engine or tensor mesh has no schedule, 2BP split, dispatch, transport, watchdog or trace, the
+pipeline engine's (metrics.trace=true wrote no trace, zb-h1 did not split, without a word); and
+pipeline.weight_join without pipeline.split_backward."""
 import pytest
 
 from jaxhybrid.cli import main
@@ -31,6 +32,12 @@ def test_train_notes_the_pipeline_settings_a_single_device_run_ignores(tmp_path,
     # MPI ranks: the pipeline engine reads them, one stage of data replicas included.
     (["parallel.pipeline=2", "pipeline.microbatches=2", "metrics.trace=true", "pipeline.dispatch=sync"], None),
     (["parallel.data=2", "metrics.trace=true"], None),
+    # weight_join joins 2BP's deferred weight passes: without the split there are none to join.
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.weight_join=concat"],
+     "pipeline.weight_join=concat not used: it joins the weight passes that 2BP defers, and "
+     "pipeline.split_backward=False runs none; set pipeline.split_backward=true or leave weight_join out"),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.weight_join=sum", "pipeline.split_backward=true"],
+     None),
 ])
 def test_note_names_only_settings_the_engine_does_not_read(sets, expected):
     note = unread_settings_note(load_config(None, sets))
