@@ -95,7 +95,11 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     except ValueError as e:
         errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
                       f"pipeline.microbatches={pl.microbatches}: {e}")
-    if pl.pipeline_limit and str(pl.schedule).lower() != "myelin":
+    else:
+        if pl.schedule != pl.schedule.lower():  # make_schedule reads any case; the rules below and the planner do not
+            errors.append(f"pipeline.schedule={pl.schedule!r}: schedule names are lower case; use "
+                          f"pipeline.schedule={pl.schedule.lower()}")
+    if pl.pipeline_limit and pl.schedule.lower() != "myelin":
         # Only Myelin's message-driven policy (Alg. 2) caps the microbatches in flight; a static schedule runs
         # its rows in their fixed order and would ignore the limit without a word.
         errors.append(f"pipeline.pipeline_limit={pl.pipeline_limit} is read only by pipeline.schedule='myelin' "

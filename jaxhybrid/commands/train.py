@@ -69,8 +69,8 @@ def check_compilation_cache(cfg) -> None:
     try:
         check_writable(path, "run.compilation_cache=", directory=True, hint=hint + " for no cache")
     except ValueError as e:
-        shown = f"auto ({path})" if auto else str(path)
-        raise ConfigError(str(e).replace(f"run.compilation_cache={path}", f"run.compilation_cache={shown}", 1)) from None
+        shown = f"run.compilation_cache=auto ({path})" if auto else f"run.compilation_cache={path}"
+        raise ConfigError(str(e).replace(f"run.compilation_cache={path}", shown, 1)) from None
 
 
 def check_distributed(cfg, args) -> None:
