@@ -8,12 +8,14 @@ import jax
 
 from jaxhybrid.config import Config, whole_model_interval
 from jaxhybrid.model import Model
+from jaxhybrid.model.attention import check_cudnn_device
 from jaxhybrid.optim import build_transform, device_updater
 from jaxhybrid.step import LocalEngine
 
 
 def build_engine(cfg: Config, model: Model):
     """Pick the engine for the configured layout: an MPI pipeline, one tensor mesh, or one device."""
+    check_cudnn_device(cfg.model.attention, jax.devices()[0])  # before a rank joins its peers
     remat = cfg.train.remat
     if cfg.world_size > 1:
         from jaxhybrid.pipeline.runner import PipelineEngine

@@ -81,6 +81,14 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"precision.compute_dtype={pr.compute_dtype!r}; choose one of {', '.join(DTYPES)}")
     if pr.param_dtype != "float32":
         errors.append(f"precision.param_dtype={pr.param_dtype!r}: master weights must be float32")
+    if m.attention == "cudnn" and pr.compute_dtype in DTYPES:  # the device is checked where the engine is built
+        from jaxhybrid.model.attention import cudnn_unmet
+
+        if why := cudnn_unmet(pr.compute_dtype, m.head_dim):
+            dtype_fix = "precision.compute_dtype=bfloat16, or " if pr.compute_dtype == "float32" else ""
+            errors.append(f"model.attention=cudnn needs bfloat16/float16 compute and head_dim a multiple of 8 <= 128 "
+                          f"(cuDNN's fused attention); got {', '.join(why)}: set {dtype_fix}model.attention=auto "
+                          f"(cuDNN where it can run) or xla")
     if t.remat not in REMATS:
         errors.append(f"train.remat={t.remat!r}; choose one of {', '.join(REMATS)}")
     if cfg.optim.weight_decay_mask not in ("matrices", "all"):

@@ -87,13 +87,27 @@ def cudnn_unmet(dtype, head_dim: int) -> list[str]:
                             (head_dim % 8 == 0 and head_dim <= 128, f"head_dim {head_dim}")) if not ok]
 
 
+def cudnn_device_unmet(dev) -> list[str]:
+    """[] where ``dev`` can run cuDNN's fused attention (an NVIDIA GPU), else the phrase naming it."""
+    return [] if dev.platform == "gpu" and "nvidia" in dev.device_kind.lower() else [f"device {dev.device_kind!r}"]
+
+
+def check_cudnn_device(kernel: str, dev) -> None:
+    """``model.attention=cudnn`` on a device that cannot run it, refused before an engine is built: found
+    when the first attention was traced, it failed every MPI rank mid-job. (The dtype and head_dim rules
+    need no device: :func:`jaxhybrid.config_checks.validate` applies them.)"""
+    if kernel == "cudnn" and cudnn_device_unmet(dev):
+        from jaxhybrid.config_parse import ConfigError
+
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this process's device is "
+                          f"{dev.device_kind!r}: set model.attention=auto (cuDNN where it can run) or xla")
+
+
 def attention_kernel(kernel: str, q: Array) -> str:
     """Resolve ``model.attention`` for queries ``q``: cuDNN flash attention needs an NVIDIA GPU and
     :func:`cudnn_unmet`'s conditions; ``auto`` takes it when all hold (MaxText's autoselection does the
     same), else the XLA path."""
-    dev = jax.devices()[0]
-    on_nvidia = dev.platform == "gpu" and "nvidia" in dev.device_kind.lower()
-    why = ([] if on_nvidia else [f"device {dev.device_kind!r}"]) + cudnn_unmet(q.dtype, q.shape[-1])
+    why = cudnn_device_unmet(jax.devices()[0]) + cudnn_unmet(q.dtype, q.shape[-1])
     if kernel == "cudnn" and why:
         raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, bfloat16/float16 and head_dim a "
                          f"multiple of 8 <= 128; got {', '.join(why)}")

@@ -76,6 +76,11 @@ BAD = [
       "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
     (["pipeline.dispatch=eager"], ["pipeline.dispatch='eager'; choose auto, async or sync"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
+    # Found when the first attention was traced: in every MPI rank after mpiexec started, aborting the job.
+    (["model.attention=cudnn"], ["model.attention=cudnn needs bfloat16/float16 compute and head_dim a multiple "
+                                 "of 8 <= 128", "got dtype float32", "or model.attention=auto"]),
+    (["model.attention=cudnn", "precision.compute_dtype=bfloat16", "model.d_model=72", "model.n_heads=6"],
+     ["got head_dim 12"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
     (["parallel.partition=[1,1]", "parallel.pipeline=2", "pipeline.microbatches=2"], ["partition=[1, 1]"]),

@@ -331,6 +331,17 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     assert not (tmp_path / "out").exists()  # nothing written half-way
 
 
+def test_cudnn_attention_on_another_device_is_refused_before_the_engine_is_built(tmp_path, monkeypatch):
+    """model.attention=cudnn on a CPU: each MPI rank traced its first attention, failed and aborted the job."""
+    import jaxhybrid.build as build
+    from jaxhybrid.config import ConfigError
+
+    monkeypatch.setattr(build, "LocalEngine", None)  # reached only past the check
+    with pytest.raises(ConfigError, match=r"model.attention=cudnn needs an NVIDIA GPU; this process's device is "
+                                          r"'cpu': set model.attention=auto"):
+        Trainer(_cfg(tmp_path, "model.attention=cudnn", "precision.compute_dtype=bfloat16"))
+
+
 def _train_cli(tmp_path, *sets, flags=()):
     return main(["train", *flags] + [a for kv in FAST + [f"run.dir={tmp_path / 'run'}", *sets] for a in ("--set", kv)])
 
