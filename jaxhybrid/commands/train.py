@@ -184,10 +184,10 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer
     if writer:
-        from jaxhybrid.config_notes import unread_settings_note
+        from jaxhybrid.config_notes import unread_settings_notes
         from jaxhybrid.data.splits import repetition_notes
 
-        notes = [*repetition_notes(cfg), trainer.overlap_note(), unread_settings_note(cfg)]
+        notes = [*repetition_notes(cfg), trainer.overlap_note(), *unread_settings_notes(cfg)]
         for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
             print(line, file=sys.stderr, flush=True)
     summary = trainer.run()
