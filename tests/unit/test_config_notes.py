@@ -49,6 +49,20 @@ HALF_OFFLOAD = ["optim.offload=true", "precision.compute_dtype=bfloat16", "optim
     (HALF_OFFLOAD + ["parallel.pipeline=2", "pipeline.microbatches=2", "optim.stream_allreduce=false"],
      "optim.allreduce_coarsening=2, optim.stream_allreduce=False, optim.allreduce_dtype=compute not used"),
     (HALF_OFFLOAD + ["parallel.pipeline=2", "pipeline.microbatches=2", "parallel.data=2"], None),
+    # Settings of a feature the run has off.
+    (["precision.loss_scale_init=1024", "precision.loss_scale_window=50"],
+     "precision.loss_scale_init=1024.0, precision.loss_scale_window=50 not used: loss scaling is static here "
+     "(precision.compute_dtype=float32, dynamic_loss_scale=None); set precision.dynamic_loss_scale=true to scale"),
+    (["precision.loss_scale_init=1024", "precision.compute_dtype=float16"], None),
+    (["precision.loss_scale_init=1024", "precision.compute_dtype=bfloat16", "precision.dynamic_loss_scale=true"],
+     None),
+    (["train.eval_batches=8"], "train.eval_batches=8 not used: train.eval_every=0 runs no evaluation"),
+    (["train.eval_batches=8", "train.eval_every=10"], None),
+    (["tensor.optimizations=BCDE"], "tensor.optimizations=BCDE not used: AxoNN's optimizations act on tensor "
+                                    "axes, and parallel.tensor_col x tensor_row x tensor_depth = 1"),
+    (["tensor.optimizations=BCDE", "parallel.tensor_col=2"], None),
+    (["model.rope_theta=500000"], "model.rope_theta=500000.0 not used: model.kind=gpt2 has learned positions"),
+    (["model.name=llama-tiny", "model.rope_theta=500000"], None),
 ])
 def test_note_names_only_settings_the_engine_does_not_read(sets, expected):
     notes = unread_settings_notes(load_config(None, sets))
