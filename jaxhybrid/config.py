@@ -118,7 +118,7 @@ class PipelineConfig:
     # than K gradient trees and is at most one tree, else sum: jaxhybrid.model.stage.auto_weight_join)
     weight_join: str = "auto"
     watchdog_s: float = 300.0  # abort if a rank makes no progress for this long
-    watchdog_compile_s: float = 1800.0  # the same, the first time each phase runs (every stage compiles)
+    watchdog_compile_s: float = 1800.0  # the same, the first time each phase runs (compiling); the larger of the two
 
 
 @dataclass(frozen=True)
