@@ -171,8 +171,9 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML override file; ``include: other.yaml`` pulls another file in first."""
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML override file; ``include: other.yaml`` pulls another file in first (``_chain``: the
+    files that included this one, so a cycle is named rather than recursed into)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -186,9 +187,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
     inc = data.pop("include", None)
     if inc:
+        if not isinstance(inc, str):
+            raise ConfigError(f"{p}: include: {inc!r} must be one file name (read relative to {p.parent})")
         target = p.parent / inc  # relative to the including file, wherever the job runs from
         if not target.is_file():
             raise ConfigError(f"{p}: include: {inc} not found (looked for {target}; an include is read "
                               f"relative to the file that names it)")
-        data = merge(load_yaml(target), data)
+        chain = (*_chain, p)
+        if target.resolve() in {c.resolve() for c in chain}:
+            raise ConfigError(f"{p}: include: {inc} includes {target} again ({' -> '.join(map(str, chain))} -> "
+                              f"{target}); remove one of the includes")
+        data = merge(load_yaml(target, chain), data)
     return data

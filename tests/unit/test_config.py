@@ -250,6 +250,23 @@ def test_include_is_read_relative_to_the_including_file(tmp_path):
     assert str(tmp_path / "common.yaml") in str(e.value)
 
 
+def test_include_cycle_and_a_non_file_include_are_config_errors(tmp_path):
+    """A file that includes itself, directly or through another, recursed until a RecursionError; an include
+    that is not one file name (a list, a number) failed in Path / value with a TypeError."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match=rf"{a}: include: a.yaml includes {a} again \({a} -> {a}\)"):
+        load_config(a)
+    a.write_text("include: b.yaml\n")
+    b.write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match=rf"include: a.yaml includes {a} again \({a} -> {b} -> {a}\)"):
+        load_config(a)
+    for value in ("[b.yaml]", "5"):
+        a.write_text(f"include: {value}\n")
+        with pytest.raises(ConfigError, match=rf"{a}: include: .* must be one file name"):
+            load_config(a)
+
+
 def test_optimal_checkpoint_interval():
     # Myelin V-A: the factor of N / G_inter closest to sqrt(N). N=48, G=4: factors of 12, sqrt(48)=6.93 -> 6.
     assert optimal_checkpoint_interval(48, 4) == 6
