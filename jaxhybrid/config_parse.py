@@ -171,6 +171,24 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last value of a key named twice in one mapping: a second ``train:`` section would
+    drop the first's keys without a word. A merge key's (``<<``) entries may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_scalar(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first on line {first[key] + 1}); keep "
+                    f"one and merge their settings into it", key_node.start_mark)
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML override file; ``include: other.yaml`` pulls another file in first (``_chain``: the
     files that included this one, so a cycle is named rather than recursed into)."""
@@ -178,7 +196,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -250,6 +250,22 @@ def test_include_is_read_relative_to_the_including_file(tmp_path):
     assert str(tmp_path / "common.yaml") in str(e.value)
 
 
+def test_a_key_twice_in_one_yaml_mapping_is_a_config_error(tmp_path):
+    """PyYAML keeps the last of a repeated key: a second `train:` section dropped the first's keys (steps 3
+    became the default 200) without a word."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {steps: 3}\noptim: {lr: 0.01}\ntrain: {global_batch: 8}\n")
+    with pytest.raises(ConfigError, match=rf"malformed YAML in {f} \(line 3, column 1\): key 'train' appears twice "
+                                          r"in one mapping \(first on line 1\)"):
+        load_config(f)
+    f.write_text("train: {steps: 3, global_batch: 8, steps: 4}\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice"):
+        load_config(f)
+    # A merge key's entries may be overridden: that is what it is for.
+    f.write_text("train: {<<: {steps: 3, global_batch: 8}, steps: 4}\n")
+    assert (load_config(f).train.steps, load_config(f).train.global_batch) == (4, 8)
+
+
 def test_include_cycle_and_a_non_file_include_are_config_errors(tmp_path):
     """A file that includes itself, directly or through another, recursed until a RecursionError; an include
     that is not one file name (a list, a number) failed in Path / value with a TypeError."""
