@@ -72,7 +72,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             # YAML's null (null, ~, an empty value) is "none": the empty string every path and name key
             # takes for that, not a file or run directory named "None".
             return "" if value is None else str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int of "1e400", which floats read as inf
         raise ConfigError(f"{key}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
     return value
 

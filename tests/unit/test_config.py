@@ -88,6 +88,8 @@ BAD = [
     (["model.name=gpt-huge"], ["gpt-huge", "gpt2-small"]),
     (["train.nope=1"], ["train.nope"]),
     (["train.steps=abc"], ["train.steps", "abc"]),
+    # Read as int(float("1e400")): an OverflowError traceback, not a ConfigError.
+    (["train.steps=1e400"], ["train.steps: cannot read '1e400' as int"]),
     (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
     (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
     # Single-field ranges (jaxhybrid.config_ranges.RANGES): key, value and the allowed range.
