@@ -57,11 +57,11 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError
-            if isinstance(value, float) and not value.is_integer():
+            # 1e6 comes as a string (YAML's floats need a dot and an exponent sign); 2.5 is no count to round.
+            number = float(value) if isinstance(value, str) and "e" in value.lower() else value
+            if isinstance(number, float) and not number.is_integer():
                 raise ValueError
-            if isinstance(value, str):
-                return int(float(value)) if "e" in value.lower() else int(value)
-            return int(value)
+            return int(number)
         if typ is float:
             if isinstance(value, bool):  # float(True) is 1.0: optim.lr=true read as a learning rate of 1
                 raise ValueError

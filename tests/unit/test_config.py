@@ -90,6 +90,8 @@ BAD = [
     (["train.steps=abc"], ["train.steps", "abc"]),
     # Read as int(float("1e400")): an OverflowError traceback, not a ConfigError.
     (["train.steps=1e400"], ["train.steps: cannot read '1e400' as int"]),
+    # YAML reads 2.5e0 (no exponent sign) as a string, which int(float(...)) truncated to 2 steps.
+    (["train.steps=2.5e0"], ["train.steps: cannot read '2.5e0' as int"]),
     (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
     (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
     # Single-field ranges (jaxhybrid.config_ranges.RANGES): key, value and the allowed range.
