@@ -130,7 +130,7 @@ class TensorConfig:
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2  # newest checkpoints kept per rank, >= 1; >= 2 with several ranks (orbax max_to_keep)
-    at_end: bool = True
+    at_end: bool = True  # save the final step (false with every 0: none; a signal-stopped run saves its step anyway)
 
 
 @dataclass(frozen=True)
