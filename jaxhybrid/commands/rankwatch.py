@@ -157,8 +157,10 @@ class RankWatch(threading.Thread):
 
 
 # A rank's own report of its failure (jaxhybrid.pipeline.watchdog): "jaxhybrid: rank R (stage i, replica j)
-# failed: ..." or "jaxhybrid watchdog: rank R (...) made no progress ...".
-_OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: (rank (\d+) \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)")
+# failed: ..." or "jaxhybrid watchdog: rank R (...) made no progress ..."; a --distributed process's:
+# "jaxhybrid: process R of N (--distributed) failed: ..." (jaxhybrid.tensor.distributed.abort_on_exception).
+_OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\(stage \d+, replica \d+\)|of \d+ "
+                         r"\(--distributed\))) .*?(?:failed|made no progress)")
 
 
 # How a line of jaxhybrid's own starts ("jaxhybrid: ", "jaxhybrid train: "), and an error a user can fix

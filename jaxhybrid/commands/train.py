@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
 
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
+    if args.distributed:  # a process failing from here on ends the job, as a pipeline rank's engine makes it
+        distributed.abort_on_exception()
     writer = trainer.engine.is_writer
     if writer:
         from jaxhybrid.config_notes import unread_settings_notes

@@ -100,6 +100,22 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(**kwargs)
 
 
+def abort_on_exception() -> None:
+    """Make an uncaught exception in this process end the whole job, naming the process, as a pipeline
+    rank's does (:func:`~jaxhybrid.pipeline.watchdog.install_abort_on_exception`). Why: its peers wait for
+    it in the step's collectives, and its own exit waited for them in jax.distributed's shutdown barrier
+    (an exit hook), so a process that raised mid-run left both waiting until the launcher's timeout. Under
+    an MPI launcher ``MPI_Abort`` ends every process; elsewhere (srun, explicit peers) this process exits
+    at once, leaving its peers to the coordination service's missed heartbeats or srun."""
+    import jax
+
+    from jaxhybrid.pipeline.watchdog import install_abort_on_exception
+
+    mpi = sys.modules.get("mpi4py.MPI")  # imported by _from_mpi or `python -m mpi4py`: an MPI job
+    install_abort_on_exception(f"process {jax.process_index()} of {jax.process_count()} (--distributed)",
+                               mpi.COMM_WORLD if mpi is not None else None)
+
+
 def check_step(shape: tuple[int, int, int, int], letters: str = "ABCDE") -> float:
     """One step on the global mesh vs the single-device engine in this process; returns the loss."""
     import jax

@@ -1,7 +1,7 @@
 """MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
 (tests/mpi/drive_parity.py), one the mpi4py transport's pre-posted receives (drive_transport.py), and
-three fault jobs check that a failing, killed or stuck rank ends the job within 10 s with a message
-naming the rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``)."""
+fault jobs check that a failing, killed or stuck rank ends the job within 10 s with a message naming the
+rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``; drive_distributed_fault.py for ``--distributed``)."""
 import json
 import os
 import re
@@ -148,6 +148,28 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     own = re.search(r"jaxhybrid(?: watchdog)?: (rank \d+ \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)", out)
     if mode in ("exception", "hang", "hang-collective"):  # the rank that aborted the job is named, though others ended first
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
+
+
+def test_a_failing_distributed_process_ends_the_job(tmp_path):
+    """``--distributed`` (one tensor-mode mesh over 2 processes): process 1 raises at step 3. Its peer
+    waits for it in the step's collectives and it waited for its peer in jax.distributed's shutdown
+    barrier, so the job ran until MPIEXEC_TIMEOUT (60 s here; the message printed, nothing ended). Now it
+    aborts the job within seconds, naming the process."""
+    stamp = tmp_path / "stamp"
+    sets = ["parallel.data=2", "parallel.mesh_data=true", "train.steps=6", "train.eval_every=0",
+            "metrics.plot=false", "metrics.tensorboard=false", f"run.dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "60", "--script",
+           str(HERE / "drive_distributed_fault.py"), "--", "--stamp", str(stamp), "--distributed", "--config",
+           str(ROOT / "configs" / "runs" / "tiny.yaml"), *[a for kv in sets for a in ("--set", kv)]]
+    r = subprocess.run(cmd, env=_env(60), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and stamp.exists(), "the fault was never injected:\n" + out[-3000:]
+    took = ended - float(stamp.read_text())
+    assert took < 10, f"the job took {took:.1f} s to end after the fault:\n" + out[-3000:]
+    assert re.search(r"jaxhybrid: process 1 of 2 \(--distributed\) failed: RuntimeError: injected failure", out), \
+        out[-3000:]
+    assert "jaxhybrid launch: process 1 of 2 (--distributed) reported the failure first" in out, out[-3000:]
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_after_a_saved_step(tmp_path):
