@@ -105,9 +105,14 @@ def rank_entry(engine, params) -> dict:
 def gather_entries(engine, entry: dict) -> list[dict] | None:
     """Every rank's :func:`rank_entry` on the writer (rank 0), None on the other ranks; collective under
     MPI: the pipeline engine's world communicator gathers, as its trace's events are gathered
-    (``PipelineEngine.gather_events``). One process (single device, tensor mesh): ``[entry]``."""
+    (``PipelineEngine.gather_events``), under the engine's watchdog like its other collectives: it is the
+    first one of a run, and a peer stuck before it (its init or restore) left the writer waiting in it
+    for good. One process (single device, tensor mesh): ``[entry]``."""
     world = getattr(getattr(engine, "topo", None), "world", None)
-    return [entry] if world is None else world.gather(entry, root=0)
+    if world is None:
+        return [entry]
+    with engine.watchdog.watching("gathering every rank's memory report"):
+        return world.gather(entry, root=0)
 
 
 def report_over_ranks(cfg, entries: list[dict]) -> dict:

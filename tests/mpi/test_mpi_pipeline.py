@@ -1,7 +1,7 @@
 """MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
 (tests/mpi/drive_parity.py), one the mpi4py transport's pre-posted receives (drive_transport.py), and
 fault jobs check that a failing, killed or stuck rank ends the job within 10 s with a message naming the
-rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``; drive_distributed_fault.py for ``--distributed``)."""
+rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``; drive_train_fault.py for ``jaxhybrid train`` itself)."""
 import json
 import os
 import re
@@ -150,26 +150,42 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
 
 
-def test_a_failing_distributed_process_ends_the_job(tmp_path):
-    """``--distributed`` (one tensor-mode mesh over 2 processes): process 1 raises at step 3. Its peer
-    waits for it in the step's collectives and it waited for its peer in jax.distributed's shutdown
-    barrier, so the job ran until MPIEXEC_TIMEOUT (60 s here; the message printed, nothing ended). Now it
-    aborts the job within seconds, naming the process."""
+# `jaxhybrid train` jobs whose process 1 fails in the Trainer (tests/mpi/drive_train_fault.py): (train flags,
+# --set values, the driver's fault, what the output must hold). Each used to run until MPIEXEC_TIMEOUT.
+TRAIN_FAULTS = {
+    # --distributed: the raising process waited for its peer in jax.distributed's shutdown barrier (an exit
+    # hook) while the peer waited for it in the step's collectives; nothing ended, the message printed.
+    "distributed-raises": (["--distributed"], ["parallel.data=2", "parallel.mesh_data=true"], [],
+                           [r"jaxhybrid: process 1 of 2 \(--distributed\) failed: RuntimeError: injected failure",
+                            r"jaxhybrid launch: process 1 of 2 \(--distributed\) reported the failure first"]),
+    # A pipeline rank stuck before the run's first collective (its init, a restore): rank 0 waited in the
+    # memory report's gather with no watchdog armed.
+    "pipeline-hangs-in-init": ([], ["parallel.pipeline=2", "pipeline.watchdog_s=2", "pipeline.watchdog_compile_s=2"],
+                               ["--method", "init_state", "--mode", "hang"],
+                               [r"watchdog: rank 0 \(stage 0, replica 0\) made no progress.*now: gathering every "
+                                r"rank's memory report"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_FAULTS))
+def test_a_trainer_failing_on_one_process_ends_the_job(tmp_path, case):
+    """``jaxhybrid train`` under ``jaxhybrid launch -n 2`` whose process 1 fails in the Trainer: the job
+    ends within 10 s of the fault (it ran to the 60 s timeout before), naming the failing or waiting rank."""
+    flags, sets, fault, expect = TRAIN_FAULTS[case]
     stamp = tmp_path / "stamp"
-    sets = ["parallel.data=2", "parallel.mesh_data=true", "train.steps=6", "train.eval_every=0",
-            "metrics.plot=false", "metrics.tensorboard=false", f"run.dir={tmp_path / 'run'}"]
+    sets = [*sets, "train.steps=6", "train.eval_every=0", "metrics.plot=false", "metrics.tensorboard=false",
+            f"run.dir={tmp_path / 'run'}"]
     cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "60", "--script",
-           str(HERE / "drive_distributed_fault.py"), "--", "--stamp", str(stamp), "--distributed", "--config",
+           str(HERE / "drive_train_fault.py"), "--", "--stamp", str(stamp), *fault, *flags, "--config",
            str(ROOT / "configs" / "runs" / "tiny.yaml"), *[a for kv in sets for a in ("--set", kv)]]
     r = subprocess.run(cmd, env=_env(60), cwd=ROOT, capture_output=True, text=True, timeout=120)
     ended = time.time()
     out = r.stdout + r.stderr
     assert r.returncode != 0 and stamp.exists(), "the fault was never injected:\n" + out[-3000:]
     took = ended - float(stamp.read_text())
-    assert took < 10, f"the job took {took:.1f} s to end after the fault:\n" + out[-3000:]
-    assert re.search(r"jaxhybrid: process 1 of 2 \(--distributed\) failed: RuntimeError: injected failure", out), \
-        out[-3000:]
-    assert "jaxhybrid launch: process 1 of 2 (--distributed) reported the failure first" in out, out[-3000:]
+    assert took < 10, f"{case}: the job took {took:.1f} s to end after the fault:\n" + out[-3000:]
+    for pattern in expect:
+        assert re.search(pattern, out), out[-3000:]
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_after_a_saved_step(tmp_path):
