@@ -114,6 +114,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     check_init_from(cfg)
     check_metrics(cfg)
     check_compilation_cache(cfg)
+    check_mpi4jax(cfg, world)
     return world
 
 
@@ -135,6 +136,26 @@ def check_metrics(cfg) -> None:
     if m.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("metrics.tensorboard=true needs the tensorboardX package (a dependency of jaxhybrid: "
                          "scripts/setup.sh installs it); install it or --set metrics.tensorboard=false")
+
+
+def check_mpi4jax(cfg, ranks: int) -> None:
+    """mpi4jax where the ``ranks`` MPI ranks will call it: the default pipeline transport receives through it
+    and the data replicas' all-reduce runs on it. Why here: it is an optional dependency (scripts/setup.sh
+    builds it, choosing its CUDA bridge per machine), and the ranks import it only at their first receive or
+    reduction, after every rank had compiled its step; a ModuleNotFoundError then aborted the job."""
+    import importlib.util
+
+    from jaxhybrid.config import ConfigError
+
+    p, uses = cfg.parallel, []
+    if ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax":
+        uses.append(f"pipeline.transport=mpi4jax (activations between parallel.pipeline={p.pipeline} stages)")
+    if ranks > 1 and p.data > 1:
+        uses.append(f"the all-reduce over parallel.data={p.data} MPI replicas")
+    if uses and importlib.util.find_spec("mpi4jax") is None:
+        hint = "" if p.data > 1 else "; or --set pipeline.transport=mpi4py"
+        raise ConfigError(f"{' and '.join(uses)} need the mpi4jax package, which is not installed: run "
+                          f"scripts/setup.sh (or pip install 'jaxhybrid[mpi]'){hint}")
 
 
 def plan_line(cfg, overrides: list[str]) -> str | None:

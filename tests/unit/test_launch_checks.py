@@ -40,6 +40,29 @@ def test_run_dir_is_checked_once_before_the_ranks_start(tmp_path):
             check_job(*_job("/proc/nope"), 4)
 
 
+def test_a_job_whose_ranks_need_mpi4jax_without_it_is_refused_before_they_start(tmp_path, monkeypatch):
+    """mpi4jax is an optional dependency (scripts/setup.sh builds it). Without it the ranks imported it at
+    their first receive or all-reduce, after compiling their step, and aborted the job with a
+    ModuleNotFoundError; now the launcher (train's own check_run) names what needs it and the fix."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4jax" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^pipeline.transport=mpi4jax \(activations between parallel.pipeline=2 "
+                                          r"stages\) and the all-reduce over parallel.data=2 MPI replicas need the "
+                                          r"mpi4jax package, which is not installed: run scripts/setup.sh"):
+        check_job(*_job(tmp_path / "a"), 4)
+    with pytest.raises(ConfigError, match=r"need the mpi4jax package.*; or --set pipeline.transport=mpi4py$"):
+        check_job(*_job(tmp_path / "b", "parallel.data=1"), 2)
+    with pytest.raises(ConfigError, match=r"^the all-reduce over parallel.data=2 MPI replicas need .*jaxhybrid\[mpi\]'\)$"):
+        check_job(*_job(tmp_path / "c", "pipeline.transport=mpi4py"), 4)
+    # What never calls it: a pipeline over mpi4py without replicas, one process, a --distributed mesh.
+    check_job(*_job(tmp_path / "d", "parallel.data=1", "pipeline.transport=mpi4py"), 2)
+    check_job(*_job(tmp_path / "e", config="tiny.yaml"), 1)
+    check_job(*_job(tmp_path / "f", "parallel.data=2", "parallel.mesh_data=true", config="tiny.yaml",
+                    flags=("--distributed",)), 2)
+
+
 @pytest.mark.parametrize("config,sets,flags,n,needle", [
     ("pipeline_2x2.yaml", ("parallel.tensor_depth=2", "train.global_batch=4", "pipeline.microbatches=2"), (), 4,
      r"batch of 1 sequences per microbatch is not divisible by data\(1\) x depth\(2\) = 2"),
