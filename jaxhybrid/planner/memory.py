@@ -76,13 +76,13 @@ def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, r
     keeps (``tests/unit/test_memory_model.py`` checks them against the stage's own count).
 
     Per token, with ``c`` the compute dtype's bytes, ``d`` the width, ``f`` the MLP width, ``k`` the key and
-    value width (LLaMA's grouped-query heads):
+    value width (``d`` unless the model has grouped-query heads, ``model.n_kv_heads``):
 
     * site inputs (records), both passes: ``c (3d + f)`` (the two norm outputs, the attention output and
-      the MLP activation); the weight pass also keeps each site's output cotangent: GPT-2 ``c (5d + f)``,
+      the MLP activation); the weight pass also keeps each site's output cotangent: GPT-2 ``c (3d + 2k + f)``,
       LLaMA ``c (3d + 2k + 2f)``, plus per-sample norm-weight and bias gradients;
     * the forward, ``remat`` none: the block input, q, k and v, the residual stream after attention, the
-      MLP pre-activations (GPT-2 ``c (5d + f)``, LLaMA ``c (3d + 2k + 2f)``) and float32 norm statistics
+      MLP pre-activations (GPT-2 ``c (3d + 2k + f)``, LLaMA ``c (3d + 2k + 2f)``) and float32 norm statistics
       (8 and 4 bytes per norm); the attention core keeps its ``[H, T, T]`` float32 probabilities per
       sequence (``model.attention: xla``) or, with cuDNN's flash attention (``flash``), its output and
       float32 log-sum-exp (``c d + 4 H`` per token). LLaMA also keeps its rotary tables (float32
@@ -101,7 +101,8 @@ def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, r
     k = cfg.kv_heads * cfg.head_dim
     tokens = seq * microbatch
     records = c * (3 * d + f)
-    sites = c * (3 * d + 2 * k + 2 * f) if llama else c * (5 * d + f)  # outputs, or their cotangents
+    # outputs, or their cotangents (k = d for GPT-2 unless it has grouped-query heads too)
+    sites = c * (3 * d + 2 * k + 2 * f) if llama else c * (3 * d + 2 * k + f)
     stats = 8 if llama else 16  # RMSNorm: mean square; LayerNorm: mean and variance (float32), 2 norms
     per_sample = 2 * 4 * d  # the two norms' scales, per-sample copies (float32)
     act = tokens * (records + sites + stats) + microbatch * per_sample
@@ -113,7 +114,7 @@ def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, r
         if llama:
             act += 4 * 4 * seq * (cfg.head_dim // 2)  # cos and sin of q and k: [T, Dh / 2] float32 each
     vectors = 2 * d if llama else 4 * d  # norm scales (and biases): float32
-    biases = 0 if llama else c * (5 * d + f)
+    biases = 0 if llama else c * (3 * d + 2 * k + f)
     wres = tokens * (records + sites) + microbatch * (4 * vectors + biases)
     return float(act), float(wres)
 

@@ -67,7 +67,8 @@ def test_stash_counts_per_schedule():
         stashed_microbatches("nope", 2, 2)
 
 
-@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "llama-tiny-gqa", "gpt-tiny-tied"])
+@pytest.mark.parametrize("name", ["gpt-small-cpu", "llama-small-cpu", "llama-tiny-gqa", "gpt-tiny-gqa",
+                                  "gpt-tiny-tied"])
 def test_block_residuals_are_what_the_stage_keeps(name):
     """The planner's activation and 2BP weight-residual bytes per block, and the head's, equal the
     stage's own count (``Stage.activation_bytes`` / ``weight_residual_bytes_estimate``, from the kernels'
