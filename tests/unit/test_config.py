@@ -78,9 +78,13 @@ BAD = [
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     # Found when the first attention was traced: in every MPI rank after mpiexec started, aborting the job.
     (["model.attention=cudnn"], ["model.attention=cudnn needs bfloat16/float16 compute and head_dim a multiple "
-                                 "of 8 <= 128", "got dtype float32", "or model.attention=auto"]),
+                                 "of 8 <= 128", "got dtype float32: set precision.compute_dtype=bfloat16, or "
+                                 "model.attention=auto"]),
     (["model.attention=cudnn", "precision.compute_dtype=bfloat16", "model.d_model=72", "model.n_heads=6"],
-     ["got head_dim 12"]),
+     ["got head_dim 12: set model.attention=auto"]),
+    # Both unmet: a 16-bit dtype alone would not do, so it is not offered.
+    (["model.attention=cudnn", "model.d_model=72", "model.n_heads=6"],
+     ["got dtype float32, head_dim 12: set model.attention=auto"]),
     (["checkpoint.keep=1", "parallel.pipeline=2", "pipeline.microbatches=2"],
      ["checkpoint.keep=1 with 2 ranks", "use keep >= 2"]),
     (["parallel.partition=[1,1]", "parallel.pipeline=2", "pipeline.microbatches=2"], ["partition=[1, 1]"]),
