@@ -27,9 +27,10 @@ REPLICA_KEYS = ("optim.allreduce_coarsening", "optim.stream_allreduce", "optim.a
 
 
 def _one_process(c: Config) -> str:
+    # One tensor mesh may span several processes (--distributed): still no pipeline engine.
     engine = "one tensor mesh" if c.on_mesh else "the single-device engine"
     return (f"only the MPI pipeline engine reads them (parallel.pipeline > 1, or parallel.data > 1 as MPI ranks); "
-            f"this run is one process on {engine}")
+            f"this run has no such ranks: it runs on {engine}")
 
 
 def _no_replicas(c: Config) -> str:

@@ -191,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
         from jaxhybrid.tensor import distributed
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
+        # From here a failing process ends the job, as a pipeline rank's engine makes it: a peer waits for it
+        # in the first collective (building the Trainer's state, or a step), and it in the shutdown barrier.
+        distributed.abort_on_exception()
     elif world > 1:  # an MPI rank: its own node-local GPUs, chosen before the backend starts
         from jaxhybrid.tensor.local import gpu_block
 
@@ -203,8 +206,6 @@ def run(args: argparse.Namespace) -> int:
 
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
-    if args.distributed:  # a process failing from here on ends the job, as a pipeline rank's engine makes it
-        distributed.abort_on_exception()
     writer = trainer.engine.is_writer
     if writer:
         from jaxhybrid.config_notes import unread_settings_notes

@@ -1,8 +1,8 @@
 """MPI fault driver (tests/mpi/test_mpi_pipeline.py): ``jaxhybrid train`` (any layout, ``--distributed``
 too) whose process ``--victim`` fails in ``Trainer.<--method>``: ``step`` at the start of step ``--at``
-(the earlier steps compiled), ``init_state`` before the run's first collective. ``--mode raise`` raises,
-``hang`` sleeps for an hour. It writes the wall time of the fault to ``--stamp``; every other argument
-is train's."""
+(the earlier steps compiled), ``init_state`` before the run's first collective, ``__init__`` while the
+Trainer is built. ``--mode raise`` raises, ``hang`` sleeps for an hour. It writes the wall time of the
+fault to ``--stamp``; every other argument is train's."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from jaxhybrid.train import Trainer
 ap = argparse.ArgumentParser()
 ap.add_argument("--stamp", required=True)
 ap.add_argument("--victim", type=int, default=1)
-ap.add_argument("--method", choices=("step", "init_state"), default="step")
+ap.add_argument("--method", choices=("step", "init_state", "__init__"), default="step")
 ap.add_argument("--at", type=int, default=3)
 ap.add_argument("--mode", choices=("raise", "hang"), default="raise")
 a, train_args = ap.parse_known_args()
@@ -24,7 +24,7 @@ if int(os.environ.get("PMI_RANK", "-1")) == a.victim:
     original = getattr(Trainer, a.method)
 
     def failing(self, *args):
-        if a.method == "init_state" or args[0].step + 1 == a.at:
+        if a.method != "step" or args[0].step + 1 == a.at:
             with open(a.stamp, "w") as f:
                 f.write(repr(time.time()))
             if a.mode == "hang":

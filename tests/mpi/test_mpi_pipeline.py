@@ -158,6 +158,12 @@ TRAIN_FAULTS = {
     "distributed-raises": (["--distributed"], ["parallel.data=2", "parallel.mesh_data=true"], [],
                            [r"jaxhybrid: process 1 of 2 \(--distributed\) failed: RuntimeError: injected failure",
                             r"jaxhybrid launch: process 1 of 2 \(--distributed\) reported the failure first"]),
+    # ... also while its Trainer is built (its data, engine or updater), before its peer's first collective.
+    "distributed-raises-in-init": (["--distributed"], ["parallel.data=2", "parallel.mesh_data=true"],
+                                   ["--method", "__init__"],
+                                   [r"jaxhybrid: process 1 of 2 \(--distributed\) failed: RuntimeError: injected "
+                                    r"failure in Trainer.__init__",
+                                    r"jaxhybrid launch: process 1 of 2 \(--distributed\) reported the failure first"]),
     # A pipeline rank stuck before the run's first collective (its init, a restore): rank 0 waited in the
     # memory report's gather with no watchdog armed.
     "pipeline-hangs-in-init": ([], ["parallel.pipeline=2", "pipeline.watchdog_s=2", "pipeline.watchdog_compile_s=2"],

@@ -19,7 +19,7 @@ def test_train_notes_the_pipeline_settings_a_single_device_run_ignores(tmp_path,
     err = capsys.readouterr().err
     assert ("jaxhybrid: note: pipeline.schedule=zb-h1, pipeline.split_backward=True, metrics.trace=True not used: "
             "only the MPI pipeline engine reads them (parallel.pipeline > 1, or parallel.data > 1 as MPI ranks); "
-            "this run is one process on the single-device engine") in err
+            "this run has no such ranks: it runs on the single-device engine") in err
     assert not (tmp_path / "run" / "trace.json").exists()  # what the note is for
 
 
