@@ -1,4 +1,5 @@
 """Single-device trainer: loss falls on real text, bit-exact resume, overflow skipping, CLI bad input."""
+import contextlib
 import json
 
 import jax
@@ -140,9 +141,11 @@ def test_memory_report_is_the_fullest_ranks(tmp_path, capsys):
     mine = t.model.cfg.param_count()
     world = _World({"rank": 1, "stage": 1, "replica": 0, "params": 3 * mine})
     t.engine.topo = SimpleNamespace(world=world)
+    watched = []  # the pipeline engine's watchdog, which the gather runs under (a peer may never come)
+    t.engine.watchdog = SimpleNamespace(watching=lambda what: watched.append(what) or contextlib.nullcontext())
     t.run()
     rep = json.loads((tmp_path / "run" / "memory.json").read_text())
-    assert world.calls == 1
+    assert world.calls == 1 and watched == ["gathering every rank's memory report"]
     assert (rep["params"], rep["rank"], rep["stage"], rep["ranks"]) == (3 * mine, 1, 1, 2)
     assert rep["device_total"] == report_from_config(t.cfg, 3 * mine)["device_total"]
     assert [(r["rank"], r["params"]) for r in rep["per_rank"]] == [(0, mine), (1, 3 * mine)]
