@@ -85,9 +85,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         from jaxhybrid.model.attention import cudnn_unmet
 
         if why := cudnn_unmet(pr.compute_dtype, m.head_dim):
-            # A 16-bit dtype is a fix only where the head_dim is not also what stops it.
-            dtype_only = why == [f"dtype {pr.compute_dtype}"]
-            dtype_fix = "precision.compute_dtype=bfloat16, or " if dtype_only else ""
+            # A 16-bit dtype is offered only where the same rule says it would be enough.
+            dtype_fix = "" if cudnn_unmet("bfloat16", m.head_dim) else "precision.compute_dtype=bfloat16, or "
             errors.append(f"model.attention=cudnn needs bfloat16/float16 compute and head_dim a multiple of 8 <= 128 "
                           f"(cuDNN's fused attention); got {', '.join(why)}: set {dtype_fix}model.attention=auto "
                           f"(cuDNN where it can run) or xla")
