@@ -5,21 +5,33 @@ Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``b
 one program, which is what the pipeline does by default, ``pipeline.weight_join``), plus a plain reference
 (``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
 interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike;
-each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr`` is the quartile range of the
-per-round ratio (the noise band). Prints JSON with ``split_over_fused = (input + weight) / fused``
-(goal <= 1.05) and ``grad_max_rel_err`` (split against the plain reference, dx and every param leaf).
-``split_over_fused_queued`` is the same ratio with 8 calls queued per sync: the device-bound cost, without
-the host's per-call dispatch (on a GPU about 0.5-1 ms per jitted call of a few hundred kernels).
-``noop_call_s`` (a jitted scalar add, called synchronously) and ``dispatch_s`` (each backward, from an idle
-device until the call returns, its work enqueued) show the host's share: on an H200 the synchronous
-split paid about 0.8 ms per call that its device time did not, which a trivial call does not show.
+each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr``
+is the quartile range of the per-round ratio (the noise band).
+
+Prints JSON with ``split_over_fused = (input + weight) / fused`` (goal <= 1.05), where ``input + weight``
+is one microbatch's split backward timed as the fused one is: its input pass and then its weight pass
+(on the input pass's own weight residuals) called back to back, one ``block_until_ready`` at the end
+(``backward_split_s``). ``split_over_fused_per_call`` adds the two passes each timed with its own sync
+instead, so it charges the split a second call's fixed host cost. That cost is large on a GPU: on an H200
+a synchronous call left the device idle for 0.7-1.0 ms before its first kernel, while the host parsed
+arguments, prepared buffers and launched the program's CUDA graph (session 34's profile). No 2BP schedule
+pays it twice per microbatch. A schedule runs the weight pass later, behind other queued work or in a
+gap where the device waits anyway. ``grad_max_rel_err`` is the split against the plain reference, over
+dx and every param leaf.
+
+``split_over_fused_queued`` is the same ratio with 8 calls queued per sync: the device-bound cost,
+without any call's fixed host cost. ``noop_call_s`` is a jitted scalar add called synchronously.
+``dispatch_s`` is each backward's time from an idle device until the call returns, its work enqueued.
+Together they show the host's share.
+
 ``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
 a call of the same kernel. The split pays for reading back what the input pass stored for the weight
 pass (2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
+
 ``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
 kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.model.stage_costs`), the
-same on every run and machine: what the split adds in work, apart from what the timings add in locality and
-per-call cost (the ratios are null on a GPU, where XLA's count misses library calls).
+same on every run and machine. They show what the split adds in work, apart from what the timings add in
+locality and per-call cost (the ratios are null on a GPU, where XLA's count misses library calls).
 """
 from __future__ import annotations
 
@@ -121,9 +133,16 @@ def run(args: argparse.Namespace) -> int:
 
     sum_err = max_rel_err(stage.backward_weight(params, wrs), g_sum)
 
-    names = ["forward", "backward_fused", "backward_input", "backward_weight", "backward_weight_concat",
+    def split_backward(res, dy):
+        """One microbatch's split backward, both passes queued, the weight pass on the input pass's
+        own weight residuals (what ``split_over_fused`` times against the fused backward)."""
+        dx, w = stage.backward_input(res, dy)
+        return dx, stage.backward_weight(params, w)
+
+    names = ["forward", "backward_fused", "backward_split", "backward_input", "backward_weight", "backward_weight_concat",
              "backward_weight_sum", "concat", "ref_forward", "ref_backward"]
     calls = {"forward": (stage.forward, params, x, tgt), "backward_fused": (stage.backward, res, dy),
+             "backward_split": (split_backward, res, dy),
              "backward_input": (stage.backward_input, res, dy), "backward_weight": (stage.backward_weight, params, wr),
              "backward_weight_concat": (stage.backward_weight, params, wr_cat), "concat": (concat_weight_residuals, wrs),
              "backward_weight_sum": (stage.backward_weight, params, wrs),
@@ -141,12 +160,12 @@ def run(args: argparse.Namespace) -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     queued = queued_times(calls, args.repeats, order)
     backwards = ["backward_fused", "backward_input", "backward_weight"]
-    by_cache = cache_times(calls, backwards, args.repeats, order)
+    by_cache = cache_times(calls, ["backward_split", *backwards], args.repeats, order)
     dispatch = dispatch_times(calls, backwards, args.repeats, order)
-    cache_ratio = {s: (t["backward_input"] + t["backward_weight"]) / t["backward_fused"] for s, t in by_cache.items()}
-    split = med["backward_input"] + med["backward_weight"]
+    cache_ratio = {s: t["backward_split"] / t["backward_fused"] for s, t in by_cache.items()}
+    split = med["backward_split"]
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
-    rounds = np.add(times["backward_input"], times["backward_weight"]) / np.asarray(times["backward_fused"])
+    rounds = np.asarray(times["backward_split"]) / np.asarray(times["backward_fused"])
     q25, q75 = (float(v) for v in np.percentile(rounds, [25, 75]))
     fl = forward_flops(mcfg, mb, seq, hi - lo, head=stage.is_last)
     costs = kernel_costs(stage, params, x, tgt, res, dy, wr)
@@ -157,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
         "forward_s": med["forward"], "backward_fused_s": med["backward_fused"],
         "backward_input_s": med["backward_input"], "backward_weight_s": med["backward_weight"],
         "backward_weight_concat_s": med["backward_weight_concat"], "concat_s": med["concat"],
+        "backward_split_s": split,
         "split_over_fused": split / med["backward_fused"], "split_over_fused_rounds_iqr": [q25, q75],
+        # Each pass with its own sync: the split pays a second call's fixed host cost (module docstring).
+        "split_over_fused_per_call": (med["backward_input"] + med["backward_weight"]) / med["backward_fused"],
         "backward_weight_sum_s": med["backward_weight_sum"],
         # 2BP's intended use: input pass per microbatch, one weight pass over K of them (per microbatch),
         # the K joined by copying into one batch (Fig. 2; the copy counted) or summed in one program.
