@@ -58,6 +58,22 @@ def state_metadata(path: str | Path) -> Any:
     return meta
 
 
+def tree_differences(saved: Any, like: Any) -> list[str]:
+    """``"path: saved (shape), this run (shape)"`` for each array that :func:`state_metadata`'s tree
+    ``saved`` and the pytree ``like`` do not share in the same shape (paths as orbax names its arrays:
+    dict keys, sequence indices and attribute names joined by dots; dtypes may differ, as a resume casts)."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path):
+                tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for path, x in leaves}
+
+    old, new = shapes(saved), shapes(like)
+    out = [f"{k}: saved {old[k]}, this run {new[k]}" for k in old if k in new and old[k] != new[k]]
+    out += [f"{k}: saved {old[k]}, not in this run" for k in old if k not in new]
+    out += [f"{k}: not saved, this run {new[k]}" for k in new if k not in old]
+    return sorted(out, key=lambda line: not line.startswith("params"))  # the weights first: the clearest sign
+
+
 def read_state(path: str | Path) -> Any:
     """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
     process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
@@ -135,10 +151,26 @@ class Checkpointer:
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical; leaves spanning other
-        processes come back as global arrays sharded like ``like``'s)."""
-        abstract = jax.tree.map(_abstract, like)
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                  meta=ocp.args.JsonRestore()))
+        processes come back as global arrays sharded like ``like``'s). The saved tree is compared with
+        ``like`` first: orbax returns a numpy leaf in its saved shape whatever the target's, so another
+        model's checkpoint (a run folder without the config.yaml that the layout check reads) failed
+        later, in flax. A step that cannot be read is named with its folder, not in orbax's words."""
+        from jaxhybrid.config import ConfigError
+
+        where = self.dir / str(step)
+        diff = tree_differences(self.state_metadata(step), like)
+        if diff:
+            raise ConfigError(f"{where} holds another model or layout than this run's ({len(diff)} arrays differ: "
+                              f"{'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}); resume with the settings "
+                              f"that wrote it, or train into another run.dir")
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
+        except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
+            why = " ".join(str(e).split())
+            raise ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}): the checkpoint "
+                             f"is damaged or incomplete; restore the folder from a copy, or delete it to resume from "
+                             f"an earlier step (this rank holds {self.steps()})") from None
         return out["state"], out["meta"]
 
     def close(self) -> None:
