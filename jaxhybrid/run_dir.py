@@ -116,10 +116,18 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
     """Before a resume from a prepared dataset (``data.path``): the newest checkpoint's sampler state
     against this run's train split (its length and a fingerprint of its tokens), so that other data, even
     of the same length, is named before the ranks start instead of after each built its model (or, of the
-    same length, never). The built-in corpus is one fixed text."""
+    same length, never). The built-in corpus is one fixed text, whose train split data.tokenizer and
+    data.val_fraction shape: compared with the earlier config.yaml, as is leaving a data.path for it
+    (preparing the corpus here to count its tokens would do each rank's first-use work in the launcher)."""
     from jaxhybrid.config import ConfigError
 
     if not cfg.data.path:
+        old = saved_config(run_dir)
+        changed = config_changes(old, cfg, ["data.path", "data.tokenizer", "data.val_fraction"]) if old else []
+        if changed:
+            raise ConfigError(f"--resume in {run_dir}: its checkpoints trained on other data than this run's built-in "
+                              f"corpus ({'; '.join(changed)}); resume with the settings of {Path(run_dir) / 'config.yaml'}, "
+                              f"or start a new run from its weights (jaxhybrid export, then --set train.init_from=...)")
         return
     state = (_newest_meta(run_dir) or {}).get("sampler")
     if not isinstance(state, dict):

@@ -319,6 +319,24 @@ def test_a_resume_that_cannot_continue_fails_in_the_launcher(tmp_path):
     check_job(*_job(run, "train.steps=300", flags=("--resume",)), 4)
 
 
+def test_a_resume_on_another_built_in_corpus_fails_in_the_launcher(tmp_path):
+    """data.val_fraction and data.tokenizer shape the built-in corpus's train split, and leaving data.path
+    trains on it instead of the prepared data: each changes the tokens a checkpoint's sampler position
+    counts in. The data check compared only a data.path's tokens, so these passed the launcher and every
+    rank failed alike in its sampler after building its model."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "rank_0" / "2").mkdir(parents=True)
+    (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\ndata: {path: /data/mine}\n")
+    with pytest.raises(ConfigError, match=r"--resume in .*: its checkpoints trained on other data than this run's "
+                                          r"built-in corpus \(data.path: /data/mine -> ; data.val_fraction: 0.02 -> "
+                                          r"0.05\); resume with the settings of .*config.yaml"):
+        check_job(*_job(run, "data.val_fraction=0.05", flags=("--resume",)), 4)
+    (run / "config.yaml").write_text("parallel: {pipeline: 2, data: 2}\nmodel: {vocab_size: 512}\n")
+    with pytest.raises(ConfigError, match=r"built-in corpus \(data.tokenizer: byte -> bpe\)"):
+        check_job(*_job(run, "data.tokenizer=bpe", "model.vocab_size=512", flags=("--resume",)), 4)
+    check_job(*_job(run, "train.steps=300", "model.vocab_size=512", flags=("--resume",)), 4)
+
+
 def test_an_error_on_a_rank_that_joined_the_job_names_the_rank(tmp_path):
     """ValueError and FileNotFoundError are one-line setup errors (`jaxhybrid train: error: ...`), but on
     a rank that joined an MPI job (its abort hook installed) they are that rank's failure in mid-job: its
