@@ -52,9 +52,12 @@ def state_metadata(path: str | Path) -> Any:
     finally:
         absl.setLevel(level)
     meta = getattr(meta, "item_metadata", meta)
-    if meta is None:  # orbax returns None when the folder lacks its metadata file (a damaged or copied-in-part save)
-        raise ValueError(f"{path} holds no readable checkpoint (its orbax metadata is missing); restore the "
-                         f"folder from a copy, or use another step")
+    # orbax returns None when it cannot read the metadata: its file gone, or the array store it reads from
+    # truncated (a damaged or copied-in-part save); "missing" alone sent users looking for a file that is there.
+    if meta is None:
+        raise ValueError(f"{path} holds no readable checkpoint (its orbax metadata is missing or damaged); restore "
+                         f"the folder from a copy, or use another step (a resume: delete the step's folder to resume "
+                         f"from an earlier one)")
     return meta
 
 

@@ -50,6 +50,12 @@ def test_a_damaged_checkpoint_is_named_with_its_folder_and_the_fix(saved, tmp_pa
         _resume(saved, tmp_path, damage)
 
 
+def test_truncated_arrays_are_not_called_missing_metadata(saved, tmp_path):
+    """orbax reads the array metadata from the store whose files were truncated: the metadata file is there."""
+    with pytest.raises(ValueError, match=r"orbax metadata is missing or damaged\); .* delete the step's folder"):
+        _resume(saved, tmp_path, _truncate_arrays)
+
+
 @pytest.mark.parametrize("extra, leaf", [(("model.d_model=96",), r"params\.block_000\.attn_out\.kernel: saved \(64, 64\), "
                                                                  r"this run \(96, 96\)"),
                                          (("model.n_layers=3",), r"not saved, this run")])

@@ -163,7 +163,7 @@ def test_a_damaged_checkpoint_is_named_not_a_traceback(trained, tmp_path):
     shutil.rmtree(run / "checkpoints" / "rank_0" / "3" / "state" / "d")
     (run / "checkpoints" / "rank_0" / "3" / "state" / "_METADATA").unlink()
     with pytest.raises(ValueError, match=r"rank_0/3/state holds no readable checkpoint \(its orbax metadata is "
-                                         r"missing\)"):
+                                         r"missing or damaged\)"):
         export_run(run, tmp_path / "w", step=3)
 
 
