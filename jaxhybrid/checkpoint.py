@@ -170,10 +170,11 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
         except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
-            why = " ".join(str(e).split())
+            why, older = " ".join(str(e).split()), [s for s in self.steps() if s < step]
+            fix = (f"or delete it to resume from an earlier step (this rank also holds {older})" if older else
+                   "or start a new run (this rank holds no earlier step)")
             raise ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}): the checkpoint "
-                             f"is damaged or incomplete; restore the folder from a copy, or delete it to resume from "
-                             f"an earlier step (this rank holds {self.steps()})") from None
+                             f"is damaged or incomplete; restore the folder from a copy, {fix}") from None
         return out["state"], out["meta"]
 
     def close(self) -> None:
