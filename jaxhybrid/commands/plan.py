@@ -39,12 +39,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "max_seq_len (default: the config's data.seq_len, or max_seq_len for a preset)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the config's precision.compute_dtype, or bfloat16 for a preset)")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak flop/s the matmuls reach")
+    p.add_argument("--efficiency", type=float, default=None, help="fraction of peak flop/s large matmuls reach "
+                   "(default: the hardware file's measured compute_model for the dtype, else 0.5)")
+    p.add_argument("--block-overhead", type=_overheads, default=None, metavar="FWD_S,BWD_S",
+                   help="seconds each block's forward and backward cost a device beyond their flops, e.g. "
+                   "8.1e-5,2.11e-4 (default: the hardware file's compute_model, else 0,0): what makes small "
+                   "microbatches run below the efficiency")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="share of each device's memory a plan may fill (default: the hardware file's "
                    "usable_memory_fraction, else 0.9; the rest is CUDA context, XLA scratch, fragmentation)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
+
+
+def _overheads(text: str) -> tuple[float, float]:
+    """``--block-overhead FWD_S,BWD_S``: two finite seconds >= 0."""
+    try:
+        vals = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 2 or not all(0 <= v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two seconds per block, forward and backward, each in "
+                                         f"[0, 1), e.g. 8.1e-5,2.11e-4")
+    return vals
 
 
 def model_and_config(spec: str, flag: str = "--model"):
@@ -71,6 +88,10 @@ def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
     return r
 
 
+def _overhead_text(over: tuple[float, float]) -> str:
+    return f" + {over[0] * 1e6:.3g} / {over[1] * 1e6:.3g} us per block forward / backward" if any(over) else ""
+
+
 def _row(label: str, p: dict) -> str:
     yes = {True: "y", False: "n"}
     limit = (p["pipeline_limit"] or p["pipeline"]) if p["schedule"] == "myelin" and p["pipeline"] > 1 else "-"
@@ -89,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, "--out")  # before the ranking, not after it
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "bfloat16")
-    machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency, args.memory_fraction)
+    machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency, args.memory_fraction,
+                                    args.block_overhead)
+    efficiency = machine.flops_per_s / (float(hw["peak_tflops"][dtype]) * 1e12)
     gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
     seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
     bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold
@@ -117,11 +140,12 @@ def run(args: argparse.Namespace) -> int:
     keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s", "pipeline_s",
                         "data_allreduce_s", "offload_s")
     if args.json:
-        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes,
+        print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes, "efficiency": efficiency,
+                          "block_overhead_s": list(machine.block_overhead_s),
                           "config_layout": own and {k: own[k] for k in keys + ("fits", "rank")}}))
         return 0
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
-          f"tokens, {dtype} at {args.efficiency:.0%} of peak; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
+          f"tokens, {dtype} at {efficiency:.0%} of peak{_overhead_text(machine.block_overhead_s)}; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
           f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch; lim: Myelin's "
           f"microbatches in flight (pipeline_limit)")
     print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'lim':>3} "

@@ -14,12 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from jaxhybrid.config import OptimConfig, TensorConfig
-from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.model.config import ModelConfig
-from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.layouts import divisors, search, tensor_fits
-from jaxhybrid.planner.step_model import DTYPE_BYTES, Layout, Machine, evaluate
+from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (planner.plan's API)
+from jaxhybrid.planner.step_model import Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
              "pipeline_limit", "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
@@ -37,33 +36,6 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
         raise ValueError(f"--gpus={gpus} is neither a multiple of --gpus-per-node={gpus_per_node} (whole nodes) "
                          f"nor a divisor of it (an aligned part of one node); AxoNN's communication model "
                          f"(Sec. V) has no other partly used nodes")
-
-
-def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float,
-                          memory_fraction: float | None = None) -> Machine:
-    """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's), whose
-    memory is the usable share of each device's: ``memory_fraction``, else the file's
-    ``usable_memory_fraction``, else :data:`~jaxhybrid.launch_env.DEVICE_MEMORY_FRACTION`: the share
-    `jaxhybrid train` lets XLA preallocate; the rest holds the CUDA context, XLA's scratch buffers and
-    fragmentation, none of which the memory model counts."""
-    if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
-        raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
-                         f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
-    if memory_fraction is None:
-        memory_fraction = hw.get("usable_memory_fraction", DEVICE_MEMORY_FRACTION)
-    if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory fraction {memory_fraction!r} (plan --memory-fraction, or hardware {hw['name']}'s "
-                         f"usable_memory_fraction) must be in (0, 1]")
-    flash = hw.get("flash_attention", False)
-    if not isinstance(flash, bool):
-        raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
-    peak = float(hw["peak_tflops"][dtype]) * 1e12
-    return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction,
-                   Network.from_hardware(hw, gpus_per_node), DTYPE_BYTES[dtype], flash)
 
 
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,

@@ -1,6 +1,7 @@
 """Predicted step time, communication and memory of one layout of a transformer (device-free).
 
-Compute: flop counts over ``peak x efficiency``, divided over the tensor grid. Communication: AxoNN eqs.
+Compute: flop counts over ``peak x efficiency``, divided over the tensor grid, plus a fixed time per block
+pass where the hardware file measured one (:class:`Machine`). Communication: AxoNN eqs.
 4-9 for every matmul of a block (optimization A: the attention output and MLP down projections are
 transposed), synchronous (AxoNN Assumption 4), plus the pipeline's point-to-point messages and the
 data-parallel all-reduce (eq. 8). The pipeline makespan and stashed microbatches come from the schedule
@@ -98,13 +99,23 @@ def gathered_weights(lay: Layout, letters: str) -> dict:
 @dataclass(frozen=True)
 class Machine:
     """What a layout runs on: peak flop/s of the dtype times an efficiency, memory, network, and whether
-    16-bit attention runs cuDNN's flash attention there (``model.attention: auto`` picks it)."""
+    16-bit attention runs cuDNN's flash attention there (``model.attention: auto`` picks it).
+
+    ``block_overhead_s`` (forward, backward): seconds each block's pass costs a device on top of its
+    flops at ``flops_per_s``. Why: a constant fraction of peak makes small matmuls as efficient as large
+    ones, so the planner took the smallest microbatch (the smallest bubble) every time, where a GPU runs a
+    block of few tokens far below its peak (one H200, bf16: 141 TFLOP/s for a GPT-2-small block's
+    backward at 1 x 1024 tokens, 646 for a 1.3B block's at 8 x 1024). ``time = flops / flops_per_s + overhead``
+    is that curve: efficiency ``flops / (flops + overhead x flops_per_s)`` of the asymptote. The
+    hardware file's ``compute_model`` gives both (:func:`~jaxhybrid.planner.plan.machine_from_hardware`).
+    """
 
     flops_per_s: float
     memory_bytes: float
     net: Network
     dtype_bytes: int = 2
     flash_attention: bool = False
+    block_overhead_s: tuple[float, float] = (0.0, 0.0)
 
 
 def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
@@ -123,7 +134,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     attn_flops = attention_core_flops(cfg, b, seq)  # QK^T and AV
     f_blk = forward_flops(cfg, b, seq, 1, head=False) / (machine.flops_per_s * ts)  # the count metrics use
     f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
-    parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / f_blk)
+    o_f, o_b = machine.block_overhead_s  # per block and device, whatever the tensor split (each runs every kernel)
+    # The head in blocks of a stage's whole work (forward + backward: 3 x the forward flops, + the overheads).
+    parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / (f_blk + (o_f + o_b) / 3))
     bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
     # Ranks: tensor grid innermost, then pipeline stages, then data replicas (ARCHITECTURE.md), so a data
     # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
@@ -147,13 +160,14 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         are eqs. 4-7 of the vocabulary projection like any layer's (AxoNN Sec. V, eq. 9 over all layers)."""
         h = 1.0 if last else 0.0
         coll = {key: n_ * per_blk[key] + h * head[key] for key in per_blk}  # this stage's collectives
-        comp = {"F": n_ * f_blk + h * f_head, "BI": n_ * (f_blk + f_attn) + h * f_head,
-                "BW": n_ * (f_blk - f_attn) + h * f_head}
+        # The backward's overhead is split evenly between BI and BW (unmeasured apart; their sum is the fused pass's).
+        comp = {"F": n_ * (f_blk + o_f) + h * f_head, "BI": n_ * (f_blk + f_attn + o_b / 2) + h * f_head,
+                "BW": n_ * (f_blk - f_attn + o_b / 2) + h * f_head}
         comm = {"F": coll["all_gather"] + coll["all_reduce_fwd"], "BI": coll["all_reduce_bwd"],
                 "BW": coll["reduce_scatter"]}
         if lay.remat == "full":  # the backward runs the forward again: the whole model's blocks, a stage's head too
             rh = h if lay.pipeline > 1 else 0.0
-            comp["BI"] += n_ * f_blk + rh * f_head
+            comp["BI"] += n_ * (f_blk + o_f) + rh * f_head
             comm["BI"] += (0.0 if g["cached_full"] else n_ * per_blk["all_gather"] + rh * head["all_gather"]) + \
                 n_ * per_blk["all_reduce_fwd"] + rh * head["all_reduce_fwd"]
         elif lay.remat == "dots":  # recomputes the attention core (and, without E, re-gathers the weights)

@@ -1,0 +1,63 @@
+"""The machine a plan runs on (:class:`~jaxhybrid.planner.step_model.Machine`) from a ``configs/hardware`` file:
+peak flop/s of the dtype times an efficiency, and the fixed time per block pass the file measured, the
+usable memory per device, and the network of AxoNN's model.
+"""
+from __future__ import annotations
+
+from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
+from jaxhybrid.planner.comm_model import Network
+from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine
+
+DEFAULT_EFFICIENCY = 0.5  # fraction of peak where the hardware file measured no compute_model
+
+
+def compute_model(hw: dict, dtype: str) -> tuple[float | None, tuple[float, float]]:
+    """``(efficiency, (forward, backward) seconds per block)`` of the hardware file's measured
+    ``compute_model`` for ``dtype`` (:class:`~jaxhybrid.planner.step_model.Machine`), ``(None, (0, 0))``
+    where it has none; a malformed entry is a ValueError naming it."""
+    entry = (hw.get("compute_model") or {}).get(dtype)
+    if entry is None:
+        return None, (0.0, 0.0)
+    eff, over = entry.get("efficiency") if isinstance(entry, dict) else None, \
+        entry.get("block_overhead_s") if isinstance(entry, dict) else None
+    ok = isinstance(eff, (int, float)) and 0 < eff <= 1 and isinstance(over, (list, tuple)) and len(over) == 2 \
+        and all(isinstance(v, (int, float)) and 0 <= v < 1 for v in over)
+    if not ok:
+        raise ValueError(f"hardware {hw['name']!r}: compute_model.{dtype}={entry!r} must be {{efficiency: a fraction "
+                         f"in (0, 1], block_overhead_s: [forward, backward] seconds per block, each in [0, 1)}}")
+    return float(eff), (float(over[0]), float(over[1]))
+
+
+def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: float | None = None,
+                          memory_fraction: float | None = None,
+                          block_overhead_s: tuple[float, float] | None = None) -> Machine:
+    """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's), whose
+    memory is the usable share of each device's: ``memory_fraction``, else the file's
+    ``usable_memory_fraction``, else :data:`~jaxhybrid.launch_env.DEVICE_MEMORY_FRACTION`: the share
+    `jaxhybrid train` lets XLA preallocate; the rest holds the CUDA context, XLA's scratch buffers and
+    fragmentation, none of which the memory model counts. ``efficiency`` and ``block_overhead_s`` (the
+    compute curve) default to the file's measured ``compute_model`` for ``dtype``, else
+    :data:`DEFAULT_EFFICIENCY` and no overhead."""
+    if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
+        raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
+                         f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    file_eff, file_over = compute_model(hw, dtype)
+    efficiency = efficiency if efficiency is not None else file_eff or DEFAULT_EFFICIENCY
+    over = tuple(block_overhead_s) if block_overhead_s is not None else file_over
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    if len(over) != 2 or not all(0 <= v < 1 for v in over):
+        raise ValueError(f"block overhead {over} must be two seconds per block (forward, backward), each in [0, 1)")
+    if memory_fraction is None:
+        memory_fraction = hw.get("usable_memory_fraction", DEVICE_MEMORY_FRACTION)
+    if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory fraction {memory_fraction!r} (plan --memory-fraction, or hardware {hw['name']}'s "
+                         f"usable_memory_fraction) must be in (0, 1]")
+    flash = hw.get("flash_attention", False)
+    if not isinstance(flash, bool):
+        raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
+    peak = float(hw["peak_tflops"][dtype]) * 1e12
+    return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction,
+                   Network.from_hardware(hw, gpus_per_node), DTYPE_BYTES[dtype], flash, over)

@@ -1,0 +1,78 @@
+"""The planner's compute curve: a hardware file's measured ``compute_model`` (an efficiency of peak plus a fixed
+time per block pass, planner/step_model.Machine) and what it changes in the ranking."""
+import json
+
+import pytest
+
+from jaxhybrid.model.config import PRESETS
+from jaxhybrid.planner.costs import load_hardware
+from jaxhybrid.planner.plan import machine_from_hardware, rank_plans
+from jaxhybrid.planner.step_model import Layout, evaluate
+
+
+def test_the_hardware_files_compute_model_sets_the_efficiency_and_the_block_overheads():
+    h = load_hardware("h200-node")
+    m = machine_from_hardware(h, 8, "bfloat16")
+    assert m.flops_per_s == pytest.approx(989e12 * 0.61) and m.block_overhead_s == (8.1e-5, 2.11e-4)
+    # An unmeasured dtype, or a file without the curve: the constant default, no overhead.
+    assert machine_from_hardware(h, 8, "float32").flops_per_s == pytest.approx(67e12 * 0.5)
+    assert machine_from_hardware(h, 8, "float32").block_overhead_s == (0.0, 0.0)
+    assert machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16").block_overhead_s == (0.0, 0.0)
+    # Explicit values win, each on its own.
+    m = machine_from_hardware(h, 8, "bfloat16", 0.5)
+    assert m.flops_per_s == pytest.approx(989e12 * 0.5) and m.block_overhead_s == (8.1e-5, 2.11e-4)
+    assert machine_from_hardware(h, 8, "bfloat16", block_overhead_s=(0.0, 0.0)).block_overhead_s == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("entry", [{"efficiency": 1.5, "block_overhead_s": [0, 0]},
+                                   {"efficiency": 0.6, "block_overhead_s": [1e-4]},
+                                   {"efficiency": 0.6, "block_overhead_s": [-1e-4, 0]}, "fast"])
+def test_a_malformed_compute_model_is_refused_naming_it(entry):
+    h = {**load_hardware("h200-node"), "compute_model": {"bfloat16": entry}}
+    with pytest.raises(ValueError, match=r"hardware 'h200-node': compute_model.bfloat16=.* must be"):
+        machine_from_hardware(h, 8, "bfloat16")
+    with pytest.raises(ValueError, match=r"block overhead \(0.1, -1.0\) must be two seconds per block"):
+        machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16", block_overhead_s=(0.1, -1.0))
+
+
+@pytest.mark.parametrize("remat, forwards", [("none", 1), ("full", 2)])
+def test_block_overheads_add_their_time_to_every_block_pass(remat, forwards):
+    """One stage runs its M microbatches in turn, so the step's compute is M x (F + BI + BW) exactly; each
+    block's forward (run again in the backward under remat full) and backward add their overheads."""
+    cfg, h = PRESETS["gpt2-small"], load_hardware("h200-node")
+    lay = Layout(1, 8, 1, 1, 1, 2, 4, "1f1b", False, False, remat)
+    plain = evaluate(cfg, lay, machine_from_hardware(h, 8, "bfloat16", 0.6, block_overhead_s=(0, 0)), 1024)
+    o_f, o_b = 1e-4, 3e-4
+    with_over = evaluate(cfg, lay, machine_from_hardware(h, 8, "bfloat16", 0.6, block_overhead_s=(o_f, o_b)), 1024)
+    added = with_over["pipeline_s"] - plain["pipeline_s"]
+    assert added == pytest.approx(4 * cfg.n_layers * (forwards * o_f + o_b))
+
+
+def test_the_measured_curve_makes_larger_microbatches_pay_off():
+    """The known limit it answers: at a constant fraction of peak the smallest microbatch (the smallest
+    bubble) always won. With the H200's measured curve, a 7B model's 2-stage pipeline runs faster with 4
+    sequences per microbatch than with 1 (``jaxhybrid plan`` then ranks mb 4 first: README)."""
+    cfg, h = PRESETS["2bp-transformer-7b"], load_hardware("h200-node")
+    step = lambda m, mb: evaluate(cfg, Layout(2, 8, 1, 1, 1, mb, 32 // mb, "1f1b", True, False, "none"), m,  # noqa: E731
+                                  1024)["predicted_step_s"]
+    flat = machine_from_hardware(h, 8, "bfloat16", 0.5, block_overhead_s=(0.0, 0.0))
+    curve = machine_from_hardware(h, 8, "bfloat16")
+    assert step(flat, 1) < step(flat, 4)
+    assert step(curve, 4) < step(curve, 1)
+
+
+def test_plan_cli_prints_the_curve_and_refuses_bad_overheads(capsys):
+    from jaxhybrid.cli import main
+
+    base = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "8", "--hardware", "h200-node",
+            "--top", "1", "--no-tensor", "--global-batch", "8", "--no-offload"]
+    assert main(base) == 0
+    assert "bfloat16 at 61% of peak + 81 / 211 us per block forward / backward" in capsys.readouterr().out
+    assert main(base + ["--json", "--efficiency", "0.4", "--block-overhead", "1e-4,2e-4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["efficiency"] == pytest.approx(0.4) and out["block_overhead_s"] == [1e-4, 2e-4]
+    for bad in ("1e-4", "a,b", "1e-4,inf", "-1,0"):
+        with pytest.raises(SystemExit) as e:
+            main(base + [f"--block-overhead={bad}"])
+        assert e.value.code == 2
+        assert "give two seconds per block, forward and backward" in capsys.readouterr().err
