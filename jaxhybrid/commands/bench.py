@@ -11,6 +11,7 @@ BENCHES = {
     "offload": "host-offloaded optimizer: device bytes, step time, all-reduce overlap sweep",
     "tensor": "AxoNN 3D tensor parallelism: per-factorization step time and collective bytes",
     "partition": "MadPipe vs PipeDream + 1F1B* periods on layer chains",
+    "curve": "the planner's compute curve: stage passes' time against microbatch size, fitted for a hardware file",
 }
 
 

@@ -61,3 +61,27 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     peak = float(hw["peak_tflops"][dtype]) * 1e12
     return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction,
                    Network.from_hardware(hw, gpus_per_node), DTYPE_BYTES[dtype], flash, over)
+
+
+def fit_compute_model(points: list[tuple[float, float, float]], peak_flops_per_s: float) -> dict:
+    """The ``compute_model`` entry that best explains measured block passes: ``points`` are ``(flops per
+    block, seconds per block, 0 for a forward or 1 for a backward)``, and the fit is one efficiency for both
+    passes plus an overhead each, ``seconds = flops / (efficiency x peak) + overhead``, by least squares on
+    the relative error (a 0.1 ms pass weighs as much as a 10 ms one). Returns ``{"efficiency",
+    "block_overhead_s": [forward, backward], "max_rel_err"}``; ``jaxhybrid bench curve`` measures the
+    points. Why this form: :class:`~jaxhybrid.planner.step_model.Machine` (a constant efficiency made the
+    planner take microbatch 1 every time)."""
+    import numpy as np
+
+    if {kind for _, _, kind in points} != {0, 1} or len(points) < 3:
+        raise ValueError(f"fitting a compute model needs forward and backward passes, at least 3 points in all; "
+                         f"got {len(points)} with kinds {sorted({kind for _, _, kind in points})}")
+    x = np.array([[f, kind == 0, kind == 1] for f, _, kind in points], dtype=float)
+    t = np.array([s for _, s, _ in points], dtype=float)
+    coef = np.linalg.lstsq(x / t[:, None], np.ones_like(t), rcond=None)[0]
+    if coef[0] <= 0:
+        raise ValueError("the measured times do not grow with the flops; measure larger microbatches")
+    coef[1:] = np.maximum(coef[1:], 0.0)  # a negative overhead (noise on a flat curve) is none
+    err = x @ coef / t - 1
+    return {"efficiency": float(1 / (coef[0] * peak_flops_per_s)),
+            "block_overhead_s": [float(coef[1]), float(coef[2])], "max_rel_err": float(np.abs(err).max())}

@@ -60,7 +60,7 @@ def test_help_states_each_default_once(capsys):
     with pytest.raises(SystemExit):
         build_parser(["plan", "--help"])
     plan = " ".join(capsys.readouterr().out.split())
-    assert "(default: 0.5)" in plan and "plans to print (>= 1) (default: 10)" in plan
+    assert "measured compute_model for the dtype, else 0.5)" in plan and "plans to print (>= 1) (default: 10)" in plan
     assert "(default: None)" not in plan and "(default: False)" not in plan
     assert "else 0.9; the rest is CUDA context, XLA scratch, fragmentation) (default" not in plan
     with pytest.raises(SystemExit):

@@ -76,3 +76,37 @@ def test_plan_cli_prints_the_curve_and_refuses_bad_overheads(capsys):
             main(base + [f"--block-overhead={bad}"])
         assert e.value.code == 2
         assert "give two seconds per block, forward and backward" in capsys.readouterr().err
+
+
+def test_the_fit_recovers_a_known_curve_and_needs_both_passes():
+    from jaxhybrid.planner.machine import fit_compute_model
+
+    peak, eff, o_f, o_b = 1e15, 0.6, 8e-5, 2e-4
+    pts = [(f, f / (eff * peak) + o_f, 0) for f in (1e10, 1e11, 1e12)]
+    pts += [(2 * f, 2 * f / (eff * peak) + o_b, 1) for f in (1e10, 1e11, 1e12)]
+    fit = fit_compute_model(pts, peak)
+    assert fit["efficiency"] == pytest.approx(eff) and fit["max_rel_err"] < 1e-9
+    assert fit["block_overhead_s"] == pytest.approx([o_f, o_b])
+    with pytest.raises(ValueError, match="needs forward and backward passes"):
+        fit_compute_model(pts[:3], peak)
+
+
+def test_bench_curve_prints_a_line_the_planner_reads(capsys):
+    """On the CPU the times are wall times (no device timeline); the fitted line, pasted into a hardware
+    file, is a compute_model that ``jaxhybrid plan`` accepts."""
+    import yaml
+
+    from jaxhybrid.cli import main
+
+    assert main(["bench", "curve", "--case", "gpt-tiny:1", "--case", "gpt-tiny:16", "--blocks", "1", "--seq-len",
+                 "32", "--repeats", "1", "--peak-tflops", "1000"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["timing"] == "wall" and out["dtype"] == "float32"
+    assert [(r["model"], r["microbatch_size"]) for r in out["rows"]] == [("gpt-tiny", 1), ("gpt-tiny", 16)]
+    assert all(r["forward_s_per_block"] > 0 and r["backward_s_per_block"] > 0 for r in out["rows"])
+    hw = {**load_hardware("h200-node"), "peak_tflops": {"float32": 1000.0}, **yaml.safe_load(out["hardware_file_line"])}
+    m = machine_from_hardware(hw, 8, "float32")
+    assert m.flops_per_s == pytest.approx(1000e12 * out["fit"]["efficiency"], rel=1e-2)
+    with pytest.raises(SystemExit):
+        main(["bench", "curve", "--case", "gpt-tiny"])
+    assert "give MODEL:MICROBATCH" in capsys.readouterr().err
