@@ -39,6 +39,16 @@ def _abstract(x):
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
+class UnreadableCheckpoint(ValueError):
+    """A saved state that cannot be read; ``reason`` alone, for callers that give their own fix (a resume's
+    depends on the steps its rank holds: :meth:`Checkpointer.restore`)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path} holds no readable checkpoint ({reason}); restore the folder from a copy, or use "
+                         f"another step")
+        self.reason = reason
+
+
 def state_metadata(path: str | Path) -> Any:
     """The tree of shapes and dtypes of one saved ``state`` (``<rank dir>/<step>/state``), no array loaded."""
     # orbax looks for the step's metadata file in the item's own folder and logs a warning per read.
@@ -55,9 +65,7 @@ def state_metadata(path: str | Path) -> Any:
     # orbax returns None when it cannot read the metadata: its file gone, or the array store it reads from
     # truncated (a damaged or copied-in-part save); "missing" alone sent users looking for a file that is there.
     if meta is None:
-        raise ValueError(f"{path} holds no readable checkpoint (its orbax metadata is missing or damaged); restore "
-                         f"the folder from a copy, or use another step (a resume: delete the step's folder to resume "
-                         f"from an earlier one)")
+        raise UnreadableCheckpoint(path, "its orbax metadata is missing or damaged")
     return meta
 
 
@@ -161,7 +169,20 @@ class Checkpointer:
         from jaxhybrid.config import ConfigError
 
         where = self.dir / str(step)
-        diff = tree_differences(self.state_metadata(step), like)
+
+        def unreadable(e: Exception | str) -> ValueError:
+            # What to do depends on what the rank holds: deleting its only step leaves nothing to resume.
+            why, older = " ".join(str(e).split()), [s for s in self.steps() if s < step]
+            fix = (f"or delete it to resume from an earlier step (this rank also holds {older})" if older else
+                   "or start a new run (this rank holds no earlier step)")
+            return ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}); if it is "
+                              f"damaged or incomplete, restore the folder from a copy, {fix}")
+
+        try:
+            saved = self.state_metadata(step)
+        except UnreadableCheckpoint as e:
+            raise unreadable(e.reason) from None
+        diff = tree_differences(saved, like)
         if diff:
             raise ConfigError(f"{where} holds another model or layout than this run's ({len(diff)} arrays differ: "
                               f"{'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}); resume with the settings "
@@ -170,11 +191,7 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
         except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
-            why, older = " ".join(str(e).split()), [s for s in self.steps() if s < step]
-            fix = (f"or delete it to resume from an earlier step (this rank also holds {older})" if older else
-                   "or start a new run (this rank holds no earlier step)")
-            raise ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}): the checkpoint "
-                             f"is damaged or incomplete; restore the folder from a copy, {fix}") from None
+            raise unreadable(e) from None
         return out["state"], out["meta"]
 
     def close(self) -> None:
