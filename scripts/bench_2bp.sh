@@ -75,9 +75,10 @@ for c in "${cases[@]}"; do
 done
 [ "${#lines[@]}" -gt 0 ] || { echo "bench_2bp: every case failed" >&2; exit 1; }
 # One row per stage: the goal's ratio with its per-round quartiles, the same two passes each synchronised
-# on its own ("per call": a second call's fixed host cost added), a trivial call's cost ("noop ms"), the
-# host's time to enqueue the fused pass and the split's two ("enq f/s ms"), the split's flops and bytes over the
-# fused pass's by XLA's count ("xla fl", "xla by"; n/a on a GPU), and achieved TFLOP/s.
+# on its own ("per call": a second call's fixed host cost added; "cold" and "warm" are timed so too), a
+# trivial call's cost ("noop ms"), the host's time to enqueue the fused pass and the split's two ("enq f/s
+# ms"), the split's flops and bytes over the fused pass's by XLA's count ("xla fl", "xla by"; n/a on a GPU),
+# and achieved TFLOP/s.
 printf '%s\n' "${lines[@]}" > "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl"
 "$py" - "${TMPDIR:-/tmp}/bench_2bp.$$.jsonl" <<'PY'
 import json, sys

@@ -25,8 +25,14 @@ without any call's fixed host cost. ``noop_call_s`` is a jitted scalar add calle
 Together they show the host's share.
 
 ``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
-a call of the same kernel. The split pays for reading back what the input pass stored for the weight
-pass (2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
+a call of the same kernel, each pass synchronised on its own (as ``_per_call``). The split pays for reading
+back what the input pass stored for the weight pass (2BP's cost in memory traffic), so cold is the
+pipeline's case and warm its lower bound. ``split_sum_over_fused`` and ``split_concat_over_fused`` (the
+weight pass of K microbatches) add separately synchronised calls too.
+
+The pair under one sync still pays one call's fixed host cost, its input pass's, which is a little smaller
+than the fused pass's (fewer arguments, a smaller CUDA graph). So on a GPU ``split_over_fused`` can read a
+little under the device-bound ``split_over_fused_queued``.
 
 ``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
 kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.model.stage_costs`), the
@@ -160,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     queued = queued_times(calls, args.repeats, order)
     backwards = ["backward_fused", "backward_input", "backward_weight"]
-    by_cache = cache_times(calls, ["backward_split", *backwards], args.repeats, order)
+    # Each pass from a known cache state, so per call: a cold weight pass reads what the input pass stored
+    # back from memory, as in a pipeline (the pair would find it still in cache).
+    by_cache = cache_times(calls, backwards, args.repeats, order)
     dispatch = dispatch_times(calls, backwards, args.repeats, order)
-    cache_ratio = {s: t["backward_split"] / t["backward_fused"] for s, t in by_cache.items()}
+    cache_ratio = {s: (t["backward_input"] + t["backward_weight"]) / t["backward_fused"] for s, t in by_cache.items()}
     split = med["backward_split"]
     # The spread of the per-round ratio shows how much of split_over_fused is machine noise.
     rounds = np.asarray(times["backward_split"]) / np.asarray(times["backward_fused"])
@@ -186,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         "split_concat_over_fused": (med["backward_input"] + med["concat"] + med["backward_weight_concat"])
         / med["backward_fused"],
         "split_sum_over_fused": (med["backward_input"] + med["backward_weight_sum"]) / med["backward_fused"],
+        # (the two ratios above add separately synchronised calls, as split_over_fused_per_call does)
         # What pipeline.weight_join=auto takes for --concat K microbatches of this stage (stage.weight_join).
         "weight_join_auto": auto_weight_join(stage, wr, args.concat), "param_bytes": stage.param_bytes,
         # Device-bound view: calls queued back to back, one sync (an asynchronous runtime's dispatch hides
