@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the config's precision.compute_dtype, or bfloat16 for a preset)")
     p.add_argument("--efficiency", type=float, default=None, help="fraction of peak flop/s large matmuls reach "
-                   "(default: the hardware file's measured compute_model for the dtype, else 0.5)")
+                   "(default: the hardware file's measured compute_model for the dtype, else 0.5); given alone, "
+                   "no block overhead")
     p.add_argument("--block-overhead", type=_overheads, default=None, metavar="FWD_S,BWD_S",
                    help="seconds each block's forward and backward cost a device beyond their flops, e.g. "
                    "8.1e-5,2.11e-4 (default: the hardware file's compute_model, else 0,0): what makes small "
@@ -54,11 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overheads(text: str) -> tuple[float, float]:
     """``--block-overhead FWD_S,BWD_S``: two finite seconds >= 0."""
+    from jaxhybrid.planner.machine import overheads_ok
+
     try:
         vals = tuple(float(v) for v in text.split(","))
     except ValueError:
         vals = ()
-    if len(vals) != 2 or not all(0 <= v < 1 for v in vals):
+    if not overheads_ok(vals):
         raise argparse.ArgumentTypeError(f"{text!r}: give two seconds per block, forward and backward, each in "
                                          f"[0, 1), e.g. 8.1e-5,2.11e-4")
     return vals

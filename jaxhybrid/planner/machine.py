@@ -11,18 +11,26 @@ from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak where the hardware file measured no compute_model
 
 
+def overheads_ok(over) -> bool:
+    """Two seconds per block (forward, backward), each a real number in [0, 1): the one rule for the
+    hardware file's ``block_overhead_s``, ``plan --block-overhead`` and :func:`machine_from_hardware`."""
+    return isinstance(over, (list, tuple)) and len(over) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 for v in over)
+
+
 def compute_model(hw: dict, dtype: str) -> tuple[float | None, tuple[float, float]]:
     """``(efficiency, (forward, backward) seconds per block)`` of the hardware file's measured
     ``compute_model`` for ``dtype`` (:class:`~jaxhybrid.planner.step_model.Machine`), ``(None, (0, 0))``
     where it has none; a malformed entry is a ValueError naming it."""
-    entry = (hw.get("compute_model") or {}).get(dtype)
+    models = hw.get("compute_model") or {}
+    if not isinstance(models, dict):
+        raise ValueError(f"hardware {hw['name']!r}: compute_model={models!r} must map a dtype to {{efficiency, "
+                         f"block_overhead_s}}")
+    entry = models.get(dtype)
     if entry is None:
         return None, (0.0, 0.0)
-    eff, over = entry.get("efficiency") if isinstance(entry, dict) else None, \
-        entry.get("block_overhead_s") if isinstance(entry, dict) else None
-    ok = isinstance(eff, (int, float)) and 0 < eff <= 1 and isinstance(over, (list, tuple)) and len(over) == 2 \
-        and all(isinstance(v, (int, float)) and 0 <= v < 1 for v in over)
-    if not ok:
+    eff, over = (entry.get("efficiency"), entry.get("block_overhead_s")) if isinstance(entry, dict) else (None, None)
+    if not (isinstance(eff, (int, float)) and not isinstance(eff, bool) and 0 < eff <= 1 and overheads_ok(over)):
         raise ValueError(f"hardware {hw['name']!r}: compute_model.{dtype}={entry!r} must be {{efficiency: a fraction "
                          f"in (0, 1], block_overhead_s: [forward, backward] seconds per block, each in [0, 1)}}")
     return float(eff), (float(over[0]), float(over[1]))
@@ -37,19 +45,23 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     `jaxhybrid train` lets XLA preallocate; the rest holds the CUDA context, XLA's scratch buffers and
     fragmentation, none of which the memory model counts. ``efficiency`` and ``block_overhead_s`` (the
     compute curve) default to the file's measured ``compute_model`` for ``dtype``, else
-    :data:`DEFAULT_EFFICIENCY` and no overhead."""
+    :data:`DEFAULT_EFFICIENCY` and no overhead. An explicit ``efficiency`` alone means a flat curve (no
+    overhead): the file's overheads were fitted together with its own efficiency."""
     if not 1 <= gpus_per_node <= int(hw["gpus_per_node"]):
         raise ValueError(f"--gpus-per-node={gpus_per_node} must be in [1, {hw['gpus_per_node']}]: hardware "
                          f"{hw['name']!r} has gpus_per_node={hw['gpus_per_node']}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     file_eff, file_over = compute_model(hw, dtype)
+    if block_overhead_s is None:
+        block_overhead_s = file_over if efficiency is None else (0.0, 0.0)
     efficiency = efficiency if efficiency is not None else file_eff or DEFAULT_EFFICIENCY
-    over = tuple(block_overhead_s) if block_overhead_s is not None else file_over
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
-    if len(over) != 2 or not all(0 <= v < 1 for v in over):
-        raise ValueError(f"block overhead {over} must be two seconds per block (forward, backward), each in [0, 1)")
+    if not overheads_ok(block_overhead_s):
+        raise ValueError(f"block overhead {block_overhead_s} must be two seconds per block (forward, backward), each "
+                         f"in [0, 1)")
+    over = (float(block_overhead_s[0]), float(block_overhead_s[1]))
     if memory_fraction is None:
         memory_fraction = hw.get("usable_memory_fraction", DEVICE_MEMORY_FRACTION)
     if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:

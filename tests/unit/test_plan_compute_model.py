@@ -1,6 +1,7 @@
 """The planner's compute curve: a hardware file's measured ``compute_model`` (an efficiency of peak plus a fixed
 time per block pass, planner/step_model.Machine) and what it changes in the ranking."""
 import json
+import re
 
 import pytest
 
@@ -18,19 +19,24 @@ def test_the_hardware_files_compute_model_sets_the_efficiency_and_the_block_over
     assert machine_from_hardware(h, 8, "float32").flops_per_s == pytest.approx(67e12 * 0.5)
     assert machine_from_hardware(h, 8, "float32").block_overhead_s == (0.0, 0.0)
     assert machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16").block_overhead_s == (0.0, 0.0)
-    # Explicit values win, each on its own.
+    # Explicit values win. An efficiency alone is a flat curve: the file's overheads belong to its own fit.
     m = machine_from_hardware(h, 8, "bfloat16", 0.5)
-    assert m.flops_per_s == pytest.approx(989e12 * 0.5) and m.block_overhead_s == (8.1e-5, 2.11e-4)
-    assert machine_from_hardware(h, 8, "bfloat16", block_overhead_s=(0.0, 0.0)).block_overhead_s == (0.0, 0.0)
+    assert m.flops_per_s == pytest.approx(989e12 * 0.5) and m.block_overhead_s == (0.0, 0.0)
+    m = machine_from_hardware(h, 8, "bfloat16", block_overhead_s=(0.0, 0.0))
+    assert m.flops_per_s == pytest.approx(989e12 * 0.61) and m.block_overhead_s == (0.0, 0.0)
+    assert machine_from_hardware(h, 8, "bfloat16", 0.5, block_overhead_s=(1e-4, 2e-4)).block_overhead_s == (1e-4, 2e-4)
 
 
 @pytest.mark.parametrize("entry", [{"efficiency": 1.5, "block_overhead_s": [0, 0]},
                                    {"efficiency": 0.6, "block_overhead_s": [1e-4]},
-                                   {"efficiency": 0.6, "block_overhead_s": [-1e-4, 0]}, "fast"])
+                                   {"efficiency": 0.6, "block_overhead_s": [-1e-4, 0]}, "fast",
+                                   {"efficiency": True, "block_overhead_s": [0, 0]}])
 def test_a_malformed_compute_model_is_refused_naming_it(entry):
     h = {**load_hardware("h200-node"), "compute_model": {"bfloat16": entry}}
     with pytest.raises(ValueError, match=r"hardware 'h200-node': compute_model.bfloat16=.* must be"):
         machine_from_hardware(h, 8, "bfloat16")
+    with pytest.raises(ValueError, match=r"hardware 'h200-node': compute_model='fast' must map a dtype"):
+        machine_from_hardware({**h, "compute_model": "fast"}, 8, "bfloat16")
     with pytest.raises(ValueError, match=r"block overhead \(0.1, -1.0\) must be two seconds per block"):
         machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16", block_overhead_s=(0.1, -1.0))
 
@@ -110,3 +116,7 @@ def test_bench_curve_prints_a_line_the_planner_reads(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "curve", "--case", "gpt-tiny"])
     assert "give MODEL:MICROBATCH" in capsys.readouterr().err
+    for bad, message in ((["--blocks", "3"], r"--blocks 3: a middle stage of gpt-tiny \(4 blocks\) has at most 2"),
+                         (["--peak-tflops", "0"], r"--peak-tflops 0.0 must be a positive number")):
+        assert main(["bench", "curve", "--case", "gpt-tiny:1", *bad]) != 0
+        assert re.search(message, capsys.readouterr().err)
