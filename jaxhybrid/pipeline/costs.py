@@ -19,8 +19,10 @@ def _per_stage(name: str, value, stages: int) -> tuple[float, ...]:
     vals = tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else (float(value),) * stages
     if len(vals) != stages:
         raise ValueError(f"costs.{name} has {len(vals)} entries for {stages} stages; give one per stage")
-    if any(v < 0 or math.isnan(v) for v in vals):
-        raise ValueError(f"costs.{name} = {vals} has a negative or NaN entry; costs must be >= 0")
+    # An infinite cost or size has no schedule: the simulator would report makespan=inf and NaN idle times.
+    if not all(0 <= v < math.inf for v in vals):
+        raise ValueError(f"costs.{name} = {vals} has a negative, infinite or NaN entry; costs must be finite "
+                         f"and >= 0")
     return vals
 
 
@@ -60,8 +62,9 @@ class Costs:
             if any(v <= 0 for v in getattr(self, name)):
                 raise ValueError(f"costs.{name} = {getattr(self, name)}: F and BI costs must be > 0 "
                                  "(a zero-length pass on the critical path has no defined order)")
-        if self.latency < 0 or not self.bandwidth > 0:
-            raise ValueError(f"latency={self.latency} must be >= 0 and bandwidth={self.bandwidth} > 0")
+        # bandwidth may be inf (a message's size costs nothing); an infinite or NaN latency times nothing.
+        if not 0 <= self.latency < math.inf or not self.bandwidth > 0:
+            raise ValueError(f"latency={self.latency} must be finite and >= 0 and bandwidth={self.bandwidth} > 0")
 
     @classmethod
     def uniform(cls, stages: int, f: float = 1.0, bi: float = 1.0, bw: float = 1.0, *,

@@ -4,6 +4,7 @@ placed later by :class:`~jaxhybrid.pipeline.policies.FillPolicy`), except ZB-H1 
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from jaxhybrid.pipeline.tasks import Kind, Task, task
@@ -95,6 +96,9 @@ def madpipe_groups(stage_costs: Sequence[tuple[float, float]], period: float,
     back), resources of their own between the stages (a P-stage partition is 2P - 1 resources); none: free.
     """
     loads = [float(f) + float(b) for f, b in stage_costs]
+    if not math.isfinite(period):  # NaN compares false with every load, and inf groups every stage as one
+        raise ValueError(f"1F1B* period {period} must be a finite number >= {max(loads)} (the largest stage "
+                         f"load U = F + B)")
     if period < max(loads):
         worst = max(range(len(loads)), key=loads.__getitem__)
         raise ValueError(f"1F1B* period {period} is below the load U = F + B = {loads[worst]} of stage "
