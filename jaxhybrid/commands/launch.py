@@ -31,7 +31,7 @@ from pathlib import Path
 
 from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
-from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, RankWatch, failure_summary
+from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
 
 
@@ -212,11 +212,13 @@ def run(args: argparse.Namespace) -> int:
         for chunk in proc.stdout:  # relay the job's output, remembering hydra's and the ranks' reports
             for line in split_reports(chunk):
                 sys.stdout.write(line)
-                if "RUNNING AT" in line or "Abort(" in line or line.startswith("jaxhybrid"):
+                if evidence(line):
                     tail.append(line)
             sys.stdout.flush()
         rc = proc.wait()
         watch.stop()
+        if rc == 0 and any(TIMED_OUT in line for line in tail):
+            rc = 255  # hydra's usual code for a timeout; it exits 0 after one in about one run of three
         if stopped:  # not a failure: each rank said what it saved
             print(f"jaxhybrid launch: stopped by {stopped[0]} (exit code {rc})", file=sys.stderr, flush=True)
         elif rc != 0:

@@ -167,6 +167,13 @@ _OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\
 # as `jaxhybrid COMMAND` prints it (jaxhybrid.cli) before the process exits.
 REPORT_PREFIX = r"jaxhybrid(?: [\w-]+)?: "
 _SETUP_ERROR = re.compile(REPORT_PREFIX + "error: ")
+TIMED_OUT = "APPLICATION TIMED OUT"  # hydra's line when MPIEXEC_TIMEOUT (jaxhybrid launch --timeout) ran out
+
+
+def evidence(line: str) -> bool:
+    """Whether :func:`failure_summary` reads ``line`` of the job's output (the launcher keeps only these):
+    hydra's ``RUNNING AT`` and timeout lines, mpich's ``Abort(``, the ranks' own ``jaxhybrid`` reports."""
+    return "RUNNING AT" in line or "Abort(" in line or TIMED_OUT in line or line.startswith("jaxhybrid")
 
 
 def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
@@ -210,8 +217,8 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
         who = "every rank" if len(errors) >= watch.n else f"{len(errors)} of {watch.n} ranks"
         when = "" if read_pid_files(watch.pid_dir) else " before joining the job"  # no topology made
         return f"{who} failed{when}: {errors[0]}"
-    timed_out = next((line.strip() for line in output_lines if "APPLICATION TIMED OUT" in line), None)
-    if timed_out:  # hydra's line when MPIEXEC_TIMEOUT (jaxhybrid launch --timeout) ran out
+    timed_out = next((line.strip() for line in output_lines if TIMED_OUT in line), None)
+    if timed_out:
         return (f"the job ran past its time limit ({timed_out}); no rank failed first: raise --timeout "
                 f"(MPIEXEC_TIMEOUT), or look for a rank waiting on a peer (pipeline.watchdog_s)")
     return "no rank was seen to end first"
