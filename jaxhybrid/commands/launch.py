@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from jaxhybrid.commands.argtypes import positive_int
-from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
+from jaxhybrid.commands.launch_checks import check_devices, check_job, check_script, find_mpiexec, train_config
 from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
 from jaxhybrid.launch_env import RANK_CPUS_ENV
 
@@ -86,30 +85,6 @@ def job_cpus(cores: int = 0) -> list[int]:
         raise ValueError(f"--cores {cores} must be in [1, {len(cpus)}]: this process may use {len(cpus)} CPUs "
                          f"({cpus})")
     return cpus[:cores] if cores else cpus
-
-
-def find_mpiexec(explicit: str = "") -> str:
-    """``explicit`` (a path, or a name looked up on PATH as the shell would), else the venv's mpiexec
-    (the mpich wheel's), then PATH. An ``explicit`` one that cannot run is named here: Popen's own
-    error was a bare ``[Errno 2]`` (missing) or a traceback (a folder, a file without execute
-    permission), after the job's checks had passed."""
-    if explicit:
-        found = shutil.which(explicit)  # None unless an executable file (a name without "/" searches PATH)
-        if found:
-            return found
-        p = Path(explicit)
-        why = ("is not on PATH" if "/" not in explicit else "does not exist") if not p.exists() else \
-            "is a folder" if p.is_dir() else "is not executable"
-        raise ValueError(f"--mpiexec {explicit} {why}: give an MPI launcher (mpiexec or mpirun), or leave "
-                         f"--mpiexec out to use the one next to this Python")
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
-    found = shutil.which("mpiexec")
-    if not found:
-        raise FileNotFoundError("no mpiexec next to this Python nor on PATH; install the mpich wheel "
-                                "(pip install mpich) or pass --mpiexec")
-    return found
 
 
 def check_counts(n: int, timeout: int = 0) -> None:
@@ -174,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     check_counts(args.n, args.timeout)
     cpus = job_cpus(args.cores or 0)  # None: all (a typed --cores is >= 1)
     mpiexec = find_mpiexec(args.mpiexec)  # the launcher's own options before train's
+    if args.script:
+        check_script(args.script)
     train_args = train_arguments(args)
     job = None if args.script else train_config(train_args)  # a --script's arguments are its own
     per_rank = check_job(*job, args.n) if job else 1

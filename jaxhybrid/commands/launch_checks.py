@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import sys
+from pathlib import Path
 
 
 def train_config(train_args: list[str]):
@@ -76,3 +79,35 @@ def devices_per_rank(ns, cfg, n: int = 1) -> int:
     if ns.distributed:
         return devices_per_process(cfg.num_devices, n)
     return max(1, cfg.num_devices // cfg.world_size)
+
+
+def find_mpiexec(explicit: str = "") -> str:
+    """``explicit`` (a path, or a name looked up on PATH as the shell would), else the venv's mpiexec
+    (the mpich wheel's), then PATH. An ``explicit`` one that cannot run is named here: Popen's own
+    error was a bare ``[Errno 2]`` (missing) or a traceback (a folder, a file without execute
+    permission), after the job's checks had passed."""
+    if explicit:
+        found = shutil.which(explicit)  # None unless an executable file (a name without "/" searches PATH)
+        if found:
+            return found
+        p = Path(explicit)
+        why = ("is not on PATH" if "/" not in explicit else "does not exist") if not p.exists() else \
+            "is a folder" if p.is_dir() else "is not executable"
+        raise ValueError(f"--mpiexec {explicit} {why}: give an MPI launcher (mpiexec or mpirun), or leave "
+                         f"--mpiexec out to use the one next to this Python")
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("no mpiexec next to this Python nor on PATH; install the mpich wheel "
+                                "(pip install mpich) or pass --mpiexec")
+    return found
+
+
+def check_script(script: str) -> None:
+    """``--script`` is a file: a missing one started the job anyway, and every rank printed runpy's
+    FileNotFoundError traceback."""
+    if not Path(script).is_file():
+        why = "is a folder" if Path(script).is_dir() else "does not exist"
+        raise ValueError(f"--script {script} {why}: give the Python file every rank runs")

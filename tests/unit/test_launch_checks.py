@@ -156,6 +156,17 @@ def test_cores_must_be_at_least_one(cores, capsys):
     assert f"jaxhybrid launch: error: argument --cores: must be an integer >= 1 (got '{cores}')" in err
 
 
+@pytest.mark.parametrize("given, why", [("nope.py", "does not exist"), (".", "is a folder")])
+def test_a_script_that_cannot_run_is_refused_before_the_ranks_start(tmp_path, capsys, given, why):
+    """A missing --script started the job anyway: every rank printed runpy's FileNotFoundError traceback
+    and the launcher ended with 'no rank was seen to end first'."""
+    from jaxhybrid.cli import main
+
+    rc = main(["launch", "-n", "2", "--mpiexec", str(_fake_mpiexec(tmp_path)), "--script", given])
+    assert (rc, capsys.readouterr().err) == (2, f"jaxhybrid launch: error: --script {given} {why}: give the "
+                                                f"Python file every rank runs\n")
+
+
 def _fake_mpiexec(tmp_path) -> Path:
     exe = tmp_path / "mpiexec"
     exe.write_text("#!/bin/sh\n")
