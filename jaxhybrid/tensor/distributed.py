@@ -37,7 +37,11 @@ def peer_arguments(coordinator: str | None = None, num_processes: int | None = N
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--coordinator {coordinator!r} must be HOST:PORT (process 0's address)")
-        if num_processes < 1 or not 0 <= process_id < num_processes:
+        if not 1 <= int(port) <= 65535:  # else the runtime's bind or connect fails after the processes start
+            raise ValueError(f"--coordinator {coordinator!r}: port {int(port)} must be in [1, 65535]")
+        if num_processes < 1:
+            raise ValueError(f"--num-processes {num_processes} must be >= 1")
+        if not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id {process_id} must be in [0, --num-processes {num_processes})")
         return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
     if launch_env.slurm_task(env):

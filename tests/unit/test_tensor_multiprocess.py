@@ -43,3 +43,18 @@ def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
         train_cmd.check_distributed(mesh, p.parse_args(["--process-id", "0"]))
     offload = load_config(None, ["parallel.tensor_col=2", "optim.offload=true"], check=False)
     train_cmd.check_distributed(offload, p.parse_args(["--distributed"]))  # each process offloads its shards
+
+
+@pytest.mark.parametrize("args, message", [
+    (("node0:99999", 2, 0), r"--coordinator 'node0:99999': port 99999 must be in \[1, 65535\]"),
+    (("node0:0", 2, 0), r"--coordinator 'node0:0': port 0 must be in \[1, 65535\]"),
+    (("node0:1234", 0, 0), r"^--num-processes 0 must be >= 1$"),
+])
+def test_explicit_peers_name_the_value_that_is_wrong(args, message):
+    """A port past 65535 was accepted (left to the distributed runtime's bind or connect, after the
+    processes started), and --num-processes 0 was reported as '--process-id 0 must be in [0,
+    --num-processes 0)', naming the process id, which was right."""
+    from jaxhybrid.tensor.distributed import peer_arguments
+
+    with pytest.raises(ValueError, match=message):
+        peer_arguments(*args)
