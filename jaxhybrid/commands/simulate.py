@@ -55,9 +55,11 @@ def _per_stage_bytes(text: str | None, name: str, stages: int) -> tuple[float, .
     except ValueError:
         raise ValueError(f"{flag} {text!r}: expected a number of bytes, or one per stage separated by commas") \
             from None
-    if len(vals) not in (1, stages) or any(not v >= 0 or math.isinf(v) for v in vals):
-        raise ValueError(f"{flag} {text!r}: give one finite value >= 0, or {stages} (one per stage), not "
-                         f"{len(vals)}")
+    if len(vals) not in (1, stages):
+        raise ValueError(f"{flag} {text!r}: give one value, or {stages} (one per stage), not {len(vals)}")
+    bad = next((v for v in vals if not 0 <= v < math.inf), None)  # the value at fault, not the count
+    if bad is not None:
+        raise ValueError(f"{flag} {text!r}: {bad:g} is not a finite number >= 0")
     return vals * stages if len(vals) == 1 else vals
 
 

@@ -292,7 +292,7 @@ def test_simulate_peak_bytes_follow_the_given_activation_and_residual_bytes(caps
     unit = json.loads(capsys.readouterr().out)["per_rank"]
     for r, u in zip(split, unit):  # residuals cheaper than activations: below 3 per stashed item, above 1
         assert r["peak_stashed"] == u["peak_stashed"] and u["peak_stashed"] <= r["peak_bytes"] < 3 * u["peak_stashed"]
-    with pytest.raises(ValueError, match=r"^--residual-bytes '1,2': give one finite value >= 0, or 4"):
+    with pytest.raises(ValueError, match=r"^--residual-bytes '1,2': give one value, or 4"):
         _run(*base, "--residual-bytes", "1,2")
     with pytest.raises(ValueError, match=r"^--activation-bytes 'x': expected a number of bytes"):
         _run(*base, "--activation-bytes", "x")

@@ -49,3 +49,13 @@ def test_finite_values_still_simulate(capsys):
     assert _run(*BASE, "--costs", "1,2,1", "--latency", "0.5") == 0
     assert "makespan=" in capsys.readouterr().out
     assert _run("simulate", "--schedule", "1f1b-star", "--stages", "2", "--microbatches", "4", "--period", "5") == 0
+
+
+@pytest.mark.parametrize("flag", ["--activation-bytes", "--residual-bytes"])
+def test_a_bad_byte_value_is_named_not_its_count(flag):
+    """``--activation-bytes nan`` said 'give one finite value >= 0, or 2 (one per stage), not 1': the
+    count was right, the value was not."""
+    with pytest.raises(ValueError, match=rf"^{flag} '1,nan': nan is not a finite number >= 0$"):
+        _run(*BASE, "--split-backward", flag, "1,nan")
+    with pytest.raises(ValueError, match=rf"^{flag} '1,2,3': give one value, or 2 \(one per stage\), not 3$"):
+        _run(*BASE, "--split-backward", flag, "1,2,3")
