@@ -131,12 +131,14 @@ def load_hardware(name_or_path: str) -> dict:
         hw = load_checked(name_or_path)
     except FileNotFoundError:
         raise FileNotFoundError(f"hardware {name_or_path!r} not found in {HARDWARE_DIR}; {usable}") from None
-    for k in ("name", "memory_bytes", "gpus_per_node"):
-        if k not in hw:
-            raise ValueError(f"hardware file {name_or_path!r} is missing '{k}'")
     if not _has_bandwidths(hw):
         raise ValueError(f"hardware {name_or_path!r} has no bandwidth.intra_node / bandwidth.inter_node keys, so "
                          f"it serves MFU bookkeeping in training runs but not the planner; {usable}")
+    from jaxhybrid.planner.hardware_checks import planner_key_errors
+
+    errors = planner_key_errors(hw)
+    if errors:
+        raise ValueError(f"hardware file {name_or_path}: {'; '.join(errors)}")
     return hw
 
 
