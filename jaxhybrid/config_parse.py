@@ -189,14 +189,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def read_text(p: Path, what: str) -> str:
+    """``p``'s text, for every file a user names (configs, hardware files, plans, profiles). One that is
+    not UTF-8, a binary given by mistake, is named with ``what`` it was read as: Python's own
+    UnicodeDecodeError names neither."""
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML override file; ``include: other.yaml`` pulls another file in first (``_chain``: the
     files that included this one, so a cycle is named rather than recursed into)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder; give a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
+    text = read_text(p, "config file")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

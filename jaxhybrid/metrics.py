@@ -157,8 +157,11 @@ def load_hardware(name: str) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"hardware {name!r} not found in {HARDWARE_DIR}; available: "
                                 f"{', '.join(hardware_names()) or 'none'}, or a path to such a YAML file")
+    from jaxhybrid.config_parse import read_text
+
+    text = read_text(p, "hardware file")
     try:
-        hw = yaml.safe_load(p.read_text())
+        hw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"hardware file {p} is malformed YAML: {e}") from None
     peaks = hw.get("peak_tflops") if isinstance(hw, dict) else None

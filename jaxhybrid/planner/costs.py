@@ -84,8 +84,11 @@ def read_json(path: str | Path, what: str):
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} not found: {p}")
+    from jaxhybrid.config_parse import read_text
+
+    text = read_text(p, what)
     try:
-        return json.loads(p.read_text())
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} {p} is not valid JSON: {e}") from None
 
