@@ -125,3 +125,20 @@ def reserve_device_memory(env=None) -> str:
     if env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
         return env.get(MEM_FRACTION_ENV, "")
     return env.setdefault(MEM_FRACTION_ENV, str(DEVICE_MEMORY_FRACTION))
+
+
+def terminal_signals(pid: int) -> bool:
+    """Whether a Ctrl-C typed at this process's controlling terminal reaches process ``pid`` too (the
+    terminal signals its foreground process group): then `jaxhybrid launch` must not pass its own SIGINT
+    on to mpiexec, which got one already and would count a second as "stop at once". Without a terminal,
+    or with mpiexec in the background, a SIGINT was sent to the launcher alone (or ``pid`` has ended)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgid(pid)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -31,7 +31,7 @@ from pathlib import Path
 from jaxhybrid.commands.argtypes import positive_int
 from jaxhybrid.commands.launch_checks import check_devices, check_job, check_script, find_mpiexec, train_config
 from jaxhybrid.commands.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
-from jaxhybrid.launch_env import RANK_CPUS_ENV
+from jaxhybrid.launch_env import RANK_CPUS_ENV, terminal_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
             stopped.append(signal.Signals(signum).name)
             proc.send_signal(signum)
 
-        def ctrl_c(signum, frame):  # the terminal sent it to mpiexec too, which passes it on: await the saves
+        def ctrl_c(signum, frame):  # await the saves
+            if not terminal_signals(proc.pid):  # kill -INT, a supervisor: sent to the launcher alone
+                proc.send_signal(signum)  # else the terminal sent it to mpiexec too, which passes it on
             if stopped:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop waiting
             stopped.append("SIGINT")

@@ -26,3 +26,38 @@ def test_a_job_past_its_timeout_fails_and_is_named_as_such(tmp_path, run):
     assert r.returncode != 0 and lines, (r.returncode, r.stdout, r.stderr)
     assert lines[-1].startswith("jaxhybrid launch: the job ran past its time limit ("), r.stderr
     assert "APPLICATION TIMED OUT" in lines[-1] and "raise --timeout" in lines[-1], r.stderr
+
+
+def test_sigint_to_the_launcher_alone_stops_the_job(tmp_path):
+    """SIGINT sent to `jaxhybrid launch` alone (``kill -INT``, ``timeout -s INT``, a supervisor; no terminal
+    that signals mpiexec's process group too) was swallowed: the job trained to its last step, and the
+    launcher then said ``stopped by SIGINT (exit code 0)``. It now passes the signal on, as it does SIGTERM,
+    and the ranks stop after a saved step. The launcher runs in a session of its own, with no controlling
+    terminal, as under a supervisor."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "120", "--config",
+           str(root / "configs" / "runs" / "tiny.yaml"), "--set", "parallel.data=2", "--set", "train.steps=100000",
+           "--set", f"run.dir={run}", "--set", "train.eval_every=0", "--set", "metrics.tensorboard=false"]
+    env = {**os.environ, "MPIEXEC_TIMEOUT": "120"}
+    p = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.time() + 120
+        while time.time() < deadline and p.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # its session: the launcher, mpiexec and the ranks
+    assert p.returncode == 130, (out[-2000:], err[-2000:])
+    assert err.strip().splitlines()[-1] == "jaxhybrid launch: stopped by SIGINT (exit code 130)", err[-2000:]
+    steps = [sorted(int(d.name) for d in (run / "checkpoints" / f"rank_{r}").iterdir()) for r in (0, 1)]
+    assert steps[0] == steps[1] and steps[0][-1] < 100000, steps
