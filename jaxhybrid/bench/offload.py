@@ -29,12 +29,13 @@ from jaxhybrid.commands.argtypes import positive_int
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="run config YAML (default: built-in defaults)")
     p.add_argument("--model", default=None, help="model preset (overrides the config's model)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override as in train (repeatable)")
     p.add_argument("--compute-dtype", default="bfloat16", help="Myelin's 4 phi assumes half precision")
     p.add_argument("--bucket-size", type=int, default=0,
                    help="elements per bucket; 0 = optim.bucket_size, capped at params // 16")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed rounds")
     p.add_argument("--no-sweep", action="store_true", help="skip the mpirun -n 2 k sweep")
     p.add_argument("--tensor", default=None, metavar="DATA,DEPTH,ROW,COL",
                    help="instead: the per-device offload on this tensor mesh against the on-device update")

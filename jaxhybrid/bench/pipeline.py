@@ -41,19 +41,20 @@ WORKER_FLAG = "--worker"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=positive_int, required=True, help="pipeline stages P (= MPI ranks)")
-    p.add_argument("--schedule", default="1f1b-1")
+    p.add_argument("--schedule", default="1f1b-1", help="pipeline.schedule, as in simulate --schedule")
     p.add_argument("--microbatches", type=int, default=0, help="default: what the schedule implies (P or 2P)")
     p.add_argument("--model", default="gpt-small-cpu", help="model preset")
     p.add_argument("--layers", type=int, default=0, help="override n_layers (default: preset, at least P)")
-    p.add_argument("--microbatch-size", type=positive_int, default=4)
-    p.add_argument("--seq", type=positive_int, default=128)
-    p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py"))
+    p.add_argument("--microbatch-size", type=positive_int, default=4, help="sequences per microbatch")
+    p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py"),
+                   help="pipeline.transport: how activations cross the stages")
     p.add_argument("--weight-join", default="auto", choices=("auto", "sum", "concat"),
                    help="pipeline.weight_join: how a deferred weight pass takes several microbatches")
-    p.add_argument("--rounds", type=positive_int, default=5)
-    p.add_argument("--warmup", type=nonnegative_int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=5, help="timed rounds, each running every variant once")
+    p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first (compiling)")
     p.add_argument("--cores", type=positive_int, default=None, help="cores shared by the ranks (default: all)")
-    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--timeout", type=int, default=600, help="seconds the mpirun job may take (MPIEXEC_TIMEOUT)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
 

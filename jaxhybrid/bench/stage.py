@@ -63,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", default="4", help="N (a middle stage of N blocks) or LO:HI (block range)")
     p.add_argument("--microbatch-size", type=positive_int, default=None, help="default: the config's, else 4")
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the config's data.seq_len")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--remat", default="none", choices=REMATS)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the config's precision.compute_dtype)")
+    p.add_argument("--remat", default="none", choices=REMATS, help="train.remat of the stage's blocks")
     p.add_argument("--concat", type=positive_int, default=4, help="K microbatches for the concatenated weight pass")
     p.add_argument("--repeats", type=positive_int, default=25, help="timed rounds (median reported)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")

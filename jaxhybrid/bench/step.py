@@ -21,9 +21,10 @@ from jaxhybrid.bench import round_ratios
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="run config YAML (default: the config defaults, gpt-tiny)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override as in train (repeatable)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of both steps (the median of each is compared)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 

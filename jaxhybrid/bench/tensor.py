@@ -36,12 +36,12 @@ def grid_shapes(text: str) -> list[tuple[int, int, int, int]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help="model preset")
-    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--layers", type=positive_int, default=2, help="override the preset's n_layers")
     p.add_argument("--batch", type=positive_int, default=8, help="global batch (sequences)")
-    p.add_argument("--seq", type=positive_int, default=32)
+    p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence")
     p.add_argument("--devices", type=positive_int, default=8, help="fake CPU devices when JAX is not started yet")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed rounds")
     p.add_argument("--ladder-shape", default=[(1, 2, 2, 2)], type=grid_shapes,
                    help="G_data,G_d,G_r,G_c for the A-E ladder (default 1,2,2,2)")
     p.add_argument("--only", default=None, type=grid_shapes,

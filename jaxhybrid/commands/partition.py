@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processors", type=int, required=True, help="P, number of GPUs")
     p.add_argument("--memory", type=float, required=True, help="M, bytes per GPU")
     p.add_argument("--bandwidth", type=float, required=True, help="beta, bytes/s between GPUs")
-    p.add_argument("--algorithm", choices=("madpipe", "pipedream"), default="madpipe")
+    p.add_argument("--algorithm", choices=("madpipe", "pipedream"), default="madpipe",
+                   help="madpipe: MadPipe's DP with a special processor and period search; pipedream: PipeDream's DP "
+                        "(both then scheduled by 1F1B*)")
     p.add_argument("--grid", type=grid_sizes, default="101,11,51", help="MadPipe grid sizes of t_P, m_P, V")
     p.add_argument("--iterations", type=positive_int, default=10, help="K of MadPipe's Algorithm 1 (>= 1)")
     p.add_argument("--profile-model", default="", metavar="CFG", help="instead of reading --profile, profile the "
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"max_seq_len (default: a run config's data.seq_len, or max_seq_len for a preset){only}")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help=f"compute dtype (default: a run config's precision.compute_dtype, or float32){only}")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: algorithm, period_s, valid_period_s, stages (layers, processor)")
 
 
 def result_json(alloc) -> dict:

@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="share of each device's memory a plan may fill (default: the hardware file's "
                    "usable_memory_fraction, else 0.9; the rest is CUDA context, XLA scratch, fragmentation)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: the plans, notes and the config's own layout (config_layout)")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
 
 

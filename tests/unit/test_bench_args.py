@@ -66,7 +66,7 @@ def test_help_states_each_default_once(capsys):
     with pytest.raises(SystemExit):
         bench.prepare(argparse.Namespace(name="tensor", rest=["--help"]))
     tensor = " ".join(capsys.readouterr().out.split())
-    assert "--layers LAYERS default: 2" in tensor and "--rounds ROUNDS default: 3" in tensor
+    assert "--layers LAYERS override the preset's n_layers (default: 2)" in tensor and "--rounds ROUNDS timed rounds (default: 3)" in tensor
 
 
 @pytest.mark.parametrize("grid", ["21,11", "21,11,11,4", "a,b,c", "21,1,11"])
