@@ -56,19 +56,21 @@ def check_seq_len(seq_len: int | None, model, flag: str = "--seq-len") -> None:
         raise ValueError(f"{flag} {seq_len} must be at most {model.name}'s max_seq_len={model.max_seq_len}")
 
 
-def check_writable(path: str | Path, flag: str, directory: bool = False, hint: str = "") -> None:
+def check_writable(path: str | Path, flag: str, directory: bool = False, hint: str = "",
+                   parents: bool = False) -> None:
     """``path`` can be written where the command will write it after its slow part: a file (its folder
-    must exist, nothing makes it) or, with ``directory``, a folder (made with its parents if missing).
-    The folder that would take the new entry is probed with a temporary file, since as root ``os.access``
-    calls even /proc writable. Errors name ``flag`` and the path (``flag`` ending in ``=``: a config key,
-    as ``run.dir=``), then ``hint``."""
+    must exist, unless ``parents``: the writer makes missing folders) or, with ``directory``, a folder
+    (made with its parents if missing). The folder that would take the new entry is probed with a
+    temporary file, since as root ``os.access`` calls even /proc writable. Errors name ``flag`` and the
+    path (``flag`` ending in ``=``: a config key, as ``run.dir=``), then ``hint``."""
     p = Path(path)
     what = f"{flag}{path}" if flag.endswith("=") else f"{flag} {path}"
     if p.is_dir() != directory and p.exists():
         want = "a directory" if directory else "a file"
         raise ValueError(f"{what} is {'a directory' if p.is_dir() else 'a file'}; give {want}{hint}")
     where = p.absolute()
-    near = next(d for d in (where, *where.parents) if d.exists()) if directory else where.parent
+    made = (where, *where.parents) if directory else where.parents if parents else ()  # folders made on the way
+    near = next(d for d in made if d.exists()) if made else where.parent
     if not near.is_dir():
         why = "is not a directory" if near.exists() else "does not exist"
         raise ValueError(f"{what} cannot be written: {near} {why}{hint}")

@@ -12,7 +12,7 @@ import json
 import math
 import re
 
-from jaxhybrid.commands.argtypes import positive_int
+from jaxhybrid.commands.argtypes import check_writable, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages} must be >= 1")
+    for flag, path in (("--trace", args.trace), ("--png", args.png)):
+        if path:  # before the simulation; the writers make missing folders
+            check_writable(path, flag, parents=True)
     # The command's flags, not make_schedule's parameter names, in the errors a user can fix here.
     key = args.schedule.lower()  # an unknown name is left to make_schedule, which lists the valid ones
     if args.microbatches is None and key in SCHEDULE_NAMES and not re.fullmatch(r"1f1b-\d+", key):
