@@ -109,10 +109,13 @@ def cpu_devices(environ) -> int:
     """CPU devices this process will drive, from what JAX reads when it starts: ``JAX_NUM_CPU_DEVICES``,
     which JAX's CPU client takes over the flag when it is set, else ``--xla_force_host_platform_device_count``
     in ``XLA_FLAGS``, else 1."""
+    m = re.search(DEVICE_COUNT_FLAG + r"=(\S*)", environ.get("XLA_FLAGS", ""))
+    if m and not m.group(1).isdigit():  # XLA itself aborts every process on it, dumping all its flags
+        raise ValueError(f"XLA_FLAGS sets {DEVICE_COUNT_FLAG}={m.group(1)}: give a whole number of CPU devices, "
+                         f"e.g. {DEVICE_COUNT_FLAG}=8")
     n = environ.get("JAX_NUM_CPU_DEVICES", "").strip()  # JAX names a malformed value itself, later
     if n.isdigit():
         return max(1, int(n))
-    m = re.search(DEVICE_COUNT_FLAG + r"=(\d+)", environ.get("XLA_FLAGS", ""))
     return int(m.group(1)) if m else 1
 
 

@@ -84,6 +84,23 @@ def test_one_arena_only_for_a_single_cpu_device():
     assert cpu_devices({"JAX_NUM_CPU_DEVICES": "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}) == 2
 
 
+def test_a_device_count_flag_that_is_no_number_is_one_error(tmp_path):
+    """``XLA_FLAGS=--xla_force_host_platform_device_count=abc``: `jaxhybrid train` ended in XLA's fatal
+    flag-parse abort and a 90-line dump of every XLA flag, and `jaxhybrid launch` said "your  (kept by the
+    launcher) gives each of the 4 ranks 1 CPU device(s)", naming nothing. Now both stop with one line."""
+    with pytest.raises(ValueError, match=r"^XLA_FLAGS sets --xla_force_host_platform_device_count=abc: "):
+        cpu_devices({"XLA_FLAGS": "--xla_force_host_platform_device_count=abc"})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=abc"}
+    for argv in (["train", "--config", "configs/runs/tiny.yaml", "--set", f"run.dir={tmp_path}/run"],
+                 ["launch", "-n", "4", "--dry-run", "--", "--config", "configs/runs/hybrid.yaml"]):
+        r = subprocess.run([sys.executable, "-m", "jaxhybrid", *argv], env=env, cwd=root, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+        assert r.stderr.startswith(f"jaxhybrid {argv[0]}: error: XLA_FLAGS sets "
+                                   f"--xla_force_host_platform_device_count=abc: "), r.stderr[-3000:]
+
+
 CLI_PROBE = textwrap.dedent("""
     import json, os, sys
     import jaxhybrid.commands.bench as bench
