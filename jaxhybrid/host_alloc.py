@@ -99,10 +99,13 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def default_cpu_devices(n: int) -> None:
-    """``n`` fake CPU devices for this process, unless ``XLA_FLAGS`` is already set (the user's choice
-    wins). Only before JAX's backend starts, which reads it; before :func:`configure_host_malloc`, which
-    reads the count too."""
-    os.environ.setdefault("XLA_FLAGS", f"{DEVICE_COUNT_FLAG}={n}")
+    """``n`` fake CPU devices for this process, unless the environment sets a count (``XLA_FLAGS``' flag
+    or ``JAX_NUM_CPU_DEVICES``: the user's choice wins). Other XLA flags are kept and the count is added
+    to them: a set ``XLA_FLAGS`` used to mean one device. Only before JAX's backend starts, which reads
+    it; before :func:`configure_host_malloc`, which reads the count too."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags and not os.environ.get("JAX_NUM_CPU_DEVICES", "").strip():
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
 
 
 def cpu_devices(environ) -> int:

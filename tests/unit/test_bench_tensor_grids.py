@@ -28,3 +28,26 @@ def test_ladder_default_named():
 def test_only_grid_named():
     with pytest.raises(ValueError, match=r"^--only grid 1,1,1,3 has 3 devices"):
         tensor.run(_args("--only", "1,1,1,3"))
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "--xla_force_host_platform_device_count=4"),
+    ({"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
+     "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=4"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, "--xla_force_host_platform_device_count=2"),
+    ({"XLA_FLAGS": "--xla_cpu_foo=1", "JAX_NUM_CPU_DEVICES": "2"}, "--xla_cpu_foo=1"),
+])
+def test_devices_apply_unless_the_environment_sets_a_count(monkeypatch, env, want):
+    """``bench tensor --devices 4`` (and ``bench offload --tensor``'s mesh) gave one device whenever
+    ``XLA_FLAGS`` was set at all, even to flags that set no device count, and then said "--devices sets the
+    fake CPU devices". A count the user set (the flag, or ``JAX_NUM_CPU_DEVICES``) still wins."""
+    from jaxhybrid.host_alloc import default_cpu_devices
+
+    for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    default_cpu_devices(4)
+    import os
+
+    assert os.environ["XLA_FLAGS"] == want
