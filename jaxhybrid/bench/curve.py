@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.commands.argtypes import positive_int
-from jaxhybrid.metrics import forward_flops, hardware_for_device
+from jaxhybrid.metrics import forward_flops, run_peak_flops
 
 
 def _case(text: str) -> tuple[str, int]:
@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     peak = args.peak_tflops
     if peak is not None and not 0 < peak < float("inf"):
         raise ValueError(f"--peak-tflops {peak} must be a positive number")
-    if peak is None:
-        hw = hardware_for_device(device)
-        peak = (hw or {}).get("peak_tflops", {}).get(dtype)
-        if not peak:
-            raise ValueError(f"no configs/hardware file gives {device.device_kind!r}'s {dtype} peak: pass --peak-tflops")
+    if peak is None:  # the peak a training run's MFU divides by (metrics.hardware: auto)
+        flops, why = run_peak_flops("auto", dtype, device)
+        if flops is None:
+            raise ValueError(f"{why}; or pass --peak-tflops")
+        peak = flops / 1e12
     cases = args.cases or [("gpt-tiny", b) for b in (1, 2, 4, 8)]
     for name in {name for name, _ in cases}:  # every case checked before the first is measured
         n = resolve_model(name).n_layers

@@ -16,6 +16,7 @@ from jaxhybrid.commands.argtypes import check_seq_len, check_writable, positive_
 from jaxhybrid.model.config import PRESETS, resolve_model
 from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
 from jaxhybrid.config import OptimConfig
+from jaxhybrid.metrics import peak_tflops
 from jaxhybrid.planner.plan import PLAN_KEYS, check_gpus, config_layout, latency_notes, machine_from_hardware, \
     rank_plans, score_config, write_plan
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or (cfg.precision.compute_dtype if cfg else "bfloat16")
     machine = machine_from_hardware(hw, args.gpus_per_node, dtype, args.efficiency, args.memory_fraction,
                                     args.block_overhead)
-    efficiency = machine.flops_per_s / (float(hw["peak_tflops"][dtype]) * 1e12)
+    efficiency = machine.flops_per_s / (peak_tflops(hw, dtype) * 1e12)  # the file's, or --efficiency
     gb = args.global_batch if args.global_batch is not None else (cfg.train.global_batch if cfg else 512)
     seq = args.seq_len if args.seq_len is not None else (cfg.data.seq_len if cfg else model.max_seq_len)
     bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold

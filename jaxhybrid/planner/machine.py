@@ -5,6 +5,7 @@ usable memory per device, and the network of AxoNN's model.
 from __future__ import annotations
 
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
+from jaxhybrid.metrics import peak_tflops
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine
 
@@ -70,7 +71,7 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
     flash = hw.get("flash_attention", False)
     if not isinstance(flash, bool):
         raise ValueError(f"hardware {hw['name']!r}: flash_attention={flash!r} must be true or false")
-    peak = float(hw["peak_tflops"][dtype]) * 1e12
+    peak = peak_tflops(hw, dtype) * 1e12
     return Machine(peak * efficiency, float(hw["memory_bytes"]) * memory_fraction,
                    Network.from_hardware(hw, gpus_per_node), DTYPE_BYTES[dtype], flash, over)
 
