@@ -12,13 +12,22 @@ from __future__ import annotations
 import math
 
 
-def _positive(value) -> bool:
-    """A finite number > 0, written as YAML reads it: PyYAML takes ``80.0e9`` (no exponent sign) for a
-    string, which the shipped files hold and the planner converts with ``float``."""
+def as_number(value) -> float | None:
+    """``value`` as a float, written as YAML reads it, else None (a boolean too). PyYAML takes a float with
+    no dot or no exponent sign (``80.0e9``, ``2e-05``) for a string; the shipped files hold such numbers and
+    ``json.dumps`` prints them, so the planner converts with ``float``."""
+    if isinstance(value, bool):
+        return None
     try:
-        return not isinstance(value, bool) and 0 < float(value) < math.inf
+        return float(value)
     except (TypeError, ValueError):
-        return False
+        return None
+
+
+def _positive(value) -> bool:
+    """A finite number > 0 (:func:`as_number`)."""
+    v = as_number(value)
+    return v is not None and 0 < v < math.inf
 
 
 def _count(value) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.metrics import peak_tflops
 from jaxhybrid.planner.comm_model import Network
+from jaxhybrid.planner.hardware_checks import as_number
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak where the hardware file measured no compute_model
@@ -16,7 +17,7 @@ def overheads_ok(over) -> bool:
     """Two seconds per block (forward, backward), each a real number in [0, 1): the one rule for the
     hardware file's ``block_overhead_s``, ``plan --block-overhead`` and :func:`machine_from_hardware`."""
     return isinstance(over, (list, tuple)) and len(over) == 2 and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 for v in over)
+        (n := as_number(v)) is not None and 0 <= n < 1 for v in over)
 
 
 def compute_model(hw: dict, dtype: str) -> tuple[float | None, tuple[float, float]]:
@@ -30,8 +31,9 @@ def compute_model(hw: dict, dtype: str) -> tuple[float | None, tuple[float, floa
     entry = models.get(dtype)
     if entry is None:
         return None, (0.0, 0.0)
-    eff, over = (entry.get("efficiency"), entry.get("block_overhead_s")) if isinstance(entry, dict) else (None, None)
-    if not (isinstance(eff, (int, float)) and not isinstance(eff, bool) and 0 < eff <= 1 and overheads_ok(over)):
+    eff, over = (as_number(entry.get("efficiency")), entry.get("block_overhead_s")) if isinstance(entry, dict) \
+        else (None, None)
+    if not (eff is not None and 0 < eff <= 1 and overheads_ok(over)):
         raise ValueError(f"hardware {hw['name']!r}: compute_model.{dtype}={entry!r} must be {{efficiency: a fraction "
                          f"in (0, 1], block_overhead_s: [forward, backward] seconds per block, each in [0, 1)}}")
     return float(eff), (float(over[0]), float(over[1]))

@@ -25,6 +25,11 @@ def test_the_hardware_files_compute_model_sets_the_efficiency_and_the_block_over
     m = machine_from_hardware(h, 8, "bfloat16", block_overhead_s=(0.0, 0.0))
     assert m.flops_per_s == pytest.approx(989e12 * 0.61) and m.block_overhead_s == (0.0, 0.0)
     assert machine_from_hardware(h, 8, "bfloat16", 0.5, block_overhead_s=(1e-4, 2e-4)).block_overhead_s == (1e-4, 2e-4)
+    # Numbers as YAML reads them: a float with no dot (``2e-05``, as json.dumps prints it) is a string.
+    import yaml
+    h = {**h, **yaml.safe_load("compute_model: {bfloat16: {efficiency: 2e-01, block_overhead_s: [8e-05, 2e-04]}}")}
+    m = machine_from_hardware(h, 8, "bfloat16")
+    assert m.flops_per_s == pytest.approx(989e12 * 0.2) and m.block_overhead_s == (8e-5, 2e-4)
 
 
 @pytest.mark.parametrize("entry", [{"efficiency": 1.5, "block_overhead_s": [0, 0]},
