@@ -11,14 +11,14 @@ Names resolve lazily so that device-free commands (simulate, plan, partition) do
 import importlib
 
 _EXPORTS = {
-    "Config": "jaxhybrid.config", "ConfigError": "jaxhybrid.config", "load_config": "jaxhybrid.config",
-    "PRESETS": "jaxhybrid.model.config", "ModelConfig": "jaxhybrid.model.config",
+    "Config": "jaxhybrid.core.config.schema", "ConfigError": "jaxhybrid.core.config.schema", "load_config": "jaxhybrid.core.config.schema",
+    "PRESETS": "jaxhybrid.core.config.model", "ModelConfig": "jaxhybrid.core.config.model",
     "Model": "jaxhybrid.model.transformer", "Ops": "jaxhybrid.model.layers",
-    "GradEngine": "jaxhybrid.step", "LocalEngine": "jaxhybrid.step",
-    "Task": "jaxhybrid.pipeline.tasks", "Kind": "jaxhybrid.pipeline.tasks", "Schedule": "jaxhybrid.pipeline.tasks",
+    "GradEngine": "jaxhybrid.runtime.engines.base", "LocalEngine": "jaxhybrid.runtime.engines.base",
+    "Task": "jaxhybrid.parallel.pipeline.tasks", "Kind": "jaxhybrid.parallel.pipeline.tasks", "Schedule": "jaxhybrid.parallel.pipeline.tasks",
 }
 __all__ = list(_EXPORTS)
-__version__ = "0.1.0"
+from jaxhybrid.core import __version__  # noqa: E402
 
 
 def __getattr__(name):

@@ -1,5 +1,5 @@
 import sys
 
-from jaxhybrid.cli import main
+from jaxhybrid.cli.main import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 
-from jaxhybrid.launch_env import bind_rank_cpus
+from jaxhybrid.core.launch_env import bind_rank_cpus
 
 bind_rank_cpus()  # before JAX sizes its thread pool (a --script is not pinned by the launcher)
 
@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from jaxhybrid.bench.pipeline import step_wall  # noqa: E402
-from jaxhybrid.pipeline.mpi4py_transport import Mpi4pyTransport  # noqa: E402
-from jaxhybrid.pipeline.transport import Envelope, MsgKind, wait_message  # noqa: E402
+from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport  # noqa: E402
+from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message  # noqa: E402
 
 DEPTHS = (0, 2)
 
@@ -78,10 +78,10 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=20.0)
     ap.add_argument("--sizes-kib", default="64,4096", help="message sizes of the exposed-time measurement")
     a = ap.parse_args()
-    from jaxhybrid.config import config_from_dict
+    from jaxhybrid.runtime.config_load import config_from_dict
     from jaxhybrid.model import Model
-    from jaxhybrid.pipeline.runner import PipelineEngine
-    from jaxhybrid.topology import Topology
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+    from jaxhybrid.parallel.pipeline.topology import Topology
 
     world = MPI.COMM_WORLD
     p, m = world.size, 2 * world.size

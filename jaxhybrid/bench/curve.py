@@ -1,7 +1,7 @@
 """``jaxhybrid bench curve``: measure the planner's compute curve on this device and fit it.
 
 For each ``--case MODEL:MICROBATCH`` it times a middle stage of ``--blocks`` blocks, forward and fused
-backward (:class:`~jaxhybrid.model.stage.Stage`), and fits ``seconds per block = flops / (efficiency x
+backward (:class:`~jaxhybrid.parallel.twobp.stage.Stage`), and fits ``seconds per block = flops / (efficiency x
 peak) + overhead`` (:func:`~jaxhybrid.planner.machine.fit_compute_model`), which a hardware file's
 ``compute_model`` holds for ``jaxhybrid plan``. On a GPU the time is the device's busy time, from the
 profiler's device timeline (the sum of the call's kernel durations). It has no host dispatch in it, which
@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.commands.argtypes import positive_int
-from jaxhybrid.metrics import forward_flops, run_peak_flops
+from jaxhybrid.core.argtypes import positive_int
+from jaxhybrid.model.flops import forward_flops
+from jaxhybrid.core.hardware import run_peak_flops
 
 
 def _case(text: str) -> tuple[str, int]:
-    from jaxhybrid.model.config import PRESETS
+    from jaxhybrid.core.config.model import PRESETS
 
     name, _, mb = text.partition(":")
     if name not in PRESETS or not mb.isdigit() or int(mb) < 1:
@@ -74,7 +75,7 @@ def busy_times(calls: dict, repeats: int) -> tuple[dict[str, float], str]:
 
 def run(args: argparse.Namespace) -> int:
     from jaxhybrid.model import Model, resolve_model
-    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.parallel.twobp.stage import Stage
     from jaxhybrid.planner.machine import fit_compute_model
 
     device = jax.devices()[0]

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxhybrid.bench import round_ratios
-from jaxhybrid.commands.argtypes import positive_int
+from jaxhybrid.core.argtypes import positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,14 +71,14 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import model_state_bytes
     from jaxhybrid.optim.offload import OffloadedOptimizer
     from jaxhybrid.optim.offload_updater import OffloadUpdater
-    from jaxhybrid.step import LocalEngine
-    from jaxhybrid.build import committed
+    from jaxhybrid.runtime.engines.base import LocalEngine
+    from jaxhybrid.runtime.engines.build import committed
 
     over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])
     cfg = load_config(args.config, over + [f"precision.compute_dtype={args.compute_dtype}"])
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(n: int, bsize: int, dtype: str) -> dict:
-    from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
+    from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
 
     root = Path(__file__).resolve().parents[2]
     # The launcher's per-rank settings: threads sized to cores / ranks, a timeout, CPU-only.

@@ -32,7 +32,7 @@ def main() -> None:
     import optax
     from mpi4py import MPI
 
-    from jaxhybrid.optim.allreduce import iter_reduced_chunks
+    from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks
     from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 
     world = MPI.COMM_WORLD

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxhybrid.host_alloc import default_cpu_devices
+from jaxhybrid.runtime.host_alloc import default_cpu_devices
 
 
 def _mesh(spec: str) -> tuple[int, int, int, int]:
@@ -39,13 +39,13 @@ def run_tensor(args) -> int:
     d, dep, r, c = _mesh(args.tensor)
     import jax
 
-    from jaxhybrid.build import committed
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.engines.build import committed
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import live_device_bytes, model_state_bytes, params_per_device
     from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
-    from jaxhybrid.tensor.engine import TensorEngine
+    from jaxhybrid.runtime.engines.tensor import TensorEngine
 
     over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])
     over += [f"precision.compute_dtype={args.compute_dtype}", f"parallel.data={d}", f"parallel.tensor_depth={dep}",

@@ -13,7 +13,8 @@ import math
 import sys
 import time
 
-from jaxhybrid.commands.argtypes import grid_sizes, positive_int
+from jaxhybrid.planner.madpipe_dp import grid_sizes
+from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.costs import resnet50_chain, transformer_chain
 from jaxhybrid.planner.madpipe import madpipe

@@ -21,7 +21,7 @@ phase, its gradients computed (no optimizer). Printed JSON:
 
 Those runs time every task (``PipelineEngine.time_tasks``: each waits for its kernel), which the kernel
 medians need. The fused and 2BP schedules also run as training runs them, dispatching asynchronously
-(Myelin Sec. IV-A, :mod:`~jaxhybrid.pipeline.engine`), in the same rounds: ``step_s_median`` per run and
+(Myelin Sec. IV-A, :mod:`~jaxhybrid.parallel.pipeline.event_loop`), in the same rounds: ``step_s_median`` per run and
 ``async_over_sync`` (median step time, asynchronous over timed, per schedule; < 1 is the host dispatch
 the timed loop left the device idle for).
 """
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from jaxhybrid.commands.argtypes import nonnegative_int, positive_int
+from jaxhybrid.core.argtypes import nonnegative_int, positive_int
 
 WORKER_FLAG = "--worker"
 
@@ -68,8 +68,8 @@ def default_microbatches(schedule: str, p: int) -> int:
 def theoretical_gain(schedule: str, p: int, m: int, costs=None) -> float:
     """Makespan(fused) / makespan(2BP) under ``costs`` (default: unit F, BI, BW, 2BP Table 1's assumption;
     the fused B then costs BI + BW)."""
-    from jaxhybrid.pipeline.schedule import make_schedule
-    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.simulate import simulate
 
     fused = simulate(make_schedule(schedule, p, m, split_backward=False), costs).makespan
     split = simulate(make_schedule(schedule, p, m, split_backward=True), costs).makespan
@@ -88,12 +88,12 @@ def kernel_seconds(events) -> dict[tuple[int, str], list[float]]:
 
 
 def measured_costs(per_step: list[dict], stages: int):
-    """:class:`~jaxhybrid.pipeline.costs.Costs` from the kernels this run timed (:func:`kernel_seconds` of
+    """:class:`~jaxhybrid.parallel.pipeline.costs.Costs` from the kernels this run timed (:func:`kernel_seconds` of
     every rank's steps; medians per stage, F over the fused and the 2BP runs), messages free: the
     schedule's gain on this machine's kernels."""
     import numpy as np
 
-    from jaxhybrid.pipeline.costs import Costs
+    from jaxhybrid.parallel.pipeline.costs import Costs
 
     merged: dict[tuple[int, str], list[float]] = {}
     for d in per_step:
@@ -108,7 +108,7 @@ def measured_costs(per_step: list[dict], stages: int):
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from jaxhybrid.commands.launch import find_mpiexec, job_cpus, rank_environment
+    from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
 
     cpus = job_cpus(args.cores or 0)  # each rank pinned to its share, as `jaxhybrid launch` runs them
     env = rank_environment(args.stages, cpus, args.timeout)
@@ -132,7 +132,7 @@ def activation_bytes(cfg) -> float:
 
 def run(args: argparse.Namespace) -> int:
     m = args.microbatches or default_microbatches(args.schedule, args.stages)
-    from jaxhybrid.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
 
     make_schedule(args.schedule, args.stages, m)  # bad input fails here, before any launch
     cfg = _cfg(args, m, args.transport)  # so do the model, its layers and the batch (validated)
@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cfg(args: argparse.Namespace, m: int, transport: str):
-    from jaxhybrid.config import config_from_dict
-    from jaxhybrid.model.config import resolve_model
+    from jaxhybrid.runtime.config_load import config_from_dict
+    from jaxhybrid.core.config.model import resolve_model
 
     base = resolve_model(args.model)
     layers = args.layers or max(base.n_layers, args.stages)
@@ -189,8 +189,8 @@ def _worker(args: argparse.Namespace, m: int) -> int:
     import numpy as np
 
     from jaxhybrid.model import Model
-    from jaxhybrid.pipeline.runner import PipelineEngine
-    from jaxhybrid.topology import Topology
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+    from jaxhybrid.parallel.pipeline.topology import Topology
 
     other = "mpi4py" if args.transport == "mpi4jax" else "mpi4jax"
     cfg = _cfg(args, m, args.transport)

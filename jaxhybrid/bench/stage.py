@@ -35,7 +35,7 @@ than the fused pass's (fewer arguments, a smaller CUDA graph). So on a GPU ``spl
 little under the device-bound ``split_over_fused_queued``.
 
 ``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
-kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.model.stage_costs`), the
+kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.parallel.twobp.stage_costs`), the
 same on every run and machine. They show what the split adds in work, apart from what the timings add in
 locality and per-call cost (the ratios are null on a GPU, where XLA's count misses library calls).
 """
@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.bench.stage_timing import cache_times, dispatch_times, noop_call_s, queued_times, time_call
-from jaxhybrid.commands.argtypes import positive_int
-from jaxhybrid.host_alloc import host_malloc_status
-from jaxhybrid.metrics import forward_flops
-from jaxhybrid.model.config import REMATS
+from jaxhybrid.core.argtypes import positive_int
+from jaxhybrid.runtime.host_alloc import host_malloc_status
+from jaxhybrid.model.flops import forward_flops
+from jaxhybrid.core.config.model import REMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,11 +87,11 @@ def _block_range(spec: str, n: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model, resolve_model
-    from jaxhybrid.model.stage import Stage, auto_weight_join, concat_weight_residuals, reference_apply
-    from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
-    from jaxhybrid.testing import max_rel_err
+    from jaxhybrid.parallel.twobp.stage import Stage, auto_weight_join, concat_weight_residuals, reference_apply
+    from jaxhybrid.parallel.twobp.stage_costs import kernel_costs, split_ratios
+    from jaxhybrid.model.testing import max_rel_err
 
     clash = [o for o in args.overrides if o.startswith("model.")]
     if args.model and clash:
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         "forward_tflops": fl / med["forward"] / 1e12, "backward_split_tflops": 2 * fl / split / 1e12,
         "backward_fused_tflops": 2 * fl / med["backward_fused"] / 1e12,
         "goal_split_over_fused": 1.05, "device": jax.devices()[0].device_kind,
-        "host_malloc": host_malloc_status(),  # the process's malloc settings (jaxhybrid/host_alloc.py)
+        "host_malloc": host_malloc_status(),  # the process's malloc settings (jaxhybrid/runtime/host_alloc.py)
     }
     if not args.json:
         for k, v in out.items():

@@ -29,11 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.build import committed
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.engines.build import committed
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.optim import build_transform, decay_mask
     from jaxhybrid.optim.updater import decay_view
-    from jaxhybrid.train import Trainer
+    from jaxhybrid.runtime.trainer import Trainer
 
     if args.steps < 1 or args.rounds < 1:
         raise ValueError(f"--steps {args.steps} and --rounds {args.rounds} must be >= 1")

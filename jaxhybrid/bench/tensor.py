@@ -16,8 +16,8 @@ import math
 import sys
 import time
 
-from jaxhybrid.commands.argtypes import positive_int
-from jaxhybrid.host_alloc import default_cpu_devices
+from jaxhybrid.core.argtypes import positive_int
+from jaxhybrid.runtime.host_alloc import default_cpu_devices
 
 LADDER = ("", "A", "AB", "ABC", "ABCD", "ABCDE")
 
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cfg(args, shape, letters, remat="none"):
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
 
     d, dep, r, c = shape
     return load_config(None, [f"model.name={args.model}", f"model.n_layers={args.layers}",
@@ -62,9 +62,9 @@ def _cfg(args, shape, letters, remat="none"):
 
 
 def _bytes_report(eng, cfg, shape, hlo_text):
-    from jaxhybrid.tensor import hlo
-    from jaxhybrid.tensor.linear import NORMAL
-    from jaxhybrid.tensor.sharding import dense_shapes
+    from jaxhybrid.planner import hlo
+    from jaxhybrid.parallel.tensor.linear import NORMAL
+    from jaxhybrid.parallel.tensor.sharding import dense_shapes
 
     sizes = eng.shape.sizes()
     measured = hlo.collectives(hlo_text, shape)
@@ -107,7 +107,7 @@ def _engine(args, shape, letters, remat="none"):
     import jax
     import numpy as np
 
-    from jaxhybrid.tensor.engine import TensorEngine
+    from jaxhybrid.runtime.engines.tensor import TensorEngine
 
     cfg = _cfg(args, shape, letters, remat)
     eng = TensorEngine(cfg.model, cfg)
@@ -128,8 +128,8 @@ def prepare(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from jaxhybrid.tensor.hlo import async_overlap
-    from jaxhybrid.tensor.mesh import factorizations
+    from jaxhybrid.planner.hlo import async_overlap
+    from jaxhybrid.parallel.tensor.mesh import factorizations
 
     n = len(jax.devices())
     shapes = args.only or factorizations(n)

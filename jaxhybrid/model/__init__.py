@@ -1,5 +1,5 @@
 """Single-device model code: configs and presets, layers with injected ops, the block-list decoder."""
-from jaxhybrid.model.config import PRESETS, ModelConfig, resolve_model
+from jaxhybrid.core.config.model import PRESETS, ModelConfig, resolve_model
 from jaxhybrid.model.layers import DEFAULT_OPS, Ops
 from jaxhybrid.model.transformer import Model, block_name, remat_policy
 

@@ -3,7 +3,7 @@
 ``causal_attention`` is the materialised-scores path (XLA) with its backward written out, so the forward
 keeps only what the backward reads; :func:`attention_kernel` chooses between it and cuDNN's fused flash
 attention (``model.attention``). :class:`jaxhybrid.model.layers.Ops` calls both; tensor parallelism runs
-the same code per head shard inside ``shard_map`` (``jaxhybrid.tensor.ops``).
+the same code per head shard inside ``shard_map`` (``jaxhybrid.parallel.tensor.ops``).
 """
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def cudnn_device_unmet(dev) -> list[str]:
 def check_cudnn_device(kernel: str, dev) -> None:
     """``model.attention=cudnn`` on a device that cannot run it, refused before an engine is built: found
     when the first attention was traced, it failed every MPI rank mid-job. (The dtype and head_dim rules
-    need no device: :func:`jaxhybrid.config_checks.validate` applies them.)"""
+    need no device: :func:`jaxhybrid.runtime.config_checks.validate` applies them.)"""
     if kernel == "cudnn" and cudnn_device_unmet(dev):
-        from jaxhybrid.config_parse import ConfigError
+        from jaxhybrid.core.errors import ConfigError
 
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this process's device is "
                           f"{dev.device_kind!r}: set model.attention=auto (cuDNN where it can run) or xla")

@@ -3,7 +3,7 @@
 The few operations whose placement matters to a parallel layout (dense matmuls, the attention core, the
 embedding gather, the vocabulary projection and loss, and the normalisations that reduce over the hidden
 dim) are methods of an ops object passed to every module. :class:`Ops` is the plain-``jnp`` reference;
-tensor parallelism (``jaxhybrid.tensor.ops``) and the 2BP taps (``jaxhybrid.model.backprop``) supply
+tensor parallelism (``jaxhybrid.parallel.tensor.ops``) and the 2BP taps (``jaxhybrid.parallel.twobp.backprop``) supply
 other ops objects, so this file never changes for them.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def feature_mean(v: Array) -> Array:
 # reads its input, so keeping its output made the backward recompute the variance, a pass over x and,
 # in tensor parallelism, one more all-reduce over row per norm (session 21: 5 more on 2 LLaMA blocks).
 # ``mean`` is the feature mean: :func:`feature_mean` here, a psum over the axis that splits the features in
-# tensor parallelism (``jaxhybrid.tensor.ops``), so both layouts share this code and what it keeps.
+# tensor parallelism (``jaxhybrid.parallel.tensor.ops``), so both layouts share this code and what it keeps.
 NORM_STATS = "norm_stats"  # checkpoint name of a norm's per-token statistics
 KEEP_STATS = jax.checkpoint_policies.save_only_these_names(NORM_STATS)
 

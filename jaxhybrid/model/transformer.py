@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.model.config import REMATS, ModelConfig
+from jaxhybrid.core.config.model import REMATS, ModelConfig
 from jaxhybrid.model.layers import DEFAULT_OPS, Dense, LayerNorm, Ops, RMSNorm, _init, gelu, rope, swiglu
 
 Array = jax.Array
@@ -226,7 +226,7 @@ def remat_policy(name: str, also_save: tuple[str, ...] = ()) -> Callable[[Callab
     """The whole-model engines' recomputation wrapper of a segment of blocks: none (no wrapper), dots (save
     the matmul outputs), full (save only the segment's input); ``also_save``: checkpoint names saved as
     well (the tensor engine's gathered weights, AxoNN optimization E). Pipeline stages apply their own
-    (:mod:`jaxhybrid.model.residuals`)."""
+    (:mod:`jaxhybrid.parallel.twobp.residuals`)."""
     if name not in REMATS:
         raise ValueError(f"unknown remat policy {name!r}; choose one of {', '.join(REMATS)}")
     if name == "none":
@@ -236,3 +236,6 @@ def remat_policy(name: str, also_save: tuple[str, ...] = ()) -> Callable[[Callab
     if also_save:
         policy = cp.save_from_both_policies(policy, cp.save_only_these_names(*also_save))
     return lambda f: jax.checkpoint(f, policy=policy)
+
+
+TIED_KEY = "embed_wte_copy"

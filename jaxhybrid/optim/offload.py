@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
-from jaxhybrid.optim.flat import FlatSpec
+from jaxhybrid.parallel.data.flat import FlatSpec
 from jaxhybrid.optim.hoststore import make_store
 from jaxhybrid.optim.bucket_programs import Prefetcher, programs, sq_outside
 from jaxhybrid.optim.updater import DecayMask

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxhybrid.optim.flat import release
+from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadState
 from jaxhybrid.optim.updater import _stats, decay_mask
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.optim.flat import FlatSpec, release
+from jaxhybrid.parallel.data.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 from jaxhybrid.optim.shard_gather import OwnerGather, ShardLayout

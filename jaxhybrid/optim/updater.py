@@ -81,7 +81,7 @@ def place_like(like, saved):
     """Host arrays from a checkpoint, put back with the dtype and sharding of the live tree ``like``
     (committed, so the restored step reuses the compiled programs of a fresh run). Leaves that spanned
     other processes come back from the checkpoint as global arrays placed already."""
-    from jaxhybrid.checkpoint import spans_processes
+    from jaxhybrid.optim.updater import spans_processes
 
     def put(ref, x):
         if spans_processes(x):
@@ -139,3 +139,9 @@ class DeviceUpdater:
 def device_updater(cfg) -> DeviceUpdater:
     """The trainer's on-device updater for a run config (its transform, clip and decay mask)."""
     return DeviceUpdater(build_transform(cfg.optim, cfg.train.steps), cfg.optim.grad_clip, decay_mask(cfg.optim))
+
+
+def spans_processes(x) -> bool:
+    """A jax.Array spanning devices of other processes (``--distributed``): no process can fetch it whole,
+    so orbax writes each process's shards of it into the one checkpoint."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable

@@ -10,7 +10,7 @@ Public API:
 """
 import importlib
 
-# Resolved lazily: importing the comm model (e.g. from jaxhybrid.tensor) must not pull in the rest.
+# Resolved lazily: importing the comm model (e.g. from jaxhybrid.parallel.tensor) must not pull in the rest.
 _EXPORTS = {
     "Chain": "jaxhybrid.planner.chain",
     "Stage": "jaxhybrid.planner.chain",

@@ -84,7 +84,7 @@ def read_json(path: str | Path, what: str):
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} not found: {p}")
-    from jaxhybrid.config_parse import read_text
+    from jaxhybrid.core.config.parse import read_text
 
     text = read_text(p, what)
     try:
@@ -111,7 +111,7 @@ def planner_hardware_names() -> list[str]:
     (Sec. V). Others (``cpu.yaml``) only serve the MFU bookkeeping of training runs."""
     import yaml
 
-    from jaxhybrid.metrics import HARDWARE_DIR
+    from jaxhybrid.core.hardware import HARDWARE_DIR
 
     names = []
     for p in sorted(HARDWARE_DIR.glob("*.yaml")):
@@ -124,10 +124,10 @@ def planner_hardware_names() -> list[str]:
 
 
 def load_hardware(name_or_path: str) -> dict:
-    """A ``configs/hardware`` file by name (``perlmutter``) or path: :func:`jaxhybrid.metrics.load_hardware`
+    """A ``configs/hardware`` file by name (``perlmutter``) or path: :func:`jaxhybrid.model.flops.load_hardware`
     plus the keys the planner needs; errors list only the files the planner can use."""
-    from jaxhybrid.metrics import HARDWARE_DIR
-    from jaxhybrid.metrics import load_hardware as load_checked
+    from jaxhybrid.core.hardware import HARDWARE_DIR
+    from jaxhybrid.core.hardware import load_hardware as load_checked
 
     usable = f"the planner can use {', '.join(planner_hardware_names()) or 'none'}, or a path to such a YAML file"
     try:

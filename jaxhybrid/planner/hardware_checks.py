@@ -4,7 +4,7 @@ Why here and not where they are used: the values flow into :class:`~jaxhybrid.pl
 and the step model as plain floats, so a wrong one surfaced far away or not at all (a negative memory
 ranked against "-9e-10 GB usable", ``gpus_per_node: 0`` was blamed on ``--gpus-per-node``, a zero
 ``host_to_device`` divided by zero in the offload model, text raised Python's bare conversion error).
-:func:`jaxhybrid.metrics.load_hardware` checks the keys every reader needs (``peak_tflops``,
+:func:`jaxhybrid.model.flops.load_hardware` checks the keys every reader needs (``peak_tflops``,
 ``device_kinds``); these are the ones only the planner reads.
 """
 from __future__ import annotations

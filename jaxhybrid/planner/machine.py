@@ -4,8 +4,8 @@ usable memory per device, and the network of AxoNN's model.
 """
 from __future__ import annotations
 
-from jaxhybrid.launch_env import DEVICE_MEMORY_FRACTION
-from jaxhybrid.metrics import peak_tflops
+from jaxhybrid.core.launch_env import DEVICE_MEMORY_FRACTION
+from jaxhybrid.core.hardware import peak_tflops
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.hardware_checks import as_number
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine
@@ -44,7 +44,7 @@ def machine_from_hardware(hw: dict, gpus_per_node: int, dtype: str, efficiency: 
                           block_overhead_s: tuple[float, float] | None = None) -> Machine:
     """A :class:`Machine` using ``gpus_per_node`` of each node's GPUs (at most the hardware file's), whose
     memory is the usable share of each device's: ``memory_fraction``, else the file's
-    ``usable_memory_fraction``, else :data:`~jaxhybrid.launch_env.DEVICE_MEMORY_FRACTION`: the share
+    ``usable_memory_fraction``, else :data:`~jaxhybrid.core.launch_env.DEVICE_MEMORY_FRACTION`: the share
     `jaxhybrid train` lets XLA preallocate; the rest holds the CUDA context, XLA's scratch buffers and
     fragmentation, none of which the memory model counts. ``efficiency`` and ``block_overhead_s`` (the
     compute curve) default to the file's measured ``compute_model`` for ``dtype``, else

@@ -16,6 +16,8 @@ is exact for Algorithm 1, which only compares the result with its bracket).
 """
 from __future__ import annotations
 
+import argparse
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,3 +203,16 @@ def madpipe_dp(chain: Chain, processors: int, t_hat: float, grid: Grid = Grid(),
 
 
 __all__ = ["Grid", "madpipe_dp"]
+
+
+def grid_sizes(text: str):
+    """argparse ``type=`` of MadPipe's grid sizes ``t,m,V`` (points of t_P, m_P and V; Sec. 5: 101,11,51),
+    for ``partition`` and ``bench partition`` alike: exactly three, each >= 2."""
+    parts = text.split(",")
+    try:
+        if len(parts) == 3:
+            return Grid(*(int(x) for x in parts))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be three integers t,m,V >= 2 (the grid sizes of t_P, m_P and V), "
+                                     f"got {text!r}")

@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from jaxhybrid.config import optimal_checkpoint_interval
+from jaxhybrid.model.remat import optimal_checkpoint_interval
 
 __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_interval",
            "stashed_microbatches", "block_residual_bytes", "head_residual_bytes", "boundary_bytes"]
@@ -62,15 +62,15 @@ def stashed_microbatches(schedule: str, stages: int, microbatches: int, split_ba
     """
     if stages < 1 or microbatches < 1:
         raise ValueError(f"stages={stages} and microbatches={microbatches} must be >= 1")
-    from jaxhybrid.pipeline.schedule import make_schedule
-    from jaxhybrid.pipeline.validate import peak_stashed
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.validate import peak_stashed
 
     return peak_stashed(make_schedule(schedule, stages, microbatches, split_backward))
 
 
 def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, remat: str = "none",
                          flash: bool = False) -> tuple[float, float]:
-    """What one transformer block of :class:`jaxhybrid.model.stage.Stage` keeps per microbatch: bytes
+    """What one transformer block of :class:`jaxhybrid.parallel.twobp.stage.Stage` keeps per microbatch: bytes
     ``(activations, weight_residuals)``, i.e. its ``residual_bytes`` (forward -> backward-p1) and
     ``weight_residual_bytes`` (backward-p1 -> backward-p2, 2BP Sec. 4.2), counted from the arrays the stage
     keeps (``tests/unit/test_memory_model.py`` checks them against the stage's own count).

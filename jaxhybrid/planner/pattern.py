@@ -6,7 +6,7 @@ processor by an event sweep (MadPipe Sec. 3: weights 3 W, buffers, stored activa
 """
 from __future__ import annotations
 
-from jaxhybrid.pipeline.tasks import Schedule, task
+from jaxhybrid.parallel.pipeline.tasks import Schedule, task
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.ilp import Pattern, build_ops, processor_constants, stored_bytes
 

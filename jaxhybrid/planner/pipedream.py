@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxhybrid.pipeline.generators import resource_groups
+from jaxhybrid.parallel.pipeline.generators import resource_groups
 from jaxhybrid.planner.chain import Chain, Stage, check_processors
 
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxhybrid.config import OptimConfig, TensorConfig
-from jaxhybrid.model.config import ModelConfig
+from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
+from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.layouts import divisors, search, tensor_fits
 from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (planner.plan's API)
@@ -125,7 +125,7 @@ def _smallest_gpus(cfg, gpus, machine, tensor, score) -> str:
 
 
 def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_len: int | None = None) -> dict:
-    """The nested config overrides of a plan (keys of :class:`jaxhybrid.config.Config`); ``dtype`` and
+    """The nested config overrides of a plan (keys of :class:`jaxhybrid.core.config.schema.Config`); ``dtype`` and
     ``seq_len`` are the compute dtype and sequence length the plan's times and memory were modelled with, so
     the run trains with them too (a run at 4x the tokens would hold 4x the activations the plan counted)."""
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
@@ -176,7 +176,7 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
     ``dataclasses.asdict`` gives them), so is a plan for the same preset with other sizes (a run config's
     ``model.d_model``, ``n_layers``, ...), each named. A plan without a "model" ("model_config") entry is not
     checked for it."""
-    from jaxhybrid.config_parse import ConfigError
+    from jaxhybrid.core.errors import ConfigError
 
     p = Path(path)
     data = read_json(p, "plan file")
@@ -193,10 +193,10 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
                           f"{model!r}; write a plan for it (jaxhybrid plan --model {model} ... --out {p.name})")
     if shape is not None and isinstance(data.get("model_config"), dict):
         # The settings that shape the parameters, as train.init_from compares them (rope_theta, ... aside).
-        from jaxhybrid.checkpoint_export import _shape_settings
+        from jaxhybrid.core.config.model import shape_settings
 
-        mine = _shape_settings(shape)
-        diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in _shape_settings(data["model_config"]).items()
+        mine = shape_settings(shape)
+        diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in shape_settings(data["model_config"]).items()
                 if mine.get(k) != v]
         if diff:
             raise ConfigError(f"plan.file={p} was made for another size of model {planned!r}: {'; '.join(diff)}; "

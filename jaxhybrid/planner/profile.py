@@ -31,8 +31,8 @@ def _time_stage(model, lo: int, hi: int, mb: int, seq: int, repeats: int) -> Lay
     import jax
     import jax.numpy as jnp
 
-    from jaxhybrid.model.residuals import tree_bytes
-    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.parallel.twobp.residuals import tree_bytes
+    from jaxhybrid.parallel.twobp.stage import Stage
 
     stage = Stage(model, lo, hi)
     params = stage.init_params(jax.random.key(0))

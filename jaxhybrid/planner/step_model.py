@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxhybrid.config import OptimConfig, TensorConfig, reduce_data_once
+from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
+from jaxhybrid.parallel.tensor.mesh import reduce_data_once
 from jaxhybrid.model.attention import cudnn_unmet
-from jaxhybrid.metrics import attention_core_flops, forward_flops
-from jaxhybrid.model.config import ModelConfig, block_matmuls
+from jaxhybrid.model.flops import attention_core_flops, forward_flops
+from jaxhybrid.core.config.model import ModelConfig, block_matmuls
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.makespan import makespan_floor, pipeline_makespan, sig2
-from jaxhybrid.planner.memory import block_residual_bytes, boundary_bytes, head_residual_bytes, \
-    optimal_checkpoint_interval, param_state_bytes
+from jaxhybrid.planner.memory import (block_residual_bytes, boundary_bytes, head_residual_bytes, optimal_checkpoint_interval, param_state_bytes)
 from jaxhybrid.planner.param_shards import stage_params_per_device
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -190,7 +190,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     msg = msg_bytes / p2p_bw if lay.pipeline > 1 else 0.0
     # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
     # the thousands of layouts of a search with a few hundred simulations.
-    # One stage runs its microbatches as gradient accumulation (jaxhybrid.step.accumulated_step: forward
+    # One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step: forward
     # and backward of each in turn, one microbatch's activations live) whatever the config's schedule;
     # GPipe's order would hold all M.
     if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute

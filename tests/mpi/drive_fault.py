@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-from jaxhybrid.config import config_from_dict
+from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.model import Model
-from jaxhybrid.pipeline.runner import PipelineEngine
-from jaxhybrid.topology import Topology
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+from jaxhybrid.parallel.pipeline.topology import Topology
 
 
 def main() -> int:

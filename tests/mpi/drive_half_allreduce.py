@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxhybrid.optim import half_allreduce
-from jaxhybrid.optim.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.parallel.data import half_allreduce
+from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
 
 WORLD = MPI.COMM_WORLD
 
@@ -53,11 +53,11 @@ def case_half_sum() -> None:
 
 
 def case_engine() -> None:
-    from jaxhybrid.config import config_from_dict
+    from jaxhybrid.runtime.config_load import config_from_dict
     from jaxhybrid.model import Model
-    from jaxhybrid.optim.flat import FlatSpec
-    from jaxhybrid.pipeline.runner import PipelineEngine
-    from jaxhybrid.topology import Topology
+    from jaxhybrid.parallel.data.flat import FlatSpec
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+    from jaxhybrid.parallel.pipeline.topology import Topology
 
     calls = []
     traced = half_allreduce.half_sum

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxhybrid.commands.train import enable_compilation_cache
-from jaxhybrid.config import config_from_dict
+from jaxhybrid.cli.commands.train import enable_compilation_cache
+from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.model import Model
 from jaxhybrid.optim import device_updater
-from jaxhybrid.pipeline.runner import PipelineEngine
-from jaxhybrid.step import LocalEngine
-from jaxhybrid.testing import assert_tree_close
-from jaxhybrid.topology import Topology
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+from jaxhybrid.runtime.engines.base import LocalEngine
+from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.parallel.pipeline.topology import Topology
 
 # Every case uses microbatches of MB sequences, so all schedules share one set of compiled stage kernels
 # (1F1B-1's M = P then means a smaller global batch, with its own single-device reference).
@@ -66,7 +66,7 @@ _UPDATERS: dict = {}
 
 
 def train(engine, cfg, data):
-    """The trainer's step (jaxhybrid.train.Trainer.step) without data loading and writers. Returns the
+    """The trainer's step (jaxhybrid.runtime.trainer.Trainer.step) without data loading and writers. Returns the
     losses, the first step's gradients, the parameters after the last step and their validation loss
     (``eval_loss``) on the first batch."""
     key = (cfg.optim, cfg.train.steps)
@@ -138,8 +138,8 @@ def bad_input_checks(p, d):
 def bf16_round_trip(topo):
     """Both MPI transports move bfloat16 bit-exactly (as uint16) between the first two stages, and the
     mpi4jax transport's jitted receive holds no arithmetic (the bitcast runs apart)."""
-    from jaxhybrid.pipeline.mpi_transport import make_transport
-    from jaxhybrid.pipeline.transport import Envelope, MsgKind, wait_message
+    from jaxhybrid.runtime.engines.pipeline import make_transport
+    from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 
     template = jax.ShapeDtypeStruct((3, 5, 7), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(topo.rank), template.shape, jnp.bfloat16)

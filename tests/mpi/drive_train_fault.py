@@ -10,8 +10,8 @@ import os
 import sys
 import time
 
-from jaxhybrid.cli import main
-from jaxhybrid.train import Trainer
+from jaxhybrid.cli.main import main
+from jaxhybrid.runtime.trainer import Trainer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--stamp", required=True)

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxhybrid.model.stage import TIED_KEY
-from jaxhybrid.pipeline import tied
-from jaxhybrid.pipeline.mpi4py_transport import Mpi4pyTransport
-from jaxhybrid.pipeline.mpi_transport import Mpi4jaxTransport
-from jaxhybrid.pipeline.transport import Envelope, MsgKind, wait_message
-from jaxhybrid.topology import Grid, Topology
+from jaxhybrid.model.transformer import TIED_KEY
+from jaxhybrid.parallel.pipeline import tied
+from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
+from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
+from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
+from jaxhybrid.parallel.pipeline.topology import Grid, Topology
 
 WORLD = MPI.COMM_WORLD
 # 1 KiB messages: below every MPI eager limit, so rank 1's sends complete before rank 0 receives.

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model.testing import assert_tree_close
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -243,7 +243,7 @@ def test_ranks_failing_before_they_join_are_summed_up_by_their_error(tmp_path):
 
 # bfloat16 pipelines with ranks pinned to one core each, as `jaxhybrid launch` pins them (one XLA:CPU
 # worker thread per rank). Both hung over the mpi4jax transport while it sent with mpi4jax.send (see
-# jaxhybrid/pipeline/mpi_transport.py): 2 stages on their third microbatch (the bitcast inside the send
+# jaxhybrid/parallel/pipeline/mpi_transport.py): 2 stages on their third microbatch (the bitcast inside the send
 # program), and, with the bitcast moved out, the Myelin config's 8 stages (message-driven, offload; it
 # hung with train.log_every=1, and trained once in two tries without it). The 2-stage job also runs over
 # the mpi4py transport, whose losses the mpi4jax one must reach; the 8-stage job is the hang's regression
@@ -295,10 +295,10 @@ def _first_loss(run_dir) -> np.float32:
     on its batch 0."""
     import jax
 
-    from jaxhybrid.data import Sampler
-    from jaxhybrid.data.splits import open_dataset
+    from jaxhybrid.runtime.data import Sampler
+    from jaxhybrid.runtime.data.splits import open_dataset
     from jaxhybrid.model import Model
-    from jaxhybrid.run_dir import saved_config
+    from jaxhybrid.runtime.run_dir import saved_config
 
     cfg = saved_config(run_dir)
     batch = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).batch(0)

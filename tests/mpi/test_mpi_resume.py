@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxhybrid.checkpoint import read_state
+from jaxhybrid.runtime.checkpoint.store import read_state
 from jaxhybrid.model import PRESETS
-from jaxhybrid.testing import assert_tree_close, without_key_bias
+from jaxhybrid.model.testing import assert_tree_close, without_key_bias
 from test_mpi_pipeline import ROOT, _env  # same env: MPIEXEC_TIMEOUT, 1 thread per rank
 
 pytestmark = pytest.mark.mpi
@@ -76,9 +76,9 @@ def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
 def _check_export(run_dir, out) -> None:
     """``jaxhybrid export`` of the job's step 6 (stage slices, replicas, offloaded fp32 masters) is the
     trained model: on one device, in this process, it scores the validation loss the job logged there."""
-    from jaxhybrid.run_dir import saved_config
-    from jaxhybrid.checkpoint_export import load_export
-    from jaxhybrid.data.splits import validation_batches
+    from jaxhybrid.runtime.run_dir import saved_config
+    from jaxhybrid.runtime.checkpoint.export import load_export
+    from jaxhybrid.runtime.data.splits import validation_batches
     from jaxhybrid.model import Model
 
     r = subprocess.run([sys.executable, "-m", "jaxhybrid", "export", "--run-dir", str(run_dir), "--out", str(out)],
@@ -130,8 +130,8 @@ def test_streamed_allreduce_matches_reduce_then_update(tmp_path, streamed_2x2):
 
 def _tied_master(state) -> np.ndarray:
     """The offloaded fp32 master of a stage's tied table: ``embed.wte`` (first stage) or its copy (last)."""
-    from jaxhybrid.model.stage import TIED_KEY
-    from jaxhybrid.optim.flat import FlatSpec
+    from jaxhybrid.model.transformer import TIED_KEY
+    from jaxhybrid.parallel.data.flat import FlatSpec
 
     spec = FlatSpec(state["params"])
     i = spec.paths.index("['embed']['wte']" if "embed" in state["params"] else f"['{TIED_KEY}']")
@@ -162,7 +162,7 @@ def _check_resume(a, b, n: int, resume) -> None:
 
 def _without_key_bias(state):
     """A checkpoint of tiny.yaml's or pipeline_2x2.yaml's model (gpt-tiny) without its qkv biases' key part
-    (:func:`jaxhybrid.testing.without_key_bias` says why)."""
+    (:func:`jaxhybrid.model.testing.without_key_bias` says why)."""
     return {"params": without_key_bias(state["params"], PRESETS["gpt-tiny"]),
             **{k: v for k, v in state.items() if k != "params"}}
 
@@ -222,10 +222,10 @@ def test_distributed_run_starts_from_an_export(tmp_path):
     (``jax.devices()[0]`` is process 0's, which process 1 cannot fill: it failed with "no addressable
     shards" while process 0 hung in orbax's barrier), and the mesh's first loss is the exported weights'
     loss on the first batch."""
-    from jaxhybrid.run_dir import saved_config
-    from jaxhybrid.checkpoint_export import load_export
-    from jaxhybrid.data import Sampler
-    from jaxhybrid.data.splits import open_dataset
+    from jaxhybrid.runtime.run_dir import saved_config
+    from jaxhybrid.runtime.checkpoint.export import load_export
+    from jaxhybrid.runtime.data import Sampler
+    from jaxhybrid.runtime.data.splits import open_dataset
     from jaxhybrid.model import Model
 
     small = ["model.n_layers=2", "train.eval_every=0", "train.steps=2", "checkpoint.every=0"]

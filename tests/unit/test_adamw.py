@@ -10,10 +10,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxhybrid.config import ConfigError, OptimConfig, load_config
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.core.config.schema import OptimConfig
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.optim.buckets import BucketLayout, decay_bounds
 from jaxhybrid.optim.updater import DeviceUpdater, decay_mask, lr_schedule
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model.testing import assert_tree_close
 
 SHAPES = {"embed": (11, 6), "ln": {"scale": (6,), "bias": (6,)}, "dense": {"kernel": (6, 5), "bias": (5,)}}
 

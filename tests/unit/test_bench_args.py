@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from jaxhybrid.commands import bench
+from jaxhybrid.cli.commands import bench
 
 
 def _usage_error(capsys, name: str, *rest: str) -> str:
@@ -55,7 +55,7 @@ def test_bench_pipeline_takes_no_warmup():
 def test_help_states_each_default_once(capsys):
     """``--help`` of a command and of a benchmark names the defaults, not "None"/"False" for options
     whose default means "not given", and not twice where the help text already speaks of it."""
-    from jaxhybrid.cli import build_parser
+    from jaxhybrid.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser(["plan", "--help"])
@@ -76,7 +76,7 @@ def test_partition_grids_are_checked_when_parsed(capsys, grid):
     and ``a,b,c`` said only "invalid literal for int()"."""
     want = f"argument --grid: must be three integers t,m,V >= 2 (the grid sizes of t_P, m_P and V), got {grid!r}"
     assert _usage_error(capsys, "partition", "--quick", "--grid", grid) == f"jaxhybrid bench partition: error: {want}"
-    from jaxhybrid.cli import build_parser
+    from jaxhybrid.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser(["partition", "--processors", "2", "--memory", "1e9", "--bandwidth", "1e9", "--grid", grid])

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from jaxhybrid.testing import TOLERANCES
+from jaxhybrid.model.testing import TOLERANCES
 
 ARGS = ["bench", "stage", "--model", "gpt-tiny", "--blocks", "2", "--microbatch-size", "2", "--seq-len", "16",
         "--concat", "3", "--repeats", "2", "--json"]
 
 
 def test_bench_stage_prints_the_kernels_side_by_side(capsys):
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     assert main(ARGS) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -59,7 +59,7 @@ def test_bench_stage_prints_the_kernels_side_by_side(capsys):
 
 
 def test_bench_stage_bad_block_range_names_the_values(capsys):
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     assert main(ARGS[:5] + ["3:9"] + ARGS[6:]) != 0
     assert "stage block range [3, 9) is empty or outside the model's 4 blocks" in capsys.readouterr().err
@@ -69,7 +69,7 @@ def test_bench_stage_bad_block_range_names_the_values(capsys):
 
 def test_bench_stage_set_changes_a_presets_width(capsys):
     """``--set`` overrides as train's (a preset at another width); with ``--model`` they would be lost."""
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     rest = ["--blocks", "1", "--microbatch-size", "1", "--seq-len", "8", "--concat", "2", "--repeats", "1", "--json"]
     assert main(["bench", "stage", "--set", "model.name=llama-tiny", "--set", "model.d_model=32",
@@ -85,7 +85,7 @@ def test_bench_stage_set_changes_a_presets_width(capsys):
 def test_entry_ops_counts_the_instructions_that_launch_work():
     """Only the ENTRY computation counts (not the fused computations it calls), and parameters, constants,
     tuples (a tuple-typed result too) and bitcasts launch nothing."""
-    from jaxhybrid.model.stage_costs import entry_ops
+    from jaxhybrid.parallel.twobp.stage_costs import entry_ops
 
     hlo = """HloModule m
 

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from jaxhybrid.bench import step
-from jaxhybrid.commands import bench
+from jaxhybrid.cli.commands import bench
 
 
 def test_pipeline_config_is_refused_with_the_commands_that_fit():

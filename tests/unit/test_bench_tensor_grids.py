@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jaxhybrid.bench import tensor
-from jaxhybrid.commands import bench
+from jaxhybrid.cli.commands import bench
 
 
 def _args(*rest: str) -> argparse.Namespace:
@@ -41,7 +41,7 @@ def test_devices_apply_unless_the_environment_sets_a_count(monkeypatch, env, wan
     """``bench tensor --devices 4`` (and ``bench offload --tensor``'s mesh) gave one device whenever
     ``XLA_FLAGS`` was set at all, even to flags that set no device count, and then said "--devices sets the
     fake CPU devices". A count the user set (the flag, or ``JAX_NUM_CPU_DEVICES``) still wins."""
-    from jaxhybrid.host_alloc import default_cpu_devices
+    from jaxhybrid.runtime.host_alloc import default_cpu_devices
 
     for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
         monkeypatch.delenv(k, raising=False)

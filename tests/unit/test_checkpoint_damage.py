@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
-from jaxhybrid.config import ConfigError, load_config
-from jaxhybrid.train import Trainer
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.trainer import Trainer
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4", "train.steps=2",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]

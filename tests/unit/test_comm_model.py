@@ -2,8 +2,7 @@
 import pytest
 import yaml
 
-from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_time, \
-    layer_comm_volumes
+from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_time, layer_comm_volumes
 
 # (m, k, n, G_c, G_r, G_d, G_data)
 CASES = [(1024, 512, 2048, 2, 2, 2, 2), (4096, 4096, 12288, 4, 2, 1, 8), (512, 768, 768, 1, 1, 8, 1),

@@ -1,7 +1,10 @@
 """Config loading, overrides and validation: impossible settings raise ValueError naming the values."""
 import pytest
 
-from jaxhybrid.config import ConfigError, load_config, optimal_checkpoint_interval, parse_overrides
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.model.remat import optimal_checkpoint_interval
+from jaxhybrid.core.config.parse import parse_overrides
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -98,7 +101,7 @@ BAD = [
     (["train.steps=2.5e0"], ["train.steps: cannot read '2.5e0' as int"]),
     (["optim.lr=-1"], ["optim.lr=-1.0 must be in (0, 1)"]),
     (["optim.grad_clip=-2"], ["optim.grad_clip=-2.0 must be >= 0"]),
-    # Single-field ranges (jaxhybrid.config_ranges.RANGES): key, value and the allowed range.
+    # Single-field ranges (jaxhybrid.core.config.ranges.RANGES): key, value and the allowed range.
     (["run.dir="], ["run.dir='' must not be empty"]),
     (["run.dir=' '"], ["run.dir=' ' must not be empty"]),
     (["optim.beta1=1"], ["optim.beta1=1.0 must be in [0, 1)"]),
@@ -151,7 +154,7 @@ def test_impossible_settings_name_values(overrides, needles):
 
 
 def test_world_size_mismatch():
-    from jaxhybrid.config import validate
+    from jaxhybrid.runtime.config_checks import validate
 
     cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2"])
     with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 8; "
@@ -214,10 +217,10 @@ def test_pipeline_limit_is_accepted_with_the_myelin_schedule():
     assert cfg.pipeline.pipeline_limit == 3
 
 
-def test_validate_is_importable_from_config_and_config_checks():
-    from jaxhybrid import config, config_checks
+def test_loading_a_config_runs_every_check():
+    from jaxhybrid.runtime import config_checks, config_load
 
-    assert config.validate is config_checks.validate
+    assert config_load.validate is config_checks.validate
 
 
 def test_wrong_type_section_is_an_error_with_overrides_too(tmp_path):
@@ -299,7 +302,7 @@ def test_optimal_checkpoint_interval():
 
 
 def test_tensor_mode_data_axis_is_a_mesh_axis():
-    from jaxhybrid.config import validate
+    from jaxhybrid.runtime.config_checks import validate
 
     cfg = load_config(None, ["parallel.data=2", "parallel.tensor_col=2", "parallel.tensor_row=2"])
     assert cfg.world_size == 1
@@ -353,7 +356,7 @@ def test_plan_for_other_sizes_of_the_same_preset_is_refused(tmp_path):
     modelled for the other widths)."""
     import json
 
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     wide = tmp_path / "wide.yaml"
     wide.write_text("model: {name: gpt-tiny, d_model: 128, n_layers: 8, d_ff: 512}\ndata: {seq_len: 64}\n")
@@ -375,7 +378,7 @@ def test_an_error_on_a_value_the_plan_set_names_the_plan(tmp_path):
     from; ``train`` prints the plan's settings only once the config has passed."""
     import json
 
-    from jaxhybrid.config import validate
+    from jaxhybrid.runtime.config_checks import validate
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"config": {"parallel": {"pipeline": 2, "data": 1}, "pipeline": {"microbatches": 2},

@@ -1,12 +1,12 @@
-"""A run names the settings it sets but does not read (jaxhybrid.config_notes): a one-process run, whose
+"""A run names the settings it sets but does not read (jaxhybrid.runtime.config_notes): a one-process run, whose
 single-device engine or tensor mesh has no schedule, 2BP split, dispatch, transport, watchdog or trace, the
 pipeline engine's (metrics.trace=true wrote no trace, zb-h1 did not split, without a word);
 pipeline.weight_join without pipeline.split_backward; the data all-reduce's settings without MPI replicas."""
 import pytest
 
-from jaxhybrid.cli import main
-from jaxhybrid.config import load_config
-from jaxhybrid.config_notes import unread_settings_notes
+from jaxhybrid.cli.main import main
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.config_notes import unread_settings_notes
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4", "train.steps=1",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]

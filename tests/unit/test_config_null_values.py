@@ -4,7 +4,8 @@ trained into a folder named None, ``data: {path: ~}`` failed with "data path not
 ``--set optim.lr=true`` was reported as "optim.lr=1.0 must be in (0, 1)", a value the user never wrote."""
 import pytest
 
-from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
 
 
 @pytest.mark.parametrize("key", ["data.path", "train.init_from", "plan.file", "run.name"])

@@ -7,10 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxhybrid.cli import main
-from jaxhybrid.data import (BPETokenizer, ByteTokenizer, Sampler, TokenDataset, builtin_corpus_text,
-                            ensure_builtin_data, prepare_data, token_dtype, train_bpe)
-from jaxhybrid.data import prepare as prepare_mod
+from jaxhybrid.cli.main import main
+from jaxhybrid.runtime.data import (BPETokenizer, ByteTokenizer, Sampler, TokenDataset, builtin_corpus_text, ensure_builtin_data, prepare_data, token_dtype, train_bpe)
+from jaxhybrid.runtime.data import prepare as prepare_mod
 
 SAMPLES = ["In the beginning God created the heaven and the earth.", "  leading spaces\n\nand blank lines\n",
            "ünïcödé — “quotes” 😀 and 中文", ""]
@@ -240,7 +239,7 @@ def test_sampler_rejects_short_data(small_ds):
 
 @pytest.mark.parametrize("data,microbatches", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2), (8, 1)])
 def test_tokens_per_step_independent_of_layout(small_ds, data, microbatches):
-    from jaxhybrid.step import split_batch
+    from jaxhybrid.runtime.engines.base import split_batch
 
     batch = Sampler(small_ds, 16, 8, seed=1).batch(3)
     parts = [split_batch(batch, r, data, microbatches) for r in range(data)]
@@ -271,7 +270,7 @@ def test_cli_prepare_data(tmp_path, capsys):
 def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
     """--out naming an existing file (or a path under one) is one error line naming it, before the corpus is
     read; it used to be a FileExistsError traceback after the tokenizing."""
-    monkeypatch.setattr("jaxhybrid.data.prepare_data", lambda *a, **k: pytest.fail("prepared anyway"))
+    monkeypatch.setattr("jaxhybrid.runtime.data.prepare_data", lambda *a, **k: pytest.fail("prepared anyway"))
     (tmp_path / "c1.yaml").write_text("")
     for out, says in ((tmp_path / "c1.yaml", f"--out {tmp_path}/c1.yaml is a file; give a directory"),
                       (tmp_path / "c1.yaml" / "sub", f"--out {tmp_path}/c1.yaml/sub cannot be written: "
@@ -283,8 +282,8 @@ def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
 def test_repetition_notes_name_a_split_too_small_for_a_batch_or_the_evaluation(tmp_path):
     """A batch wider than the train split, or more evaluation sequences than the val split holds, reads
     windows twice; the trainer's writer prints these notes (commands/train.py), since the loss shows nothing."""
-    from jaxhybrid.config import load_config
-    from jaxhybrid.data.splits import repetition_notes
+    from jaxhybrid.runtime.config_load import load_config
+    from jaxhybrid.runtime.data.splits import repetition_notes
 
     src = _write(tmp_path, "in.txt", "abcdefghij" * 40)  # 401 bytes (a newline ends it): 201 train, 200 val
     out = prepare_data(tmp_path / "d", [src], "byte", val_fraction=0.5)

@@ -1,4 +1,4 @@
-"""The event loop's asynchronous dispatch (Myelin Sec. IV-A, jaxhybrid/pipeline/engine.py): an unsynced
+"""The event loop's asynchronous dispatch (Myelin Sec. IV-A, jaxhybrid/parallel/pipeline/event_loop.py): an unsynced
 step never waits for a kernel, a synced step times every task and only its events reach a trace, the
 message-driven gap fill keeps at most one weight pass in flight, and the trainer times the step it traces."""
 import math
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from jaxhybrid.model import Model
-from jaxhybrid.model.config import ModelConfig
-from jaxhybrid.model.stage import Stage
-from jaxhybrid.pipeline.engine import EventLoop
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.trace import Timeline
-from jaxhybrid.pipeline.transport import InProcessHub, on_threads
-from jaxhybrid.testing import assert_tree_close
-from jaxhybrid.topology import partition_blocks
+from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.parallel.twobp.stage import Stage
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.trace import Timeline
+from jaxhybrid.parallel.pipeline.transport import InProcessHub, on_threads
+from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.parallel.pipeline.topology import partition_blocks
 
 M = 4
 
@@ -201,8 +201,8 @@ def test_trainer_times_the_step_it_traces(tmp_path, timed_before):
     """metrics.trace: the trainer asks the engine to time its tasks before the last step only, then writes
     that step's trace (an engine without time_tasks, one device, is left alone). Where the steps before
     were dispatched asynchronously, the summary's steady state leaves the timed step out."""
-    from jaxhybrid.config import load_config
-    from jaxhybrid.train import Trainer
+    from jaxhybrid.runtime.config_load import load_config
+    from jaxhybrid.runtime.trainer import Trainer
 
     cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=16", "train.global_batch=2",
                              "train.steps=3", "metrics.trace=true", "metrics.progress=false",
@@ -235,7 +235,7 @@ def test_trainer_times_the_step_it_traces(tmp_path, timed_before):
 def test_dispatch_setting_waits_on_cpu_by_default_and_obeys_a_forced_mode():
     """``pipeline.dispatch``: auto waits for every task on CPU (polling shares the rank's core with the
     kernels: ``dispatch.synced_dispatch``) and dispatches asynchronously on an accelerator."""
-    from jaxhybrid.pipeline.dispatch import synced_dispatch
+    from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
 
     assert synced_dispatch("auto", "cpu") and not synced_dispatch("auto", "gpu")
     assert synced_dispatch("sync", "gpu") and not synced_dispatch("async", "cpu")
@@ -246,7 +246,7 @@ def test_dispatch_setting_waits_on_cpu_by_default_and_obeys_a_forced_mode():
 def test_in_flight_holds_only_what_the_device_still_computes():
     """``InFlight`` drops finished outputs as it goes: a held leaf keeps its buffer (an activation already
     sent, an input gradient) alive, which through a static schedule's M microbatches was every one."""
-    from jaxhybrid.pipeline.dispatch import InFlight
+    from jaxhybrid.parallel.pipeline.dispatch import InFlight
 
     dev, track = FakeDevice(0.0), InFlight()
     done = [dev.run("F") for _ in range(5)]

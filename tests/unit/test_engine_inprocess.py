@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from jaxhybrid.model import Model
-from jaxhybrid.model.config import ModelConfig
-from jaxhybrid.model.stage import weight_join
-from jaxhybrid.pipeline.engine import EventLoop
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.transport import Envelope, InProcessHub, MsgKind, on_threads
-from jaxhybrid.step import LocalEngine, split_batch
-from jaxhybrid.testing import assert_tree_close
-from jaxhybrid.topology import partition_blocks
+from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.parallel.twobp.stage import weight_join
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.transport import Envelope, InProcessHub, MsgKind, on_threads
+from jaxhybrid.runtime.engines.base import LocalEngine, split_batch
+from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.parallel.pipeline.topology import partition_blocks
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq_len=16)
 SEQ, M = 8, 4
@@ -24,7 +24,7 @@ _STAGES: dict = {}
 
 def _stages(model, p):
     """Stages are built once per pipeline depth, so every schedule reuses their compiled programs."""
-    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.parallel.twobp.stage import Stage
 
     if (model, p) not in _STAGES:
         _STAGES[(model, p)] = [Stage(model, a, b) for a, b in partition_blocks(model.cfg.n_layers, p)]
@@ -73,7 +73,7 @@ CASES_CONCAT = [(2, "gpipe", True, "concat"), (2, "1f1b-2", True, "concat")]
 
 @pytest.mark.parametrize("p,name,split,join", [c + ("sum",) for c in CASES] + CASES_CONCAT)
 def test_event_loop_matches_single_device(reference, p, name, split, join):
-    from jaxhybrid.model.stage import assemble_grads
+    from jaxhybrid.parallel.twobp.stage import assemble_grads
 
     model, params, batch, loss, grads = reference
     stages, results = _run_pipeline(model, params, batch, p, name, split, join=join,
@@ -122,7 +122,7 @@ def test_forward_only_evaluation_matches_single_device(reference, p):
 def test_message_driven_2bp_weight_budget(reference, budget):
     """Message-driven 2BP never holds more than ``budget`` microbatches of weight residuals: with budget
     1 every BI is followed at once by its BW; the gradients match either way."""
-    from jaxhybrid.model.stage import assemble_grads
+    from jaxhybrid.parallel.twobp.stage import assemble_grads
 
     model, params, batch, loss, grads = reference
     loops = {}
@@ -140,12 +140,12 @@ def test_message_driven_2bp_weight_budget(reference, budget):
 
 @pytest.mark.parametrize("budget", [1, 0])
 def test_myelin_2bp_on_the_virtual_clock_holds_what_the_simulator_says(reference, budget):
-    """Real stages on :mod:`jaxhybrid.pipeline.virtual_clock` (deterministic virtual time): the engine runs
+    """Real stages on :mod:`jaxhybrid.parallel.pipeline.virtual_clock` (deterministic virtual time): the engine runs
     the simulated order, holds the simulated peak, and the gradients still match one device."""
-    from jaxhybrid.model.stage import assemble_grads
-    from jaxhybrid.pipeline.costs import Costs
-    from jaxhybrid.pipeline.simulate import simulate
-    from jaxhybrid.pipeline.virtual_clock import run_engine
+    from jaxhybrid.parallel.twobp.stage import assemble_grads
+    from jaxhybrid.parallel.pipeline.costs import Costs
+    from jaxhybrid.parallel.pipeline.simulate import simulate
+    from jaxhybrid.parallel.pipeline.virtual_clock import run_engine
 
     model, params, batch, loss, grads = reference
     stages, sched, costs = _stages(model, 2), make_schedule("myelin", 2, M, split_backward=True), Costs.uniform(2)
@@ -174,7 +174,7 @@ def test_receives_and_journal_name_peers_as_the_waits_do(reference):
     import re
     from types import SimpleNamespace
 
-    from jaxhybrid.topology import Grid, Topology
+    from jaxhybrid.parallel.pipeline.topology import Grid, Topology
 
     model, params, batch, _, _ = reference
     stages, sched = _stages(model, 2), make_schedule("1f1b", 2, M)
@@ -199,7 +199,7 @@ def test_receives_and_journal_name_peers_as_the_waits_do(reference):
 
 def test_unfinished_schedule_is_reported(reference):
     """A schedule row that leaves residuals behind (a forward with no backward) raises, naming them."""
-    from jaxhybrid.pipeline.tasks import Schedule, task
+    from jaxhybrid.parallel.pipeline.tasks import Schedule, task
 
     model, params, batch, _, _ = reference
     stages = _stages(model, 1)
@@ -214,8 +214,8 @@ def test_message_driven_2bp_joins_trailing_weight_passes(reference, p, budget):
     """2BP Sec. 3.2 / Fig. 2 (and the simulator's MessageDrivenPolicy): the weight passes still pending
     after a rank's last input-gradient pass run as ONE weight pass over those microbatches, not one per
     microbatch. On one stage nothing arrives, so the engine's order is exactly the simulated row."""
-    from jaxhybrid.model.stage import assemble_grads
-    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.parallel.twobp.stage import assemble_grads
+    from jaxhybrid.parallel.pipeline.simulate import simulate
 
     model, params, batch, loss, grads = reference
     loops = {}

@@ -1,16 +1,16 @@
 """The simulator against the real event loop: Myelin Alg. 2 + 2BP's weight passes (and ``weight_budget``)
-in :mod:`jaxhybrid.pipeline.message_driven` must run the order :func:`simulate` predicts and hold the
-per-stage peak it reports. The loop runs on :mod:`jaxhybrid.pipeline.virtual_clock` (deterministic
+in :mod:`jaxhybrid.parallel.pipeline.message_driven` must run the order :func:`simulate` predicts and hold the
+per-stage peak it reports. The loop runs on :mod:`jaxhybrid.parallel.pipeline.virtual_clock` (deterministic
 virtual time at the simulator's costs) over stages that only count, so the order and the held counts are
 the engine's own, not a thread race's."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.pipeline.costs import Costs
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.simulate import simulate
-from jaxhybrid.pipeline.virtual_clock import run_engine
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.virtual_clock import run_engine
 
 
 class CountingStage:

@@ -4,17 +4,19 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.checkpoint import Checkpointer, read_state
-from jaxhybrid.run_dir import write_run_config
-from jaxhybrid.checkpoint_export import consolidate, export_run, load_export, params_for, read_meta
-from jaxhybrid.cli import main
-from jaxhybrid.config import ConfigError, load_config
+from jaxhybrid.runtime.checkpoint.store import Checkpointer, read_state
+from jaxhybrid.runtime.run_dir import write_run_config
+from jaxhybrid.runtime.checkpoint.export import consolidate, export_run, load_export, params_for, read_meta
+from jaxhybrid.cli.main import main
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
-from jaxhybrid.model.stage import TIED_KEY, make_stages
+from jaxhybrid.model.transformer import TIED_KEY
+from jaxhybrid.parallel.twobp.stage import make_stages
 from jaxhybrid.model.transformer import PARAM_LAYOUT
-from jaxhybrid.optim.flat import FlatSpec
-from jaxhybrid.testing import assert_tree_close
-from jaxhybrid.train import Trainer
+from jaxhybrid.parallel.data.flat import FlatSpec
+from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.runtime.trainer import Trainer
 
 # Tied embeddings, so a last pipeline stage holds the table's copy.
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "model.tie_embeddings=true", "data.seq_len=32",
@@ -59,7 +61,7 @@ def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeyp
     last with the tied copy), and with the offloaded optimizer the fp32 masters as a flat vector with
     the bf16 compute copy as params. The export is the model's dict of the masters, read from ranks 0
     and 1 only (the replicas' parts are known from their metadata)."""
-    import jaxhybrid.checkpoint_export as ce
+    import jaxhybrid.runtime.checkpoint.export as ce
 
     read = []
 
@@ -134,8 +136,8 @@ def test_init_from_compares_the_shapes_the_settings_mean(trained, tmp_path):
     import dataclasses
     import json
 
-    from jaxhybrid.checkpoint_export import check_init_from
-    from jaxhybrid.model.config import PRESETS
+    from jaxhybrid.runtime.checkpoint.export import check_init_from
+    from jaxhybrid.core.config.model import PRESETS
 
     root, _ = trained
     check_init_from(_cfg(tmp_path / "a", f"train.init_from={root / 'w'}", "model.n_kv_heads=4"))
@@ -175,7 +177,7 @@ def test_weights_of_the_old_qkv_layout_are_refused(trained, tmp_path):
     import json
     import shutil
 
-    from jaxhybrid.run_dir import check_param_layout
+    from jaxhybrid.runtime.run_dir import check_param_layout
 
     root, _ = trained
     old = tmp_path / "w_old"

@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 
-from jaxhybrid.cli import COMMANDS
-from jaxhybrid.commands.bench import BENCHES
+from jaxhybrid.cli.main import COMMANDS
+from jaxhybrid.cli.commands.bench import BENCHES
 
 
 def _parser(module: str) -> argparse.ArgumentParser:

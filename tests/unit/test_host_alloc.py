@@ -1,4 +1,4 @@
-"""``jaxhybrid.host_alloc``: with glibc's malloc tuned, a program's 64 MiB temporary stops costing a page
+"""``jaxhybrid.runtime.host_alloc``: with glibc's malloc tuned, a program's 64 MiB temporary stops costing a page
 fault per page on every call. Each probe is a fresh process: the settings must precede JAX's backend."""
 import json
 import os
@@ -9,14 +9,14 @@ import textwrap
 import jax
 import pytest
 
-from jaxhybrid.host_alloc import OPT_OUT, _skip_reason, cpu_devices
-from jaxhybrid.host_alloc import glibc as is_glibc
+from jaxhybrid.runtime.host_alloc import OPT_OUT, _skip_reason, cpu_devices
+from jaxhybrid.runtime.host_alloc import glibc as is_glibc
 
 glibc = pytest.mark.skipif(not is_glibc(), reason="the tuning is glibc's")
 
 PROBE = textwrap.dedent("""
     import json, resource
-    from jaxhybrid.host_alloc import configure_host_malloc
+    from jaxhybrid.runtime.host_alloc import configure_host_malloc
     status = configure_host_malloc()
     import jax, jax.numpy as jnp
     f = jax.jit(lambda a, b, c: (a @ b) @ c)  # a @ b: a 64 MiB temporary of every call
@@ -103,9 +103,9 @@ def test_a_device_count_flag_that_is_no_number_is_one_error(tmp_path):
 
 CLI_PROBE = textwrap.dedent("""
     import json, os, sys
-    import jaxhybrid.commands.bench as bench
-    from jaxhybrid.cli import main
-    from jaxhybrid.host_alloc import host_malloc_status
+    import jaxhybrid.cli.commands.bench as bench
+    from jaxhybrid.cli.main import main
+    from jaxhybrid.runtime.host_alloc import host_malloc_status
     bench.run = lambda args: print(json.dumps({"status": host_malloc_status(),
                                                "flags": os.environ.get("XLA_FLAGS", "")})) or 0
     sys.exit(main(sys.argv[1:]))

@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.config import load_config
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
-from jaxhybrid.model.stage import TIED_KEY, Stage
-from jaxhybrid.tensor.local import LocalTensor, rank_devices
-from jaxhybrid.tensor.ops import EMBED_SPEC
-from jaxhybrid.tensor.sharding import param_spec
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model.transformer import TIED_KEY
+from jaxhybrid.parallel.twobp.stage import Stage
+from jaxhybrid.parallel.tensor.local import LocalTensor, rank_devices
+from jaxhybrid.parallel.tensor.ops import EMBED_SPEC
+from jaxhybrid.parallel.tensor.sharding import param_spec
+from jaxhybrid.model.testing import assert_tree_close
 
 
 def _cfg(*extra, check=True):
@@ -83,7 +84,7 @@ def test_sharded_stage_stores_each_residual_once():
     (``residuals.VjpRef``), and without a depth axis a weight is kept as the parameter itself (not
     stored), not as the shard_map's copy of it (gpt-tiny, two blocks, 4 x 32 tokens on a 1 x 2 x 2 mesh:
     987 KB per device before, 594 KB)."""
-    from jaxhybrid.model.residuals import VjpRef
+    from jaxhybrid.parallel.twobp.residuals import VjpRef
 
     cfg = _cfg("parallel.tensor_row=2", "parallel.tensor_col=2", "model.n_layers=4")
     local = LocalTensor.from_config(cfg, devices=jax.devices()[:4])

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.cli import build_parser
-from jaxhybrid.commands import launch
-from jaxhybrid.commands.launch_checks import check_devices, check_job, train_config
-from jaxhybrid.commands.rankwatch import RankWatch, failure_summary
-from jaxhybrid.config import ConfigError
+from jaxhybrid.cli.main import build_parser
+from jaxhybrid.cli.commands import launch
+from jaxhybrid.cli.launch.checks import check_devices, check_job, train_config
+from jaxhybrid.cli.launch.rankwatch import RankWatch, failure_summary
+from jaxhybrid.core.errors import ConfigError
 
 RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
 
@@ -129,7 +129,7 @@ def test_devices_the_ranks_will_see_are_checked_on_cpu(tmp_path, env, fails):
 def test_a_users_device_count_is_what_the_ranks_get_and_is_checked(tmp_path):
     """JAX_NUM_CPU_DEVICES wins over the launcher's device flag in JAX: the launcher leaves the flag out and
     checks the user's count (it added the flag, counted 2, and every rank then saw 1 and failed)."""
-    from jaxhybrid.commands.launch import rank_environment
+    from jaxhybrid.cli.commands.launch import rank_environment
 
     ns, cfg = _job(tmp_path, config="hybrid.yaml")
     env = rank_environment(4, [0, 1], 0, base={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}, devices=2)
@@ -160,7 +160,7 @@ def test_cores_must_be_at_least_one(cores, capsys):
 def test_a_script_that_cannot_run_is_refused_before_the_ranks_start(tmp_path, capsys, given, why):
     """A missing --script started the job anyway: every rank printed runpy's FileNotFoundError traceback
     and the launcher ended with 'no rank was seen to end first'."""
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     rc = main(["launch", "-n", "2", "--mpiexec", str(_fake_mpiexec(tmp_path)), "--script", given])
     assert (rc, capsys.readouterr().err) == (2, f"jaxhybrid launch: error: --script {given} {why}: give the "
@@ -193,7 +193,7 @@ def test_an_mpiexec_that_cannot_run_is_one_error_naming_it(tmp_path, capsys, giv
     """--mpiexec was used as typed: a missing one gave Popen's bare "[Errno 2] No such file or directory",
     a folder or a file without execute permission a PermissionError traceback, after the job's checks
     (and --dry-run printed a command that could not run). Now one line naming it, exit code 2."""
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     (tmp_path / "plain").write_text("#!/bin/sh\n")
     given = given.format(tmp=tmp_path)
@@ -261,7 +261,7 @@ def test_a_missing_data_path_is_found_once(tmp_path):
 
 def test_a_train_split_shorter_than_one_sequence_is_found_once(tmp_path):
     """Every rank's sampler would refuse it after the job started: four errors and an abort."""
-    from jaxhybrid.data import prepare_data
+    from jaxhybrid.runtime.data import prepare_data
 
     (tmp_path / "tiny.txt").write_text("hi")
     data = prepare_data(tmp_path / "tiny", [tmp_path / "tiny.txt"])
@@ -273,8 +273,8 @@ def test_a_val_fraction_or_tokenizer_a_prepared_dataset_cannot_honour_is_an_erro
     """data.val_fraction and data.tokenizer shape the built-in corpus only; with data.path they were ignored
     without a word (prepare-data fixed the split and the ids). A value other than the data's and the default
     fails, naming both, in the launcher and where a train process opens the data."""
-    from jaxhybrid.data import prepare_data
-    from jaxhybrid.data.splits import open_dataset
+    from jaxhybrid.runtime.data import prepare_data
+    from jaxhybrid.runtime.data.splits import open_dataset
 
     (tmp_path / "t.txt").write_text("some text to split\n" * 1000)
     data = prepare_data(tmp_path / "d", [tmp_path / "t.txt"], val_fraction=0.1)
@@ -355,8 +355,8 @@ def test_an_error_on_a_rank_that_joined_the_job_names_the_rank(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from jaxhybrid.pipeline.watchdog import install_abort_on_exception; "
-            "install_abort_on_exception('rank 1 (stage 1, replica 0)'); from jaxhybrid.cli import main; "
+    code = ("import sys; from jaxhybrid.parallel.pipeline.watchdog import install_abort_on_exception; "
+            "install_abort_on_exception('rank 1 (stage 1, replica 0)'); from jaxhybrid.cli.main import main; "
             f"sys.exit(main(['prepare-data', '--out', {str(tmp_path / 'out')!r}, '--input', 'nope.txt']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
@@ -371,7 +371,7 @@ def test_a_resume_on_other_data_fails_in_the_launcher(tmp_path):
     ranks start; the data that wrote the checkpoint resumes."""
     import json
 
-    from jaxhybrid.data import Sampler, TokenDataset, prepare_data
+    from jaxhybrid.runtime.data import Sampler, TokenDataset, prepare_data
 
     def data(name, text):
         (tmp_path / f"{name}.txt").write_text(text)

@@ -4,7 +4,7 @@ precision.compute_dtype=float16 --resume`` logged ``scale 1`` on every step: flo
 one doubling per 1000 steps), and a float16 run resumed as bfloat16 kept 32768 as a fixed scale."""
 import dataclasses
 
-from jaxhybrid.config import PrecisionConfig
+from jaxhybrid.core.config.schema import PrecisionConfig
 from jaxhybrid.optim.loss_scale import from_config
 
 

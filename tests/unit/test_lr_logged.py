@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from jaxhybrid.config import load_config
-from jaxhybrid.metrics_writer import _summary
-from jaxhybrid.train import Trainer
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.metrics.writer import _summary
+from jaxhybrid.runtime.trainer import Trainer
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false",

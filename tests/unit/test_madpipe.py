@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 
 from jaxhybrid.planner.chain import Chain, Stage
-from jaxhybrid.planner.costs import LayerCost, Profile, load_profile, profile_from_json, resnet50_chain, \
-    save_profile
+from jaxhybrid.planner.costs import LayerCost, Profile, load_profile, profile_from_json, resnet50_chain, save_profile
 from jaxhybrid.planner.ilp import load_bound, schedule_allocation, stored_bytes
 from jaxhybrid.planner.madpipe import Grid, madpipe, madpipe_dp
 from jaxhybrid.planner.pattern import pattern_to_schedule, validate_pattern
-from jaxhybrid.planner.pipedream import group_numbers, one_f_one_b_star_period, pipedream, pipedream_dp, \
-    stage_groups, stage_memory
+from jaxhybrid.planner.pipedream import (group_numbers, one_f_one_b_star_period, pipedream, pipedream_dp, stage_groups, stage_memory)
 
 SMALL = Grid(21, 6, 11)
 
@@ -121,8 +119,8 @@ def test_madpipe_dp_allocation_shape_and_ilp_schedule_is_valid():
     report = validate_pattern(chain, pat)  # dependencies, one op at a time, memory <= M
     assert max(report["peak_memory"].values()) <= chain.memory
     # The unrolled pattern is also a schedule the pipeline validator and simulator accept.
-    from jaxhybrid.pipeline.simulate import simulate
-    from jaxhybrid.pipeline.validate import validate_schedule
+    from jaxhybrid.parallel.pipeline.simulate import simulate
+    from jaxhybrid.parallel.pipeline.validate import validate_schedule
     sched = pattern_to_schedule(pat, microbatches=6)
     validate_schedule(sched)
     assert simulate(sched).makespan > 0
@@ -189,7 +187,7 @@ def test_profiled_costs_from_the_stage_kernels_plan_on_a_laptop(tmp_path):
     """Profile a one-block model on this device (the 2BP stage kernels), save, reload and partition it."""
     import dataclasses
 
-    from jaxhybrid.model.config import PRESETS
+    from jaxhybrid.core.config.model import PRESETS
     from jaxhybrid.planner.profile import profile_model
 
     cfg = dataclasses.replace(PRESETS["gpt-tiny"], n_layers=1, d_model=32, d_ff=64, max_seq_len=16)

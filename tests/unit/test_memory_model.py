@@ -3,9 +3,8 @@ import math
 
 import pytest
 
-from jaxhybrid.model.config import PRESETS
-from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes, myelin_activation_units, \
-    optimal_checkpoint_interval, param_state_bytes, stashed_microbatches
+from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.planner.memory import (block_residual_bytes, head_residual_bytes, myelin_activation_units, optimal_checkpoint_interval, param_state_bytes, stashed_microbatches)
 
 
 def test_twenty_phi_without_offload():
@@ -19,7 +18,7 @@ def test_four_phi_plus_sixteen_bsize_with_offload_plus_the_prefetched_bucket():
     """Myelin V-B's 4 phi + 16 bsize, plus the 12 bsize (fp32 theta and Adam state) of the bucket the
     trainer's offloaded optimizer prefetches: the planner and memory.json both count the hand-computed bytes,
     for every dtype and bucket size (a bucket is at most the device's parameters)."""
-    from jaxhybrid.config import Config, OptimConfig, PrecisionConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig, PrecisionConfig
     from jaxhybrid.optim.memory_report import report_from_config
 
     phi, bsize = 2_000_000_000, 16_000_000
@@ -75,7 +74,7 @@ def test_block_residuals_are_what_the_stage_keeps(name):
     abstract outputs) for both model kinds, both dtypes, remat none and dots, several microbatch shapes."""
     import dataclasses
 
-    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.parallel.twobp.stage import Stage
     from jaxhybrid.model.transformer import Model
 
     base, _, variant = name.rpartition("-")

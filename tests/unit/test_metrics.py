@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from jaxhybrid import metrics as M
-from jaxhybrid.metrics_writer import MetricsWriter
-from jaxhybrid.model.config import PRESETS, ModelConfig
+from jaxhybrid.core import hardware as H
+from jaxhybrid.model import flops as M
+from jaxhybrid.runtime.metrics.writer import MetricsWriter
+from jaxhybrid.core.config.model import PRESETS, ModelConfig
 
 
 def _narayanan(b, s, l, h, v, recompute):
@@ -102,12 +103,12 @@ def test_rates_and_time_to_train():
 
 
 def test_load_hardware():
-    hw = M.load_hardware("cpu")
-    assert hw["name"] == "cpu" and M.peak_tflops(hw, "float32") == pytest.approx(0.1)
+    hw = H.load_hardware("cpu")
+    assert hw["name"] == "cpu" and H.peak_tflops(hw, "float32") == pytest.approx(0.1)
     with pytest.raises(FileNotFoundError, match="available: .*cpu"):
-        M.load_hardware("no-such-machine")
+        H.load_hardware("no-such-machine")
     with pytest.raises(ValueError, match="no peak_tflops for 'int4'"):
-        M.peak_tflops(hw, "int4")
+        H.peak_tflops(hw, "int4")
 
 
 def test_auto_hardware_follows_the_device(tmp_path):
@@ -115,19 +116,19 @@ def test_auto_hardware_follows_the_device(tmp_path):
     run once reported mfu 423% against the CPU file), and no MFU for a device no file names."""
     from types import SimpleNamespace as Dev
 
-    assert M.hardware_for_device(Dev(platform="cpu", device_kind="cpu"))["name"] == "cpu"
+    assert H.hardware_for_device(Dev(platform="cpu", device_kind="cpu"))["name"] == "cpu"
     h100 = Dev(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
-    assert M.hardware_for_device(h100)["name"] == "h100-node"
-    assert M.hardware_for_device(Dev(platform="gpu", device_kind="NVIDIA H200"))["name"] == "h200-node"
-    assert M.run_peak_flops("auto", "bfloat16", h100) == (989e12,
+    assert H.hardware_for_device(h100)["name"] == "h100-node"
+    assert H.hardware_for_device(Dev(platform="gpu", device_kind="NVIDIA H200"))["name"] == "h200-node"
+    assert H.run_peak_flops("auto", "bfloat16", h100) == (989e12,
                                                          "mfu against h100-node: 989 TFLOP/s bfloat16 per device")
-    assert M.run_peak_flops("cpu", "float32", h100)[0] == pytest.approx(0.1e12)  # a named file wins
-    peak, why = M.run_peak_flops("auto", "bfloat16", Dev(platform="gpu", device_kind="Imaginary X1"))
+    assert H.run_peak_flops("cpu", "float32", h100)[0] == pytest.approx(0.1e12)  # a named file wins
+    peak, why = H.run_peak_flops("auto", "bfloat16", Dev(platform="gpu", device_kind="Imaginary X1"))
     assert peak is None and "mfu not reported" in why and "'Imaginary X1'" in why
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\ndevice_kinds: H100\npeak_tflops: {float32: 1.0}\n")
     with pytest.raises(ValueError, match="device_kinds must be a list of non-empty strings, got 'H100'"):
-        M.load_hardware(str(bad))
+        H.load_hardware(str(bad))
 
 
 def _strict(line):
@@ -249,7 +250,7 @@ def test_non_writer_rank_writes_nothing(tmp_path):
 
 
 def test_loss_curve_title_is_the_run_name_else_the_directory(tmp_path, monkeypatch):
-    import jaxhybrid.metrics_writer as mwmod
+    import jaxhybrid.runtime.metrics.writer as mwmod
 
     titles = []
     monkeypatch.setattr(mwmod, "plot_loss", lambda points, path, title="", val=(): titles.append(title))

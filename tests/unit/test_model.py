@@ -44,7 +44,7 @@ def test_counts_follow_grouped_query_attention_of_either_kind(name):
     """model.n_kv_heads shapes the qkv kernel of both kinds (the block is one code path); param_count and
     block_matmuls (MFU's flops, the planner) counted GPT-2 as multi-head: gpt-tiny with 2 k/v heads built
     224384 parameters and was counted as 241024."""
-    from jaxhybrid.model.config import block_matmuls
+    from jaxhybrid.core.config.model import block_matmuls
 
     cfg = dataclasses.replace(PRESETS[name], n_kv_heads=2)
     shapes = Model(cfg).abstract_params()
@@ -123,7 +123,7 @@ def test_bf16_compute_keeps_fp32_params():
 @pytest.mark.parametrize("policy,interval", [("full", 2), ("dots", 1), ("full", 3)])
 def test_remat_segments_do_not_change_gradients(policy, interval):
     from jaxhybrid.model import remat_policy
-    from jaxhybrid.testing import assert_tree_close
+    from jaxhybrid.model.testing import assert_tree_close
 
     m = Model(PRESETS["gpt-tiny"])
     p = m.init(jax.random.key(0))
@@ -139,7 +139,7 @@ def _nvidia_gpu() -> bool:
 
 
 def test_attention_kernel_choice_and_errors():
-    from jaxhybrid.config import ConfigError
+    from jaxhybrid.core.errors import ConfigError
     from jaxhybrid.model.attention import attention_kernel
 
     q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
@@ -161,7 +161,7 @@ def test_attention_kernel_choice_and_errors():
 def test_cudnn_attention_matches_xla(heads, kv_heads):
     """The fused cuDNN kernel against the materialised-scores path: outputs and q/k/v gradients (bf16)."""
     from jaxhybrid.model import Ops
-    from jaxhybrid.testing import assert_tree_close
+    from jaxhybrid.model.testing import assert_tree_close
 
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (2, 256, heads, 64), jnp.bfloat16)
@@ -181,7 +181,7 @@ def test_attention_backward_matches_autodiff_and_keeps_only_probabilities(heads,
     """The XLA path's written-out backward (attention.causal_attention) against autodiff of the plain
     formula, GQA included; its vjp keeps q, k, v (unrepeated) and the float32 probabilities, nothing else."""
     from jaxhybrid.model.attention import causal_attention
-    from jaxhybrid.testing import assert_tree_close
+    from jaxhybrid.model.testing import assert_tree_close
 
     def plain(q, k, v):
         rep = q.shape[2] // k.shape[2]
@@ -209,7 +209,7 @@ def test_norms_and_activations_keep_only_inputs_and_statistics():
     """The norms keep x and their per-token statistics, the MLP activations their pre-activations
     (layers: jax.checkpoint), with gradients equal to autodiff of the plain formulas."""
     from jaxhybrid.model.layers import Ops, gelu, swiglu
-    from jaxhybrid.testing import assert_tree_close
+    from jaxhybrid.model.testing import assert_tree_close
 
     def plain_ln(x, s, b):
         mu = x.mean(-1, keepdims=True)
@@ -239,7 +239,7 @@ def test_float16_attention_scores_do_not_overflow_before_scaling():
     """|q . k| = 82944 overflows float16 (max 65504) although the scaled score, 10368, does not: the scores
     must leave the matmul in float32 (Megatron scales inside the GEMM for the same reason)."""
     from jaxhybrid.model.attention import causal_attention
-    from jaxhybrid.testing import assert_tree_close
+    from jaxhybrid.model.testing import assert_tree_close
 
     rng = np.random.default_rng(0)
     q = jnp.full((1, 4, 2, 64), 36.0, jnp.float16)

@@ -7,12 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxhybrid.optim.allreduce import iter_reduced_chunks
+from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks
 from jaxhybrid.optim.memory_report import model_state_bytes
 from jaxhybrid.optim.offload import OffloadedOptimizer
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model.testing import assert_tree_close
 
 TX = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.01)
 SHAPES = {"w1": (8, 16), "b1": (16,), "block": {"w2": (16, 16), "b2": (16,)}, "out": (16, 4)}  # 480 params
@@ -48,7 +48,7 @@ def _nparams(params):
 def test_fp32_five_steps_bit_exact_with_device_adamw(backend, clip, scale, rule):
     """``rule``: which parameters decay (``optim.weight_decay_mask``); with ``matrices`` the buckets of 97
     elements cut through the biases, so a bucket's decay mask starts and ends inside a leaf."""
-    from jaxhybrid.config import OptimConfig
+    from jaxhybrid.core.config.schema import OptimConfig
 
     _, params, batches, grad = _setup()
     n = _nparams(params)
@@ -133,7 +133,7 @@ def test_chunk_fed_step_equals_whole_gradient_step():
 
 
 def test_save_restore_exact_and_bucket_size_independent(tmp_path):
-    from jaxhybrid.checkpoint import Checkpointer
+    from jaxhybrid.runtime.checkpoint.store import Checkpointer
 
     _, params, batches, grad = _setup()
     opt = OffloadedOptimizer(TX, 100, grad_clip=1.0, backend="numpy", name="adamw")
@@ -171,7 +171,7 @@ def test_bad_input_names_the_value():
 
 
 def test_updater_matches_device_updater():
-    from jaxhybrid.config import Config, OptimConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig
 
     _, params, batches, grad = _setup()
     cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=0.5))
@@ -192,7 +192,7 @@ def test_streamed_update_matches_whole_gradient_update_and_rolls_back_on_a_peer_
     """``OffloadUpdater.apply_streamed`` (Myelin V-C, fed reduced chunks as ``PipelineEngine`` yields them)
     against ``apply`` on the whole gradient; then a peer's overflow (``global_max`` says 1 while this
     rank's chunks were finite) leaves the host state as it was and rebuilds the old parameters."""
-    from jaxhybrid.config import Config, OptimConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig
 
     _, params, batches, grad = _setup()
     cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=0.5))
@@ -228,7 +228,7 @@ def test_streamed_norm_leaves_out_what_the_engines_norm_view_drops(clip):
     ``stats(norm_view(grads))`` does on the whole gradient. Here ``block`` (elements 16-288 of 480, cut by
     the 128-element chunks) plays the copy. With clipping the norm is summed before the first bucket
     (and reaches the parameters); without, chunk by chunk as they update (the logged norm)."""
-    from jaxhybrid.config import Config, OptimConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig
 
     _, params, batches, grad = _setup()
     cfg = Config(optim=OptimConfig(bucket_size=64, grad_clip=clip))
@@ -254,7 +254,7 @@ def test_trainer_path_holds_myelins_device_footprint():
     engine used) consumes both, and its device peak, probed after the gradients are flattened and after
     every bucket, stays within Myelin's ``4 phi + 28 bsize`` (bf16; was 4 phi above it, 2.17 vs 1.27 MB
     on gpt-tiny, with both pytrees kept alive next to the flat vectors)."""
-    from jaxhybrid.config import Config, OptimConfig, PrecisionConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig, PrecisionConfig
     from jaxhybrid.optim.memory_report import live_device_bytes
 
     _, params, batches, grad = _setup()
@@ -290,7 +290,7 @@ def test_memory_report_matches_myelin_formulas():
 def test_memory_report_from_config_is_written(tmp_path):
     import json
 
-    from jaxhybrid.config import Config, OptimConfig, PrecisionConfig
+    from jaxhybrid.core.config.schema import Config, OptimConfig, PrecisionConfig
     from jaxhybrid.optim.memory_report import report_from_config, summary_line, write_report
 
     cfg = Config(optim=OptimConfig(offload=True, bucket_size=100), precision=PrecisionConfig(compute_dtype="bfloat16"))

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.config import load_config
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
 from jaxhybrid.optim import build_transform
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater, is_sharded
-from jaxhybrid.step import LocalEngine
-from jaxhybrid.tensor.engine import TensorEngine
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.runtime.engines.base import LocalEngine
+from jaxhybrid.runtime.engines.tensor import TensorEngine
+from jaxhybrid.model.testing import assert_tree_close
 
 FAST = {"xla_backend_optimization_level": 0}
 STEPS = 3
@@ -139,7 +139,7 @@ def test_memory_report_counts_one_devices_shards(tensor_run):
 def test_bench_offload_tensor_prints_side_by_side_json(capsys):
     """``jaxhybrid bench offload --tensor``: both updaters on one mesh, one JSON object; the per-device
     offload holds fewer device bytes than the on-device update, and the host state is split evenly."""
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     rc = main(["bench", "offload", "--tensor", "2,1,2,2", "--model", "gpt-tiny", "--set", "model.n_layers=1",
                "--set", "train.global_batch=8", "--set", "data.seq_len=16", "--steps", "1", "--rounds", "1",

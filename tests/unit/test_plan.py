@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
-from jaxhybrid.config import config_from_dict
-from jaxhybrid.model.config import PRESETS
+from jaxhybrid.runtime.config_load import config_from_dict
+from jaxhybrid.core.config.model import PRESETS
 from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import (PLAN_KEYS, load_plan_overrides, machine_from_hardware, plan_overrides, rank_plans,
-                                    write_plan)
+from jaxhybrid.planner.plan import (PLAN_KEYS, load_plan_overrides, machine_from_hardware, plan_overrides, rank_plans, write_plan)
 from jaxhybrid.planner.step_model import Layout, evaluate
 
 
@@ -90,7 +89,7 @@ def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time()
 
 
 def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does():
-    """One stage runs its microbatches as gradient accumulation (jaxhybrid.step.accumulated_step), so its
+    """One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step), so its
     activations do not grow with their number, and the planner labels it so."""
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
     mem = [evaluate(cfg, Layout(1, 2, 2, 2, 2, 8, k, "gpipe", False, False, "none"), m, 1024)
@@ -156,7 +155,7 @@ def test_plan_cli_json(tmp_path):
 def test_the_slowest_stage_counts_the_head():
     """GPT-2 small's head is 4.5 blocks of work: with 8 stages of [2,2,2,2,1,1,1,1] blocks the last one
     (1 block + head) sets the pace, not a 2-block stage; the step cannot beat M x its F + BI + BW."""
-    from jaxhybrid.metrics import forward_flops
+    from jaxhybrid.model.flops import forward_flops
 
     cfg, m = PRESETS["gpt2-small"], _machine()
     ev = evaluate(cfg, Layout(8, 1, 1, 1, 1, 8, 8, "1f1b", False, False, "none"), m, 1024)
@@ -225,9 +224,9 @@ def test_full_recompute_repeats_the_forward_collectives():
 def test_planner_makespan_is_the_simulate_commands():
     """The planner builds a 2BP schedule with the layout's cost ratios, as `jaxhybrid simulate --costs`
     does (unit costs placed the weight passes elsewhere: 35.5 against 34)."""
-    from jaxhybrid.pipeline.costs import parse_costs
-    from jaxhybrid.pipeline.schedule import make_schedule
-    from jaxhybrid.pipeline.simulate import simulate
+    from jaxhybrid.parallel.pipeline.costs import parse_costs
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.simulate import simulate
     from jaxhybrid.planner.makespan import pipeline_makespan
 
     for sched, split in (("1f1b", True), ("gpipe", True), ("1f1b", False)):
@@ -240,7 +239,7 @@ def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
     """A plan fills at most 90% of a device (the hardware file or --memory-fraction may say otherwise), the
     share `jaxhybrid train` lets XLA preallocate unless the environment chooses (JAX's own default, 75%,
     would leave a plan at 79 of 80 GB short)."""
-    from jaxhybrid.launch_env import MEM_FRACTION_ENV, reserve_device_memory
+    from jaxhybrid.core.launch_env import MEM_FRACTION_ENV, reserve_device_memory
 
     h = load_hardware("h100-node")
     assert machine_from_hardware(h, 8, "bfloat16", 0.5).memory_bytes == pytest.approx(72e9)
@@ -281,7 +280,7 @@ def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tm
     """Myelin's message-driven schedule (Alg. 2), fused and with 2BP, is searched like GPipe and 1F1B: the
     engine runs it for any pipeline and microbatch count. Its plan file resets pipeline.pipeline_limit to
     the default (stages) it was modelled with, whatever the run's YAML set."""
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.planner.layouts import layouts
 
     cfg = PRESETS["gpt2-small"]
@@ -315,7 +314,7 @@ def test_a_config_is_scored_with_its_own_offload_bucket_size():
     myelin-50b-offload.yaml hold 28 x 15M bytes more than the default 1M-element ones."""
     from pathlib import Path
 
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.planner.plan import score_config
 
     path = Path(__file__).resolve().parents[2] / "configs" / "runs" / "myelin-50b-offload.yaml"
@@ -335,7 +334,7 @@ def test_half_precision_allreduce_halves_the_modelled_data_allreduce():
     step that much less; nothing else changes."""
     from pathlib import Path
 
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.planner.plan import score_config
 
     path = Path(__file__).resolve().parents[2] / "configs" / "runs" / "myelin-50b-offload.yaml"
@@ -353,7 +352,7 @@ def test_plan_ranks_a_config_with_its_own_allreduce_dtype(tmp_path, capsys):
     half-precision all-reduce: half the float32 wire's bytes) but ranked every plan with float32, so the
     same layout listed as a plan was predicted slower than "the config's own layout" and its rank compared
     two wires. Both now use the config's setting: the identical plan has the identical prediction."""
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     path = tmp_path / "half.yaml"
     path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"
@@ -398,7 +397,7 @@ def test_a_plan_applies_to_the_config_it_was_made_for(tmp_path):
     ranks plans without offload or on a tensor mesh too, where neither exists: their plan files reset both
     (else `--set plan.file` was a ConfigError on the config the plan was made for); a plan with offload on
     MPI replicas keeps the run's own."""
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
 
     path = tmp_path / "half.yaml"
     path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from jaxhybrid.model.config import PRESETS
+from jaxhybrid.core.config.model import PRESETS
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import machine_from_hardware, rank_plans
 from jaxhybrid.planner.step_model import Layout, evaluate
@@ -73,7 +73,7 @@ def test_the_measured_curve_makes_larger_microbatches_pay_off():
 
 
 def test_plan_cli_prints_the_curve_and_refuses_bad_overheads(capsys):
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     base = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "8", "--hardware", "h200-node",
             "--top", "1", "--no-tensor", "--global-batch", "8", "--no-offload"]
@@ -107,7 +107,7 @@ def test_bench_curve_prints_a_line_the_planner_reads(capsys):
     file, is a compute_model that ``jaxhybrid plan`` accepts."""
     import yaml
 
-    from jaxhybrid.cli import main
+    from jaxhybrid.cli.main import main
 
     assert main(["bench", "curve", "--case", "gpt-tiny:1", "--case", "gpt-tiny:16", "--blocks", "1", "--seq-len",
                  "32", "--repeats", "1", "--peak-tflops", "1000"]) == 0

@@ -6,18 +6,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.config import load_config
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
-from jaxhybrid.model.config import PRESETS, block_matmuls
-from jaxhybrid.model.stage import Stage
+from jaxhybrid.core.config.model import PRESETS, block_matmuls
+from jaxhybrid.parallel.twobp.stage import Stage
 from jaxhybrid.planner.comm_model import comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.memory import optimal_checkpoint_interval
 from jaxhybrid.planner.plan import machine_from_hardware
 from jaxhybrid.planner.step_model import Layout, block_bytes_per_device, evaluate, gathered_weights
-from jaxhybrid.tensor.engine import TensorEngine
-from jaxhybrid.tensor.local import LocalTensor
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.runtime.engines.tensor import TensorEngine
+from jaxhybrid.parallel.tensor.local import LocalTensor
+from jaxhybrid.model.testing import assert_tree_close
 
 GATHER = "stablehlo.all_gather"
 

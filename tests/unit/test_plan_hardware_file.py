@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxhybrid.cli import main
+from jaxhybrid.cli.main import main
 
 H100 = Path(__file__).resolve().parents[2] / "configs" / "hardware" / "h100-node.yaml"
 

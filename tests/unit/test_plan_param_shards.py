@@ -5,14 +5,14 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxhybrid.config import load_config
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
-from jaxhybrid.model.stage import Stage
+from jaxhybrid.parallel.twobp.stage import Stage
 from jaxhybrid.optim.memory_report import params_per_device, report_over_ranks
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import machine_from_hardware, score_config
-from jaxhybrid.tensor.engine import TensorEngine
-from jaxhybrid.tensor.local import LocalTensor
+from jaxhybrid.runtime.engines.tensor import TensorEngine
+from jaxhybrid.parallel.tensor.local import LocalTensor
 
 MESHES = [(1, 2, 2), (2, 2, 1), (2, 1, 2)]  # (col, row, depth)
 MODELS = [("gpt-tiny", False), ("llama-tiny", False), ("gpt-tiny", True)]  # (preset, tied embeddings)

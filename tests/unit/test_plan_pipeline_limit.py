@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.config import ConfigError, load_config
-from jaxhybrid.model.config import PRESETS
-from jaxhybrid.pipeline.costs import Costs
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.simulate import simulate
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.planner import makespan as mk
 from jaxhybrid.planner import step_model
 from jaxhybrid.planner.costs import load_hardware
@@ -135,7 +136,7 @@ def test_ample_memory_ranks_the_faster_limit_and_tight_memory_one_that_fits():
 def test_the_plan_table_and_json_show_myelin_limits(capsys):
     """The table's lim column: Myelin's limit in flight (the default as the stage count), '-' for the other
     schedules; the JSON carries pipeline_limit (0: the default)."""
-    from jaxhybrid.cli import build_parser
+    from jaxhybrid.cli.main import build_parser
 
     argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", "h100-node",
             "--global-batch", "16", "--top", "12"]

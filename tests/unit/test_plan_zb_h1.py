@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.config import load_config
-from jaxhybrid.model.config import PRESETS
-from jaxhybrid.pipeline.costs import Costs
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.simulate import simulate
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.planner import makespan as mk
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.layouts import layouts

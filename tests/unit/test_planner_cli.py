@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxhybrid.cli import build_parser
+from jaxhybrid.cli.main import build_parser
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.costs import LayerCost, Profile, load_hardware, save_profile
 from jaxhybrid.planner.madpipe import madpipe
@@ -43,8 +43,8 @@ def test_partition_profile_model_alone_works_and_profile_is_its_optional_output(
     assert len(layers) == 4  # gpt-tiny's blocks, saved to reuse
     # Each block's stored bytes are what its forward keeps (Stage.activation_bytes), not MadPipe's input a_{l-1}.
     from jaxhybrid.model import Model
-    from jaxhybrid.model.config import resolve_model
-    from jaxhybrid.model.stage import Stage
+    from jaxhybrid.core.config.model import resolve_model
+    from jaxhybrid.parallel.twobp.stage import Stage
 
     model = Model(resolve_model("gpt-tiny"))
     assert [lc["stored_bytes"] for lc in layers] == [Stage(model, i, i + 1).activation_bytes(1, 16) for i in range(4)]
@@ -135,7 +135,7 @@ def test_partition_profiling_flags_are_refused_with_a_profile_file(tmp_path):
 def test_partition_profiles_a_run_config_as_plan_reads_it(monkeypatch, capsys):
     """--profile-model CFG takes a run config as `plan --model` does (the same resolver): its model, microbatch
     size, sequence and compute dtype, each flag overriding; it used to fail with "unknown model"."""
-    from jaxhybrid.config import load_config
+    from jaxhybrid.runtime.config_load import load_config
 
     seen = []
 
@@ -186,7 +186,7 @@ def test_plan_lists_only_hardware_with_bandwidths():
     ("16", "16", r"--gpus-per-node=16 must be in \[1, 8\]: hardware 'h100-node' has gpus_per_node=8"),
 ])
 def test_plan_rejects_partial_nodes_and_oversized_nodes_before_ranking(monkeypatch, gpus, gpn, match):
-    monkeypatch.setattr("jaxhybrid.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
+    monkeypatch.setattr("jaxhybrid.cli.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
     with pytest.raises(ValueError, match=match):
         _run("plan", "--model", "gpt-tiny", "--gpus", gpus, "--gpus-per-node", gpn, "--hardware", "h100-node")
 
@@ -206,7 +206,7 @@ def test_plan_counts_must_be_at_least_one(capsys, flag, value):
 @pytest.mark.parametrize("model", ["gpt-tiny", str(RUNS / "tiny.yaml")])
 def test_plan_refuses_a_sequence_beyond_the_models_positions_before_ranking(monkeypatch, model):
     """train rejects data.seq_len > model.max_seq_len; plan used to rank layouts for it."""
-    monkeypatch.setattr("jaxhybrid.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
+    monkeypatch.setattr("jaxhybrid.cli.commands.plan.rank_plans", lambda *a, **k: pytest.fail("ranked anyway"))
     with pytest.raises(ValueError, match="^--seq-len 100000 must be at most gpt-tiny's max_seq_len=128$"):
         _run(*PLAN, "--model", model, "--seq-len", "100000")
 
@@ -223,7 +223,7 @@ def test_whole_nodes_or_a_divisor_of_one_are_accepted_and_suggested():
         check_gpus(g, n)
     with pytest.raises(ValueError, match="neither a multiple"):
         rank_plans(None, 12, machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16", 0.5), 8, 8)
-    from jaxhybrid.model.config import PRESETS
+    from jaxhybrid.core.config.model import PRESETS
 
     summit = machine_from_hardware(load_hardware("summit"), 6, "bfloat16", 0.5)
     with pytest.raises(ValueError, match=r"(\d+) GPUs would fit") as e:

@@ -3,8 +3,8 @@ old behaviour (before optim.weight_decay_mask every parameter decayed), and the 
 today's default, so comparing loaded configs found no change and the resume switched silently."""
 import dataclasses
 
-from jaxhybrid.config import load_config
-from jaxhybrid.run_dir import write_run_config
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.run_dir import write_run_config
 
 
 def _resume(run, cfg, capsys):

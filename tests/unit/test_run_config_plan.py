@@ -5,8 +5,8 @@ to train at all (a moved plan: "plan file not found"; a rewritten one: another l
 import dataclasses
 import json
 
-from jaxhybrid.config import load_config
-from jaxhybrid.run_dir import write_run_config
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.run_dir import write_run_config
 
 
 def _plan(path, microbatches: int):

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.pipeline.costs import Costs
-from jaxhybrid.pipeline.generators import madpipe_groups
-from jaxhybrid.pipeline.schedule import SCHEDULE_NAMES, make_schedule
-from jaxhybrid.pipeline.simulate import simulate
-from jaxhybrid.pipeline.tasks import Kind, Schedule, task
-from jaxhybrid.pipeline.validate import peak_stashed, validate_schedule
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.generators import madpipe_groups
+from jaxhybrid.parallel.pipeline.schedule import SCHEDULE_NAMES, make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule, task
+from jaxhybrid.parallel.pipeline.validate import peak_stashed, validate_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 

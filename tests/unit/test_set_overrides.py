@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.config import ConfigError, load_config, parse_overrides
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.core.config.parse import parse_overrides
 
 
 @pytest.mark.parametrize("pairs", [["model=llama-tiny", "model.d_model=128"],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.commands.launch_checks import check_job, train_config
+from jaxhybrid.cli.launch.checks import check_job, train_config
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import check_gpus, machine_from_hardware, score_config
 
@@ -58,9 +58,9 @@ def test_shipped_hardware_file_serves_mfu_and_the_planner(path):
     """Each configs/hardware file, by name as metrics.hardware takes it: a peak for every compute dtype
     (a run of any dtype can name it), and, where it has bandwidths, a planner machine at every dtype and
     GPU count per node (`jaxhybrid plan --hardware NAME`), so a broken file fails here, not in a run."""
-    from jaxhybrid.config_checks import DTYPES
-    from jaxhybrid.metrics import load_hardware as load_for_mfu
-    from jaxhybrid.metrics import peak_tflops
+    from jaxhybrid.runtime.config_checks import DTYPES
+    from jaxhybrid.core.hardware import load_hardware as load_for_mfu
+    from jaxhybrid.core.hardware import peak_tflops
     from jaxhybrid.planner.costs import planner_hardware_names
 
     hw = load_for_mfu(path.stem)
@@ -95,7 +95,7 @@ def test_cluster_config_fits_its_hardware_by_the_planner(path):
 def test_plan_scores_a_config_beside_its_plans(capsys):
     """`jaxhybrid plan --model CONFIG` prints the config's own layout with its rank among all feasible
     plans, and a note instead where --gpus differs from the config's device count."""
-    from jaxhybrid.cli import build_parser
+    from jaxhybrid.cli.main import build_parser
 
     def plan(*extra):
         _, a = build_parser(["plan", "--model", str(RUNS / "llama-7b-2bp.yaml"), "--gpus-per-node", "8",

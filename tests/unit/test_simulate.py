@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from jaxhybrid.pipeline.costs import Costs, parse_costs
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.simulate import simulate
-from jaxhybrid.pipeline.tasks import Kind, Schedule, task
-from jaxhybrid.pipeline.validate import validate_schedule
+from jaxhybrid.parallel.pipeline.costs import Costs, parse_costs
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule, task
+from jaxhybrid.parallel.pipeline.validate import validate_schedule
 
 
 def test_gpipe_makespan_with_latency_and_bandwidth():

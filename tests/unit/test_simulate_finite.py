@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from jaxhybrid.cli import build_parser
-from jaxhybrid.pipeline.costs import Costs
+from jaxhybrid.cli.main import build_parser
+from jaxhybrid.parallel.pipeline.costs import Costs
 
 BASE = ("simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.cli import build_parser
+from jaxhybrid.cli.main import build_parser
 
 BASE = ("simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
 

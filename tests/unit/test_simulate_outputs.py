@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxhybrid.cli import main
+from jaxhybrid.cli.main import main
 
 BASE = ["simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2"]
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from jaxhybrid.model import Model, PRESETS
-from jaxhybrid.model import stage_kernels
-from jaxhybrid.model.residuals import ParamSlot, WeightResiduals
-from jaxhybrid.model.stage import (TIED_KEY, Stage, auto_weight_join, concat_weight_residuals, reference_apply,
-                                  weight_join)
-from jaxhybrid.model.stage_costs import kernel_costs, split_ratios
-from jaxhybrid.step import LocalEngine
-from jaxhybrid.testing import TOLERANCES, assert_tree_close, max_rel_err
+from jaxhybrid.parallel.twobp import stage_kernels
+from jaxhybrid.parallel.twobp.residuals import ParamSlot, WeightResiduals
+from jaxhybrid.model.transformer import TIED_KEY
+from jaxhybrid.parallel.twobp.stage import (Stage, auto_weight_join, concat_weight_residuals, reference_apply, weight_join)
+from jaxhybrid.parallel.twobp.stage_costs import kernel_costs, split_ratios
+from jaxhybrid.runtime.engines.base import LocalEngine
+from jaxhybrid.model.testing import TOLERANCES, assert_tree_close, max_rel_err
 
 MB, T = 2, 8
 SMALL = dict(d_model=32, n_heads=4, d_ff=64, n_layers=3, vocab_size=64, max_seq_len=16)

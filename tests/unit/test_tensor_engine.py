@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxhybrid.config import load_config
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
 from jaxhybrid.optim import DeviceUpdater, build_transform
-from jaxhybrid.step import LocalEngine, split_batch
-from jaxhybrid.tensor.engine import TensorEngine, order_microbatches
-from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
-from jaxhybrid.tensor.mesh import MeshShape, make_mesh
-from jaxhybrid.tensor.sharding import check_layout, is_fully_sharded
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.runtime.engines.base import LocalEngine, split_batch
+from jaxhybrid.runtime.engines.tensor import TensorEngine, order_microbatches
+from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
+from jaxhybrid.parallel.tensor.mesh import MeshShape, make_mesh
+from jaxhybrid.parallel.tensor.sharding import check_layout, is_fully_sharded
+from jaxhybrid.model.testing import assert_tree_close
 
 FAST = {"xla_backend_optimization_level": 0}
 
@@ -176,7 +176,7 @@ def test_tensor_norms_match_reference_and_reduce_nothing_again(kind, row_psums):
     import re
 
     from jaxhybrid.model.layers import Ops
-    from jaxhybrid.tensor.ops import TensorOps
+    from jaxhybrid.parallel.tensor.ops import TensorOps
 
     mesh = make_mesh(MeshShape(1, 2, 2, 2))
     tops = TensorOps.build(mesh, n_heads=4, kv_heads=4)

@@ -1,6 +1,6 @@
 """Collective bytes of the compiled 3D layer equal AxoNN eqs. 4-8 (the planner's comm model).
 
-``jaxhybrid.tensor.hlo`` reads every collective of the compiled, SPMD-partitioned HLO; the predicted
+``jaxhybrid.planner.hlo`` reads every collective of the compiled, SPMD-partitioned HLO; the predicted
 volumes come from ``jaxhybrid.planner.comm_model.layer_comm_volumes`` (the planner issue's
 implementation of eqs. 4-8), so this is the check of the two against each other.
 """
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxhybrid.config import load_config
-from jaxhybrid.tensor import hlo
-from jaxhybrid.tensor.engine import TensorEngine
-from jaxhybrid.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
-from jaxhybrid.tensor.mesh import MeshShape, factorizations, make_mesh
-from jaxhybrid.tensor.sharding import dense_shapes
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.planner import hlo
+from jaxhybrid.runtime.engines.tensor import TensorEngine
+from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
+from jaxhybrid.parallel.tensor.mesh import MeshShape, factorizations, make_mesh
+from jaxhybrid.parallel.tensor.sharding import dense_shapes
 
 B, T, K, N = 8, 4, 32, 64
 

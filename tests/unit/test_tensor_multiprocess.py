@@ -12,9 +12,10 @@ def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
     layout that is not one tensor-mode mesh (all raised before the distributed runtime starts)."""
     import argparse
 
-    from jaxhybrid.commands import train as train_cmd
-    from jaxhybrid.config import ConfigError, load_config
-    from jaxhybrid.tensor.distributed import peer_arguments
+    from jaxhybrid.cli.commands import train as train_cmd
+    from jaxhybrid.core.errors import ConfigError
+    from jaxhybrid.runtime.config_load import load_config
+    from jaxhybrid.runtime.distributed import peer_arguments
 
     assert peer_arguments("node0:1234", 4, 3) == {"coordinator_address": "node0:1234", "num_processes": 4,
                                                  "process_id": 3}
@@ -27,7 +28,7 @@ def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
         peer_arguments("node0:1", 2, 2)
     with pytest.raises(ValueError, match="found no launcher"):
         peer_arguments(env={})
-    from jaxhybrid.tensor.distributed import initialize
+    from jaxhybrid.runtime.distributed import initialize
 
     with pytest.raises(ValueError, match=r"over 3 processes: the mesh's 8 devices .* do not split evenly"):
         initialize("localhost:1", 3, 0, mesh_devices=8)  # raised before the runtime starts: no peer waits
@@ -54,7 +55,7 @@ def test_explicit_peers_name_the_value_that_is_wrong(args, message):
     """A port past 65535 was accepted (left to the distributed runtime's bind or connect, after the
     processes started), and --num-processes 0 was reported as '--process-id 0 must be in [0,
     --num-processes 0)', naming the process id, which was right."""
-    from jaxhybrid.tensor.distributed import peer_arguments
+    from jaxhybrid.runtime.distributed import peer_arguments
 
     with pytest.raises(ValueError, match=message):
         peer_arguments(*args)

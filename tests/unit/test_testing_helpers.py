@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from jaxhybrid.testing import assert_tree_close, max_rel_err
+from jaxhybrid.model.testing import assert_tree_close, max_rel_err
 
 
 def test_a_missing_or_moved_leaf_is_never_agreement():

@@ -4,9 +4,9 @@ ranks in one process; the MPI parity test (tests/mpi, tied config) runs the real
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.model.stage import TIED_KEY
-from jaxhybrid.pipeline.tied import norm_view, sum_tied
-from jaxhybrid.testing import assert_tree_close
+from jaxhybrid.model.transformer import TIED_KEY
+from jaxhybrid.parallel.pipeline.tied import norm_view, sum_tied
+from jaxhybrid.model.testing import assert_tree_close
 
 
 class _Pair:

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.commands.launch import build_command, rank_environment
-from jaxhybrid.config import ConfigError
-from jaxhybrid.topology import Grid, partition_blocks
+from jaxhybrid.cli.commands.launch import build_command, rank_environment
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.parallel.pipeline.topology import Grid, partition_blocks
 
 
 def test_grid_round_trips_and_rows_are_consecutive():
@@ -57,8 +57,8 @@ def test_launch_command_and_thread_environment(tmp_path):
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, [0, 1], 0)
     # A hybrid layout's ranks get their tensor mesh's CPU devices; a user's own count wins.
-    from jaxhybrid.commands.launch_checks import check_job, devices_per_rank, train_config
-    from jaxhybrid.config import ConfigError
+    from jaxhybrid.cli.launch.checks import check_job, devices_per_rank, train_config
+    from jaxhybrid.core.errors import ConfigError
 
     runs = Path(__file__).resolve().parents[2] / "configs" / "runs"
     hybrid = train_config(["--", "--config", str(runs / "hybrid.yaml"), "--set", "parallel.tensor_row=2"])
@@ -97,7 +97,7 @@ def test_bench_expected_gain_uses_the_measured_kernels():
     """The bench's expected gain simulates the schedules with the kernel times the run recorded: medians per
     (stage, kind), a joined BW spread over its microbatches; equal kernels give Table 1 again."""
     from jaxhybrid.bench.pipeline import kernel_seconds, measured_costs, theoretical_gain
-    from jaxhybrid.pipeline.trace import Event
+    from jaxhybrid.parallel.pipeline.trace import Event
 
     def ev(stage, kind, dur, mbs):
         return Event(stage, f"{kind}{mbs}", kind, 1.0, 1.0 + dur, mbs, stage)
@@ -139,7 +139,7 @@ def test_bench_pipeline_checks_its_arguments_before_launching(monkeypatch, argv,
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
     """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
     it; too few GPUs for the rank's block is an error naming the counts."""
-    from jaxhybrid.tensor.local import gpu_block
+    from jaxhybrid.parallel.tensor.local import gpu_block
 
     assert gpu_block(1, {"MPI_LOCALRANKID": "3"}) == [3]  # mpich/hydra, all GPUs visible
     assert gpu_block(2, {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == [2, 3]  # Open MPI, hybrid: 2 GPUs per rank
@@ -155,7 +155,7 @@ def test_each_mpi_rank_sees_its_own_node_local_gpus():
 def test_launcher_environment_is_read_in_one_place():
     """launch_env: world size, MPI rank presence and node-local rank from mpich/hydra, Open MPI, PMIx and
     srun variables; an sbatch script's SLURM_NTASKS (no SLURM_PROCID) is not a rank's world."""
-    from jaxhybrid import launch_env as le
+    from jaxhybrid.core import launch_env as le
 
     assert le.world_size({}) == 1 and le.local_rank({}) is None and not le.mpi_rank_set({})
     assert le.world_size({"PMI_SIZE": "4", "PMI_RANK": "1"}) == 4 and le.mpi_rank_set({"PMI_RANK": "1"})
@@ -171,8 +171,8 @@ def test_mpirun_inside_a_slurm_shell_is_not_taken_for_srun_tasks(monkeypatch):
     every rank inherits SLURM_PROCID=0 and SLURM_NTASKS, and read as srun tasks each process started JAX's
     runtime alone (4 != 2 devices) or waited for peers that never came. hydra's PMI_RANK/PMI_SIZE name the
     job; srun --mpi=pmi2 sets both alike, and stays srun's."""
-    from jaxhybrid import launch_env as le
-    from jaxhybrid.tensor import distributed
+    from jaxhybrid.core import launch_env as le
+    from jaxhybrid.runtime import distributed
 
     shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
     for rank in ("0", "1"):
@@ -191,7 +191,7 @@ def test_mpirun_inside_a_slurm_shell_is_not_taken_for_srun_tasks(monkeypatch):
     ([4, 5, 8, 9], 2, [[4, 5], [8, 9]]),  # the CPUs the launcher may use, not 0..n-1
 ])
 def test_each_launched_rank_gets_its_share_of_the_cpus(cpus, n, expected):
-    from jaxhybrid.launch_env import rank_cpus
+    from jaxhybrid.core.launch_env import rank_cpus
 
     assert [rank_cpus(cpus, r, n) for r in range(n)] == expected
     with pytest.raises(ValueError, match="rank 2 of 2"):
@@ -206,11 +206,11 @@ def test_launched_rank_pins_itself_before_jax_starts():
     import subprocess
     import sys
 
-    from jaxhybrid.commands.launch import job_cpus
-    from jaxhybrid.launch_env import RANK_CPUS_ENV, rank_cpus
+    from jaxhybrid.cli.commands.launch import job_cpus
+    from jaxhybrid.core.launch_env import RANK_CPUS_ENV, rank_cpus
 
     allowed = job_cpus()
-    probe = ("import json, os; from jaxhybrid.launch_env import bind_rank_cpus; "
+    probe = ("import json, os; from jaxhybrid.core.launch_env import bind_rank_cpus; "
              "print(json.dumps([bind_rank_cpus(), sorted(os.sched_getaffinity(0))]))")
     base = {k: v for k, v in os.environ.items() if k != RANK_CPUS_ENV}
     rank1 = dict(base, **{RANK_CPUS_ENV: ",".join(map(str, allowed)), "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
@@ -222,7 +222,7 @@ def test_launched_rank_pins_itself_before_jax_starts():
     assert RANK_CPUS_ENV not in rank_environment(2, allowed, 0, base={}, bind=False)  # --no-bind
     with pytest.raises(ValueError, match="--cores 99999"):
         job_cpus(99999)
-    from jaxhybrid.launch_env import bind_rank_cpus
+    from jaxhybrid.core.launch_env import bind_rank_cpus
 
     for spec, size in (("0,x", "2"), ("0,1", "1")):  # not a CPU list; a rank beyond the local count
         with pytest.raises(ValueError, match=f"JAXHYBRID_RANK_CPUS='{spec}' for local rank 1"):
@@ -236,7 +236,7 @@ def test_rank_watch_names_the_first_rank_to_end_abnormally(tmp_path):
     import sys
     import time
 
-    from jaxhybrid.commands.rankwatch import RankWatch, bystanders, name_hydra_pids
+    from jaxhybrid.cli.launch.rankwatch import RankWatch, bystanders, name_hydra_pids
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
     try:
@@ -284,7 +284,7 @@ def test_rank_watch_takes_a_closed_alive_fifo_as_the_end(tmp_path):
     import sys
     import time
 
-    from jaxhybrid.commands.rankwatch import RankWatch, alive_fifo
+    from jaxhybrid.cli.launch.rankwatch import RankWatch, alive_fifo
 
     watch = RankWatch(tmp_path, 2, period_s=0.01)
     holds = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK); "
@@ -318,7 +318,7 @@ def test_rank_watch_takes_a_closed_alive_fifo_as_the_end(tmp_path):
 
 def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
     """The rank that aborted the job is named even when MPI_Abort ended another rank before it."""
-    from jaxhybrid.commands.rankwatch import RankWatch, failure_summary
+    from jaxhybrid.cli.launch.rankwatch import RankWatch, failure_summary
 
     watch = RankWatch(tmp_path, 2)
     watch.ended = [(3, 101, "rank 0 (stage 0, replica 0)"), (4, 102, "rank 1 (stage 1, replica 0)")]
@@ -337,7 +337,7 @@ def test_watchdog_gives_each_phase_its_compile_deadline_once():
     pipeline.watchdog_compile_s; the next time the plain deadline, so a hang is still caught fast."""
     import time
 
-    from jaxhybrid.pipeline.watchdog import Watchdog
+    from jaxhybrid.parallel.pipeline.watchdog import Watchdog
 
     fired = []
     dog = Watchdog("rank 0", 0.2, on_fire=fired.append, compile_deadline_s=30.0)

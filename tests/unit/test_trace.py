@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from jaxhybrid.cli import main
-from jaxhybrid.pipeline.schedule import make_schedule
-from jaxhybrid.pipeline.simulate import simulate
-from jaxhybrid.pipeline.trace import Event, Timeline, save_gantt, to_chrome_trace, write_chrome_trace
+from jaxhybrid.cli.main import main
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.trace import Event, Timeline, save_gantt, to_chrome_trace, write_chrome_trace
 
 
 def test_merge_per_rank_events_with_clock_offsets():

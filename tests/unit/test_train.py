@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.cli import main
-from jaxhybrid.config import load_config
-from jaxhybrid.testing import assert_tree_close
-from jaxhybrid import data as data_lib
-from jaxhybrid.data.splits import open_dataset, validation_batches
-from jaxhybrid.train import Trainer
+from jaxhybrid.cli.main import main
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.runtime import data as data_lib
+from jaxhybrid.runtime.data.splits import open_dataset, validation_batches
+from jaxhybrid.runtime.trainer import Trainer
 
 FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4",
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false", "optim.warmup_steps=2"]
@@ -56,13 +56,13 @@ def test_loss_falls_on_real_text(tmp_path):
 def test_mfu_over_the_devices_peak_or_null(tmp_path, monkeypatch, capsys):
     """``metrics.hardware: auto`` on a CPU divides by cpu.yaml's peak (and says so); a device that no
     hardware file names records ``mfu: null`` instead of a ratio against another machine's peak."""
-    from jaxhybrid import metrics as metrics_lib
+    from jaxhybrid.runtime import trainer as trainer_module
 
     Trainer(_cfg(tmp_path, "train.steps=2", name="cpu")).run()
     rec = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] / 0.1)
     assert "mfu against cpu: 0.1 TFLOP/s float32 per device" in capsys.readouterr().err
-    monkeypatch.setattr(metrics_lib, "run_peak_flops", lambda *a: (None, "mfu not reported: test"))
+    monkeypatch.setattr(trainer_module, "run_peak_flops", lambda *a: (None, "mfu not reported: test"))
     Trainer(_cfg(tmp_path, "train.steps=2", name="unknown")).run()
     rec = json.loads((tmp_path / "unknown" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["mfu"] is None and rec["tflops_per_device"] > 0
@@ -73,7 +73,7 @@ def test_mfu_counts_model_flops_and_hfu_what_remat_recomputes(tmp_path, remat):
     """tflops_per_device and mfu count the model's flops from its matmul shapes (here d_ff=96, not 4d),
     whatever the remat: a dots run that recomputes more no longer reports a higher mfu for a slower step.
     hw_tflops_per_device and hfu add the recomputation: dots the attention cores, full the blocks' forward."""
-    from jaxhybrid import metrics as metrics_lib
+    from jaxhybrid.model import flops as metrics_lib
 
     cfg = _cfg(tmp_path, "train.steps=1", "model.d_ff=96", f"train.remat={remat}")
     Trainer(cfg).run()
@@ -94,7 +94,7 @@ def test_run_summary_is_the_steady_state_of_the_logged_steps(tmp_path):
     """The run's summary averages the steps after the first (which compiles), as Myelin VI-D averages the
     last 10 of 11 batches: its time to train and flop columns are the per-step formulas at the mean step
     time, recomputed here from the logged per-step values (remat full: hfu differs from mfu)."""
-    from jaxhybrid import metrics as metrics_lib
+    from jaxhybrid.model import flops as metrics_lib
 
     cfg = _cfg(tmp_path, "train.steps=4", "train.remat=full")
     out = Trainer(cfg).run()
@@ -170,7 +170,7 @@ def test_resume_is_bit_exact(tmp_path, extra):
     there, it logs the uninterrupted run's losses 4-6 and ends with its params and optimizer state, bit for
     bit. Step 3 is past the 2 warmup steps: the resumed steps run on the cosine part of the schedule, from
     the restored step (the sampler's batch index), Adam count and moments."""
-    from jaxhybrid.checkpoint import committed_steps
+    from jaxhybrid.runtime.checkpoint.store import committed_steps
 
     sets = ("train.steps=6", "checkpoint.every=3", "checkpoint.at_end=false", *extra)
     straight = Trainer(_cfg(tmp_path, *sets))
@@ -194,7 +194,7 @@ def test_resume_is_bit_exact(tmp_path, extra):
 def test_reused_run_dir_is_refused_and_resume_checks_the_layout(tmp_path):
     """A new run into a folder holding checkpoints would save none of its own (orbax keeps the newest step),
     and a resume with another layout would die in orbax's tree matching: both are ConfigErrors first."""
-    from jaxhybrid.config import ConfigError
+    from jaxhybrid.core.errors import ConfigError
 
     Trainer(_cfg(tmp_path, "train.steps=2")).run()  # checkpoints step 2 at the end
     with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(rank_0: steps 2\); continue it "
@@ -211,8 +211,8 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     deletes the newer ones here (kept, they would stay the old run's while the other ranks save the resumed
     run's). config.yaml records run.resume false, so it starts a fresh run as it is; a resume that changed
     settings lists them and keeps the config the earlier steps trained with as config.step<N>.yaml."""
-    from jaxhybrid.checkpoint import committed_steps
-    from jaxhybrid.run_dir import saved_config
+    from jaxhybrid.runtime.checkpoint.store import committed_steps
+    from jaxhybrid.runtime.run_dir import saved_config
 
     run = tmp_path / "run"
     Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3")).run()
@@ -235,7 +235,7 @@ def test_resume_names_a_step_not_every_rank_holds_and_deletes_nothing(tmp_path):
     """keep=1 on one rank, whose save of step 4 deleted step 2, while another rank's newest is step 2: no
     step is common, and the error says so before anything is deleted (it used to delete step 4 first and
     then fail in orbax with a missing folder)."""
-    from jaxhybrid.checkpoint import committed_steps
+    from jaxhybrid.runtime.checkpoint.store import committed_steps
 
     run = tmp_path / "run"
     Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=1")).run()
@@ -253,7 +253,7 @@ def test_a_save_cut_off_mid_write_leaves_no_checkpoint_behind(tmp_path):
     saved step 3 again, orbax's clean-up of that step later deleted the stale temporary folder instead of
     ``3``, which stayed on disk beyond checkpoint.keep (a whole checkpoint per rank) and came back at the
     next resume. The checkpointer now removes unfinished saves when it opens the folder."""
-    from jaxhybrid.checkpoint import Checkpointer, committed_steps
+    from jaxhybrid.runtime.checkpoint.store import Checkpointer, committed_steps
 
     ck = Checkpointer(tmp_path, 0, keep=2)
     for s in (1, 2):
@@ -275,7 +275,7 @@ def test_interrupt_stops_after_the_step_with_it_saved(tmp_path, monkeypatch, cap
     import os
     import signal
 
-    from jaxhybrid.checkpoint import committed_steps
+    from jaxhybrid.runtime.checkpoint.store import committed_steps
 
     calls = {"n": 0}
     real = Trainer.step
@@ -336,8 +336,8 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
 
 def test_cudnn_attention_on_another_device_is_refused_before_the_engine_is_built(tmp_path, monkeypatch):
     """model.attention=cudnn on a CPU: each MPI rank traced its first attention, failed and aborted the job."""
-    import jaxhybrid.build as build
-    from jaxhybrid.config import ConfigError
+    import jaxhybrid.runtime.engines.build as build
+    from jaxhybrid.core.errors import ConfigError
 
     monkeypatch.setattr(build, "LocalEngine", None)  # reached only past the check
     with pytest.raises(ConfigError, match=r"model.attention=cudnn needs an NVIDIA GPU; this process's device is "
@@ -411,8 +411,8 @@ def test_step_compiles_once(tmp_path):
 def test_evaluation_without_a_validation_split_is_refused(tmp_path):
     """A prepared dataset with no held-out tokens and eval_every > 0: a ConfigError naming both,
     raised by the Trainer before any compilation or file is written."""
-    from jaxhybrid.config import ConfigError
-    from jaxhybrid.data import prepare_data
+    from jaxhybrid.core.errors import ConfigError
+    from jaxhybrid.runtime.data import prepare_data
 
     src = tmp_path / "text.txt"
     src.write_text("In the beginning was the word. " * 200)
@@ -456,7 +456,7 @@ def test_bare_command_is_a_usage_error(capsys):
 
 def test_a_closed_output_pipe_ends_quietly(monkeypatch, capfd):
     """`jaxhybrid plan ... | head`: the reader leaving ends the command with status 1 and no traceback."""
-    import jaxhybrid.commands.simulate as sim
+    import jaxhybrid.cli.commands.simulate as sim
 
     def run(args):
         raise BrokenPipeError(32, "Broken pipe")
@@ -489,7 +489,7 @@ def test_sigterm_keeps_the_last_finished_step(tmp_path):
         p.kill()
     assert p.returncode == 130, err
     assert "jaxhybrid: stopped by SIGTERM; rank 0 saved step" in err and "Traceback" not in err
-    from jaxhybrid.checkpoint import committed_steps
+    from jaxhybrid.runtime.checkpoint.store import committed_steps
 
     assert committed_steps(run)["rank_0"][-1] >= 2
 
@@ -498,7 +498,7 @@ def test_sigterm_keeps_the_last_finished_step(tmp_path):
 def test_data_parallel_on_one_mesh_matches_one_device(tmp_path, extra):
     """``parallel.mesh_data``: data replicas as the axis of one process's mesh (XLA's all-reduce, NCCL on
     GPUs), no tensor axis and no MPI; each step's loss and gradient norm equal the single device's."""
-    from jaxhybrid.tensor.engine import TensorEngine
+    from jaxhybrid.runtime.engines.tensor import TensorEngine
 
     Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", name="one")).run()
     mesh = Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", "parallel.data=8", "parallel.mesh_data=true",

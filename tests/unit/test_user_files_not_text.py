@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxhybrid.cli import main
+from jaxhybrid.cli.main import main
 
 
 @pytest.fixture

@@ -1,0 +1,226 @@
+"""``jaxhybrid train --config FILE [--set key=value ...] [--resume] [--distributed]``: one process, one MPI
+rank of a pipeline/data grid, or (``--distributed``) one process of a tensor-mode mesh spanning processes."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file of overrides (configs/runs/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    p.add_argument("--distributed", action="store_true",
+                   help="tensor mode over several processes (nodes): start JAX's distributed runtime so the "
+                   "(data, depth, row, col) mesh spans every process's devices; under srun or mpirun the "
+                   "peers are found from the launcher, elsewhere pass the three options below")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="--distributed: process 0's address")
+    p.add_argument("--num-processes", type=int, default=None, help="--distributed: number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="--distributed: this process's index")
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Before JAX starts: on a GPU, XLA preallocates the share of memory the planner fits layouts into."""
+    from jaxhybrid.core.launch_env import reserve_device_memory
+
+    reserve_device_memory()
+
+
+def enable_compilation_cache(setting: str) -> Path | None:
+    """Point JAX's persistent compilation cache at ``setting`` ("auto": ``cache_dir()/xla``; "": off) so
+    a rerun, a resume or another rank with the same stage loads its executables instead of compiling.
+    Process-wide and only read before the first compile, so the CLI calls it, not the Trainer. The size
+    bound turns on JAX's LRU eviction, whose writes take a file lock: ranks can share one directory."""
+    path = compilation_cache_path(setting)
+    if path is None:
+        return None
+    import jax
+
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+    return path
+
+
+def compilation_cache_path(setting: str) -> Path | None:
+    """The folder ``run.compilation_cache`` names: ``auto`` is ``cache_dir()/xla``, ``""`` none."""
+    if not setting:
+        return None
+    from jaxhybrid.runtime.data.splits import cache_dir
+
+    return cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
+
+
+def check_compilation_cache(cfg) -> None:
+    """The cache folder can be made where :func:`enable_compilation_cache` makes it: every process of a job
+    makes it after its start, so a file in its place failed each rank with a traceback naming no key."""
+    from jaxhybrid.core.argtypes import check_writable
+    from jaxhybrid.core.errors import ConfigError
+
+    setting = cfg.run.compilation_cache
+    path = compilation_cache_path(setting)
+    if path is None:
+        return
+    auto = setting == "auto"  # named with the folder it resolved to: JAXHYBRID_CACHE may be set unseen
+    hint = f"; set {'JAXHYBRID_CACHE or ' if auto else ''}run.compilation_cache to a folder that can be made, or ''"
+    try:
+        check_writable(path, "run.compilation_cache=", directory=True, hint=hint + " for no cache")
+    except ValueError as e:
+        shown = f"run.compilation_cache=auto ({path})" if auto else f"run.compilation_cache={path}"
+        raise ConfigError(str(e).replace(f"run.compilation_cache={path}", shown, 1)) from None
+
+
+def check_distributed(cfg, args) -> None:
+    """``--distributed`` runs one tensor-mode mesh over processes; its options need it."""
+    from jaxhybrid.core.errors import ConfigError
+
+    if not args.distributed:
+        if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
+            raise ConfigError("--coordinator, --num-processes and --process-id only apply with --distributed")
+        return
+    p = cfg.parallel
+    if not cfg.on_mesh:
+        raise ConfigError(f"--distributed spans one tensor-mode mesh over processes: it needs parallel.pipeline=1 "
+                          f"and a tensor grid or parallel.mesh_data=true, got pipeline={p.pipeline}, tensor depth "
+                          f"x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}; pipeline layouts "
+                          f"run as MPI ranks without --distributed (jaxhybrid launch)")
+
+
+def load_train_config(args: argparse.Namespace):
+    """The config this process trains: ``--config`` <- ``--set`` <- ``--resume``, not yet checked (the
+    checks need the world size: :func:`check_run`). ``jaxhybrid launch`` loads its ranks' config here too."""
+    from jaxhybrid.runtime.config_load import load_config
+
+    overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+    return load_config(args.config, overrides, check=False)
+
+
+def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
+    """Every check a train process makes alike and without its peers, before it waits for one or builds
+    anything: ``jaxhybrid launch`` makes them once before its ``processes`` ranks start, so a mistake
+    prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
+    ``--distributed``, whose processes are one JAX mesh)."""
+    from jaxhybrid.runtime.run_dir import check_run_dir
+    from jaxhybrid.runtime.checkpoint.export import check_init_from
+    from jaxhybrid.runtime.config_checks import validate
+
+    check_distributed(cfg, args)
+    world = 1 if args.distributed else processes
+    validate(cfg, world)  # every rule that needs no devices
+    check_run_dir(cfg)
+    check_init_from(cfg)
+    check_metrics(cfg)
+    check_compilation_cache(cfg)
+    check_mpi4jax(cfg, world)
+    return world
+
+
+def check_metrics(cfg) -> None:
+    """What the run's metrics need, checked before it builds anything: a named ``metrics.hardware`` file
+    with a peak for the compute dtype (``auto`` is resolved against the device later), and tensorboardX
+    where ``metrics.tensorboard`` is on."""
+    import importlib.util
+
+    from jaxhybrid.core.errors import ConfigError
+    from jaxhybrid.core.hardware import run_peak_flops
+
+    m = cfg.metrics
+    if m.hardware != "auto":
+        try:
+            run_peak_flops(m.hardware, cfg.precision.compute_dtype, device=None)  # a named file needs no device
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"metrics.hardware={m.hardware!r}: {e}") from None
+    if m.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("metrics.tensorboard=true needs the tensorboardX package (a dependency of jaxhybrid: "
+                         "scripts/setup.sh installs it); install it or --set metrics.tensorboard=false")
+
+
+def check_mpi4jax(cfg, ranks: int) -> None:
+    """mpi4jax where the ``ranks`` MPI ranks will call it: the default pipeline transport receives through it
+    and the data replicas' all-reduce runs on it. Why here: it is an optional dependency (scripts/setup.sh
+    builds it, choosing its CUDA bridge per machine), and the ranks import it only at their first receive or
+    reduction, after every rank had compiled its step; a ModuleNotFoundError then aborted the job."""
+    import importlib.util
+
+    from jaxhybrid.core.errors import ConfigError
+
+    p, uses = cfg.parallel, []
+    if ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax":
+        uses.append(f"pipeline.transport=mpi4jax (activations between parallel.pipeline={p.pipeline} stages)")
+    if ranks > 1 and p.data > 1:
+        uses.append(f"the all-reduce over parallel.data={p.data} MPI replicas")
+    if uses and importlib.util.find_spec("mpi4jax") is None:
+        hint = "" if p.data > 1 else "; or --set pipeline.transport=mpi4py"
+        raise ConfigError(f"{' and '.join(uses)} need the mpi4jax package, which is not installed: run "
+                          f"scripts/setup.sh (or pip install 'jaxhybrid[mpi]'){hint}")
+
+
+def plan_line(cfg, overrides: list[str]) -> str | None:
+    """The keys a plan file set, with the values the run trains with: besides the layout a plan sets the
+    compute dtype, global batch, remat and offload, which the user must not miss. A key the command line
+    sets too is the command line's (it sits above the plan), so it is not listed."""
+    if not cfg.plan.file:
+        return None
+    from jaxhybrid.core.config.parse import flatten, lookup, parse_overrides
+    from jaxhybrid.planner.plan import load_plan_overrides
+
+    cli = flatten(parse_overrides(overrides))
+    keys = [k for k in flatten(load_plan_overrides(cfg.plan.file)) if k not in cli]
+    sets = ", ".join(f"{k}={lookup(cfg, k)}" for k in keys)
+    return f"jaxhybrid: plan {cfg.plan.file} sets: {sets}"
+
+
+def nothing_to_train_line(cfg, summary: dict) -> str | None:
+    """A resume whose checkpoint already reached ``train.steps`` trains no step; say so (exit 0 still: the
+    run is complete), instead of a bare summary with ``first_loss: null``."""
+    if summary["first_loss"] is not None:
+        return None
+    return (f"jaxhybrid: run.dir={cfg.run.dir} is already at step {summary['steps']} >= train.steps="
+            f"{cfg.train.steps}; nothing to train (raise train.steps to continue)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxhybrid.core import launch_env
+
+    cfg = load_train_config(args)
+    world = check_run(cfg, args, launch_env.world_size())
+    if args.distributed:
+        from jaxhybrid.runtime import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
+        # From here a failing process ends the job, as a pipeline rank's engine makes it: a peer waits for it
+        # in the first collective (building the Trainer's state, or a step), and it in the shutdown barrier.
+        distributed.abort_on_exception()
+    elif world > 1:  # an MPI rank: its own node-local GPUs, chosen before the backend starts
+        from jaxhybrid.parallel.tensor.local import gpu_block
+
+        ids = gpu_block(cfg.num_devices // world)
+        if ids is not None:
+            import jax
+
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
+    from jaxhybrid.runtime.trainer import Trainer
+
+    enable_compilation_cache(cfg.run.compilation_cache)
+    trainer = Trainer(cfg, world)
+    writer = trainer.engine.is_writer
+    if writer:
+        from jaxhybrid.runtime.config_notes import unread_settings_notes
+        from jaxhybrid.runtime.data.splits import repetition_notes
+
+        notes = [*repetition_notes(cfg), trainer.overlap_note(), *unread_settings_notes(cfg)]
+        for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
+            print(line, file=sys.stderr, flush=True)
+    summary = trainer.run()
+    if writer:
+        if line := nothing_to_train_line(cfg, summary):
+            print(line, file=sys.stderr, flush=True)
+        from jaxhybrid.runtime.metrics.writer import finite_or_none
+
+        # Strict JSON, as metrics.jsonl: a diverged or overflowed loss is null, not NaN.
+        summary = {k: finite_or_none(v) for k, v in summary.items()}
+        print(json.dumps({"run_dir": str(cfg.run.dir), **summary}, allow_nan=False), file=sys.stdout)
+    return 0

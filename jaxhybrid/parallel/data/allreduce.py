@@ -1,0 +1,210 @@
+"""Gradient all-reduce over the data-parallel column (Myelin Alg. 1 line 13, Sec. IV-B and V-C).
+
+After the pipeline phase every rank ``(stage i, replica j)`` holds the gradients of its stage for its
+batch shard; the ranks of one column (same stage, all replicas) sum them. Every reduction is a cached
+jitted ``mpi4jax.allreduce`` (never eager: an eager mpi4jax call recompiles every time, facts.md).
+
+MPI cannot reduce bfloat16/float16 ("Unknown MPI type"), so by default half-precision vectors travel and
+are summed in float32, then cast back (``optim.allreduce_dtype: float32``). With ``compute`` they travel
+as half precision, Myelin's choice (Sec. IV-B), through :func:`jaxhybrid.parallel.data.half_allreduce.half_sum`:
+half the bytes. Myelin avoids overflow by pre-dividing the loss by the number of microbatches in the global
+batch, which the pipeline engine does before the backward pass.
+
+Two entry points, for two kinds of caller:
+
+* :func:`allreduce_tree` (the pipeline x data step) needs the whole reduced pytree before anything can
+  use it, so it is ONE jitted program per gradient structure: flatten, upcast, one all-reduce of the
+  whole vector, downcast (or, with ``half_wire``, the half-precision reduce-scatter and all-gather),
+  scale, unflatten. Chunking it bought nothing: a jitted mpi4jax call blocks the
+  Python thread until its reduction is done, so on CPU chunk k + 1 never overlapped chunk k, and each
+  chunk cost a dispatch and a slice copy, plus a pad and a concatenation of the whole vector (a 32 MiB
+  vector: 325 ms in 128 chunks, 116 ms in 8, 58 ms whole). The eager ``ravel_pytree`` and its unravel
+  dispatched once per leaf (53 for gpt-tiny).
+* :func:`iter_reduced_chunks` (the offloaded optimizer, V-C) consumes chunks as they finish, so it keeps
+  the chunks of ``chunk_elems``: its seam for overlapping bucket updates with the next reduction.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.parallel.data import half_allreduce
+from jaxhybrid.parallel.data.flat import FlatSpec
+
+_HALF = (jnp.bfloat16, jnp.float16)
+# One MPI message at most: MPI counts are C ints; a larger stage vector is reduced in pieces this long.
+_MAX_MESSAGE = 1 << 30
+
+
+def _check_flat(flat: jax.Array) -> None:
+    if flat.ndim != 1:
+        raise ValueError(f"all-reduce expects a flat 1-D gradient, got shape {tuple(flat.shape)}; "
+                         f"flatten with jax.flatten_util.ravel_pytree first")
+
+
+def _check_chunk(chunk_elems: int) -> None:
+    """The one check of a chunk length, for both entry points (``iter_reduced_chunks`` via
+    :func:`bucket_bounds`)."""
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1 (optim.bucket_size x optim.allreduce_coarsening)")
+
+
+def _sum(x: jax.Array, comm: Any, half_wire: bool) -> jax.Array:
+    """Traced: ``x`` (1-D) summed over ``comm``, ``x``'s dtype back. Half floats travel as float32, or as
+    themselves with ``half_wire`` (:mod:`~jaxhybrid.parallel.data.half_allreduce`)."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    if half_wire and x.dtype in _HALF and half_allreduce.fits(x.shape[0], comm.Get_size()):
+        return half_allreduce.half_sum(x, comm)
+    wire = x.astype(jnp.float32) if x.dtype in _HALF else x
+    n = wire.shape[0]
+    if n <= _MAX_MESSAGE:
+        out = mpi4jax.allreduce(wire, op=MPI.SUM, comm=comm)
+    else:  # pragma: no cover - over 2^30 elements on one rank
+        out = jnp.concatenate([mpi4jax.allreduce(wire[s:s + _MAX_MESSAGE], op=MPI.SUM, comm=comm)
+                               for s in range(0, n, _MAX_MESSAGE)])
+    return out.astype(x.dtype)
+
+
+_PROGRAMS: dict[tuple, Any] = {}
+
+
+def _cached(key: tuple, make):
+    """mpi4py communicators are not hashable; their C handle (``py2f``) names them in the cache keys."""
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = make()
+    return _PROGRAMS[key]
+
+
+def _tree_program(comm: Any, half_wire: bool):
+    """``(tree, scale) -> tree`` summed over ``comm`` (and times ``scale`` unless None), as one program.
+
+    ``jax.jit`` keys its compilations on the tree structure, shapes, dtypes and devices, so each gradient
+    structure is traced once and later calls take jit's C++ dispatch path. The layout is ``FlatSpec``'s
+    (``jax.tree.leaves`` order); mixed dtypes are flattened to their common dtype and each leaf is cast
+    back, as ``ravel_pytree`` did, so results keep their bits.
+    """
+    def run(tree, scale):
+        spec = FlatSpec(tree)
+        dtypes = [x.dtype for x in spec.treedef.flatten_up_to(tree)]
+        common = jnp.result_type(*dtypes)
+        flat = _sum(spec.ravel(jax.tree.map(lambda x: jnp.asarray(x).astype(common), tree)), comm, half_wire)
+        if scale is not None:
+            flat = flat * scale
+        leaves = spec.treedef.flatten_up_to(spec.unravel(flat))
+        return spec.treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes)])
+
+    return _cached(("tree", comm.py2f(), half_wire), lambda: jax.jit(run))
+
+
+def allreduce_tree(tree: Any, comm: Any, chunk_elems: int, scale: float | None = None, half_wire: bool = False
+                   ) -> Any:
+    """Sum a pytree of gradients over ``comm``, optionally scaled; same structure, dtypes and devices.
+    ``half_wire``: half-precision gradients travel as half precision (``optim.allreduce_dtype: compute``).
+
+    Every rank of ``comm`` must call it with the same structure. ``chunk_elems`` is validated but only
+    the streaming path cuts chunks (module docstring): nothing here can use a chunk before the last.
+    Leaves sharded over several local devices (a hybrid rank's tensor mesh) are reduced per device.
+    """
+    _check_chunk(chunk_elems)
+    if comm is None or comm.Get_size() == 1:
+        return _scaled(tree, scale)
+    leaves = jax.tree.leaves(tree)
+    if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
+        return _allreduce_per_device(tree, comm, chunk_elems, scale, half_wire)
+    if not leaves or not sum(int(np.size(x)) for x in leaves):
+        return _scaled(tree, scale)
+    if scale is None:
+        return _tree_program(comm, half_wire)(tree, None)
+    # The scale is an argument (one compilation for all its values) already in the flat vector's dtype:
+    # rounded once from the Python float, as ``jnp.asarray(scale, dtype)`` did.
+    common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
+    return _tree_program(comm, half_wire)(tree, np.asarray(scale, common))
+
+
+def _scaled(tree: Any, scale: float | None) -> Any:
+    """``tree`` times ``scale`` in each leaf's dtype (``tree`` itself when None): nothing to sum over."""
+    return tree if scale is None else jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), tree)
+
+
+def _allreduce_per_device(tree: Any, comm: Any, chunk_elems: int, scale: float | None, half_wire: bool) -> Any:
+    """Hybrid pipeline x tensor: leaves sharded over this rank's tensor mesh. mpi4jax moves single-device
+    buffers only, so each local device reduces its own shards of every leaf (one all-reduce per device,
+    in device-id order on every rank: the ranks of a data column build identical meshes, so device k
+    holds the same shard indices everywhere) and the leaves are reassembled with their shardings."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shards: dict[Any, list[tuple[int, jax.Array]]] = {}
+    for i, leaf in enumerate(leaves):
+        for sh in leaf.addressable_shards:
+            shards.setdefault(sh.device, []).append((i, sh.data))
+    reduced: dict[tuple[int, Any], jax.Array] = {}
+    for dev in sorted(shards, key=lambda d: d.id):
+        idx, arrs = zip(*shards[dev])
+        for i, r in zip(idx, allreduce_tree(list(arrs), comm, chunk_elems, scale, half_wire)):
+            reduced[(i, dev)] = r
+    out = [jax.make_array_from_single_device_arrays(
+        leaf.shape, leaf.sharding, [reduced[(i, sh.device)] for sh in leaf.addressable_shards])
+        for i, leaf in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _chunk_program(comm: Any, chunk: int, dtype: Any, half_wire: bool):
+    """``(flat, start) -> flat[start:start + chunk]`` summed over ``comm``, the start traced: the full
+    chunks share one program and a shorter last chunk gets its own, which saves padding the whole vector
+    to a multiple of the chunk (a copy) and slicing the last result."""
+    def reduce(flat: jax.Array, start: jax.Array) -> jax.Array:
+        return _sum(jax.lax.dynamic_slice(flat, (start,), (chunk,)), comm, half_wire)
+
+    return _cached(("chunk", comm.py2f(), chunk, str(dtype), half_wire), lambda: jax.jit(reduce))
+
+
+def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half_wire: bool = False
+                        ) -> Iterator[tuple[int, int, jax.Array]]:
+    """Yield ``(start, end, reduced)`` for consecutive chunks of ``flat_grads`` summed over ``comm``.
+
+    ``reduced`` has ``end - start`` elements and the dtype of ``flat_grads``. Every rank of ``comm``
+    must iterate to the end (the chunks are collective calls, issued in the same order everywhere).
+    Chunk ``k + 1`` is dispatched before chunk ``k`` is yielded so the caller's work on chunk ``k``
+    could overlap with the next reduction where the dispatch returned early. mpi4jax's does not: on CPU
+    the call returns when the reduction is done, and on GPU it synchronises the compute stream before
+    calling MPI, so the caller's programs run after it either way.
+
+    Args:
+      flat_grads: 1-D gradient vector (any float dtype).
+      comm: an mpi4py communicator made on all its ranks at start-up (the data column).
+      chunk_elems: elements per chunk; the last chunk may be shorter.
+      half_wire: half-precision chunks travel as half precision (:func:`allreduce_tree`).
+    """
+    flat_grads = jnp.asarray(flat_grads)
+    _check_flat(flat_grads)
+    bounds = bucket_bounds(int(flat_grads.shape[0]), chunk_elems)  # validates chunk_elems, even for n == 0
+    if not bounds:
+        return
+    if comm is None or comm.Get_size() == 1:
+        for s, e in bounds:
+            yield s, e, flat_grads[s:e]
+        return
+    dtype = jnp.dtype(flat_grads.dtype)
+
+    def dispatch(s: int, e: int) -> jax.Array:  # no slice reaches past n: dynamic_slice never clamps
+        return _chunk_program(comm, e - s, dtype, half_wire)(flat_grads, np.int32(s))
+
+    pending = dispatch(*bounds[0])
+    for k, (s, e) in enumerate(bounds):
+        current = pending
+        if k + 1 < len(bounds):
+            pending = dispatch(*bounds[k + 1])
+        yield s, e, current
+
+
+def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` pairs :func:`iter_reduced_chunks` yields for a vector of ``n`` elements."""
+    _check_chunk(chunk_elems)
+    return [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)] if n else []
+
+
+__all__ = ["allreduce_tree", "bucket_bounds", "iter_reduced_chunks"]

@@ -1,0 +1,91 @@
+"""Myelin Alg. 2, the message-driven policy of the pipeline event loop (see :mod:`.engine`).
+
+Stage 0 injects ``pipeline_limit`` forwards; then every arriving message picks the work: an activation
+from the previous stage runs a forward (on the last stage the backward at once), a gradient from the next
+stage runs a backward, after which stage 0 injects the next microbatch (Alg. 2 lines 4-6, 24-26). With
+2BP the backward is the input-gradient pass only; weight passes wait in a queue and run while no message
+is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound);
+those still pending after the last backward run as one weight pass (2BP Sec. 3.2, Fig. 2). The
+simulator's :class:`~jaxhybrid.parallel.pipeline.policies.MessageDrivenPolicy` models this order, budget included
+(``simulate(..., weight_budget=...)``); tests/unit/test_engine_vs_simulator.py holds the two to the same
+order and peak on :mod:`~jaxhybrid.parallel.pipeline.virtual_clock`. Change them together.
+
+With asynchronous dispatch (:mod:`.engine`) "no message is waiting" is not yet idle time: the kernels
+already dispatched may still be running. A gap-filling weight pass is dispatched only once they have all
+finished, and the next one only once it has finished too, the loop polling for messages meanwhile; the
+budget's forced pass and the trailing joined pass are work that must run anyway and are only dispatched.
+"""
+from __future__ import annotations
+
+import time
+
+from jaxhybrid.parallel.pipeline.tasks import Schedule
+from jaxhybrid.parallel.pipeline.transport import MAX_NAP, NAP, MsgKind
+
+
+class MessageDriven:
+    """The policy as a mixin of :class:`~jaxhybrid.parallel.pipeline.event_loop.EventLoop`, whose task methods
+    (``_forward``, ``_backward``, ``_weight``) and mailbox it drives; the order of work is the only thing
+    it decides."""
+
+    def _message_driven(self, schedule: Schedule) -> None:
+        if len(self.stages) != 1:
+            raise ValueError(f"the message-driven policy runs one stage per rank; pipeline rank {self.rank} "
+                             f"owns stages {sorted(self.stages)}")
+        (s,) = self.stages
+        m = schedule.num_microbatches
+        limit = schedule.pipeline_limit or self.num_stages
+        split = schedule.split_backward
+        last = s == self.num_stages - 1
+        pending_w: list[int] = []
+        injected = backwards = 0
+
+        def backward(mb: int) -> None:
+            nonlocal backwards
+            self._backward(s, mb, split)
+            backwards += 1
+            if split:
+                pending_w.append(mb)
+                if len(pending_w) >= self.weight_budget:  # memory bound reached: pay the weight pass now
+                    self._weight(s, (pending_w.pop(0),))
+
+        def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
+            nonlocal injected
+            while s == 0 and injected < m and injected - backwards < limit:
+                self._forward(s, injected)
+                injected += 1
+                if last:
+                    backward(injected - 1)
+
+        inject()
+        nap = NAP
+        while backwards < m:
+            if not self.mailbox and not self._receive_into_mailbox(block=False):
+                if pending_w and self.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
+                    self._weight(s, (pending_w.pop(0),))
+                    nap = NAP
+                    continue
+                if pending_w:
+                    # Why poll rather than dispatch the weight pass now or block on it: queued behind running
+                    # kernels, it (and with it every weight pass pending) would sit in the device queue
+                    # ahead of the forward or backward that the next message brings, on the critical path
+                    # (it is interruptible only at kernel granularity once queued). Blocking on it would
+                    # keep that message unheard until the pass ends and then idle the device while the
+                    # host dispatches; polling hears it at once and queues its task behind the one pass.
+                    if nap == NAP:
+                        self.waiting("waiting for the device to idle (a weight pass) or for a message")
+                    time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU (facts.md)
+                    nap = min(2 * nap, MAX_NAP)
+                    continue
+                self._receive_into_mailbox(block=True)
+            nap = NAP
+            env = next(iter(self.mailbox))
+            if env.kind is MsgKind.ACT:
+                self._forward(s, env.microbatch)
+                if last:
+                    backward(env.microbatch)
+            else:
+                backward(env.microbatch)
+                inject()
+        if pending_w:  # 2BP Sec. 3.2 / Fig. 2: the weight passes left after the last BI run as one
+            self._weight(s, tuple(pending_w))

@@ -1,0 +1,183 @@
+"""MPI transports for the pipeline event loop (see :mod:`jaxhybrid.parallel.pipeline.transport`).
+
+Both send bfloat16/float16 payloads as uint16 bit patterns (MPI has no such types, facts.md) and rebuild
+them bit-exactly on arrival. Every message of one step has the shape and dtype of ``template`` (the
+activation between stages: ``[mb, seq, d_model]`` in the compute dtype).
+
+:class:`Mpi4jaxTransport` receives through ``mpi4jax.recv`` inside cached ``jax.jit`` functions
+(eager mpi4jax recompiles on every call), into a device buffer: the main loop ``Iprobe``s a header
+communicator (a 3-int envelope sent just before the payload) and only then calls the jitted receive, so
+it never waits for a message that has not been sent. A sender thread sends each payload from a host
+buffer with a blocking ``MPI_Send``, header first. ``Mpi4pyTransport``
+(:mod:`jaxhybrid.parallel.pipeline.mpi4py_transport`) stages both ways through host numpy buffers with ``Isend``
+and receives posted ahead of the messages (Myelin Sec. IV-A's preemptive ``MPI_Irecv``).
+
+Where pre-posting applies: only to the mpi4py transport. mpi4jax has no non-blocking receive (facts.md),
+and a receive posted as a jitted ``mpi4jax.recv`` would block the rank's main thread (or, under its
+ordered effect, every MPI program of the rank behind it) until a message arrives, so this transport
+receives only what its header says has been sent, when the loop asks for it; a message sent earlier
+waits in MPI's queue (or, above the eager limit, in its sender's ``MPI_Send``) until then.
+
+Why the mpi4jax transport does not send with ``mpi4jax.send`` (it did until session 22): mpi4jax's calls
+carry an ordered effect, so JAX runs a process's MPI programs one after another in dispatch order, and
+mpi4jax has no non-blocking send. A send above MPI's eager limit blocks until the peer's receive starts,
+and two neighbours sending to each other (activations forward, gradients back) each order their receive
+behind their own blocked send. On XLA:CPU a program of 1000 flops or more (HloCostAnalysis), or one whose
+inputs are not ready yet, also runs on the client's worker pool, one thread on a rank pinned to one core
+(``jaxhybrid launch``), where a blocked MPI call stalls every program of the rank. Measured on bfloat16
+jobs with ranks pinned: 2 stages hung on their third microbatch (the bitcast gave the send program flops),
+and with the bitcast moved out, 8 stages of the message-driven schedule still hung. Sending from a host
+buffer that is ready before its header leaves means that every receive a rank starts has a sender
+already inside ``MPI_Send`` for exactly that message, so the receives always complete. The receive holds
+the MPI call alone (the half-float bitcast runs apart), so it runs inline on the main thread.
+
+Hybrid pipeline x tensor (AxoNN-4D item 5): a stage's activations are sharded over the rank's local
+tensor mesh, and mpi4jax refuses multi-device arrays. Given the activation ``sharding``, the mpi4py
+transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one sends so too
+and receives on the mesh's first device, and both lay a received payload out with that sharding before
+the next stage's kernels read it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.parallel.pipeline.transport import Envelope, Journal, Message, MsgKind
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def wire_dtype(dtype: Any) -> Any:
+    """The dtype a payload travels as: uint16 for half floats (bit-exact), else itself."""
+    return jnp.uint16 if jnp.dtype(dtype) in _HALF else jnp.dtype(dtype)
+
+
+class MpiTransportBase:
+    """What both MPI transports share: the wire dtype, the journal, the payloads' layout."""
+
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.template = template
+        self.wire = wire_dtype(template.dtype)
+        self.journal = Journal()
+        self._error: BaseException | None = None
+        self.sharding = sharding  # multi-device layout of payloads (hybrid pipeline x tensor) or None
+        self.home = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else None
+
+    def _laid_out(self, x: jax.Array) -> jax.Array:
+        return x if self.sharding is None else jax.device_put(x, self.sharding)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"pipeline rank {self.rank}: send failed: {self._error!r}") from self._error
+
+    def _host_wire(self, x) -> np.ndarray:
+        """``x`` as a contiguous host buffer in the wire dtype: waits for ``x``, gathers its shards."""
+        buf = np.asarray(x)
+        return np.ascontiguousarray(buf if buf.dtype == self.wire else buf.view(np.uint16))
+
+    def _to_jax(self, buf: np.ndarray) -> jax.Array:
+        x = buf if self.wire == self.template.dtype else buf.view(np.dtype(self.template.dtype))  # bit-exact
+        return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
+
+
+class Mpi4jaxTransport(MpiTransportBase):
+    """mpi4jax payloads in cached jits, a sender thread, and an mpi4py header channel to probe.
+
+    Args:
+      comm: the pipeline row's point-to-point communicator (payloads).
+      template: payload shape and dtype.
+    Header and payload use tag 0 on two communicators; MPI keeps the messages of one (source, tag,
+    communicator) in order, so the k-th header from a source names its k-th payload.
+    """
+
+    def __init__(self, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
+        super().__init__(comm, template, sharding)
+        self.header_comm = comm.Dup()  # collective on the row: every rank builds its transport together
+        half, dt = self.wire != template.dtype, template.dtype
+        # Half floats arrive as uint16: the bitcast is a program of its own (module docstring).
+        self._from_wire = jax.jit(lambda y: jax.lax.bitcast_convert_type(y, dt)) if half else (lambda y: y)
+        self._sendq: queue.Queue = queue.Queue()
+        self._recvs: dict[tuple[int, int], Any] = {}
+        self._thread = threading.Thread(target=self._sender, name=f"mpi4jax-sender-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- cached jitted receives (one per source) --------------------------------------------------------
+    def _recv_fn(self, source: int):
+        if source not in self._recvs:
+            import mpi4jax
+
+            comm, wire, shape = self.comm, self.wire, self.template.shape
+
+            def recv():  # the MPI call alone; the payload is still in the wire dtype
+                return mpi4jax.recv(jnp.zeros(shape, wire), source, tag=0, comm=comm)
+
+            # Received on the mesh's first device (mpi4jax moves single-device buffers only).
+            home = None if self.home is None else jax.sharding.SingleDeviceSharding(self.home)
+            self._recvs[source] = jax.jit(recv, out_shardings=home)
+        return self._recvs[source]
+
+    def recv_flops(self, peer: int) -> float:
+        """XLA's flop count of the jitted receive from ``peer``: under XLA:CPU's inline threshold (1000) it
+        runs on the calling thread, not on the worker pool (module docstring)."""
+        from jaxhybrid.parallel.twobp.stage_costs import compiled_cost
+
+        return compiled_cost(self._recv_fn(peer))["flops"]
+
+    def _sender(self) -> None:
+        while True:
+            item = self._sendq.get()
+            try:
+                if item is None:
+                    return
+                x, dest, env = item
+                if self._error is None:
+                    # The payload is on the host before its header leaves: a receive the peer starts on
+                    # that header finds a sender already in MPI (module docstring).
+                    buf = self._host_wire(x)
+                    header = np.array([int(env.kind), env.microbatch, env.stage], np.int32)
+                    self.header_comm.Send(header, dest=dest, tag=0)
+                    self.comm.Send(buf, dest=dest, tag=0)
+            except BaseException as e:  # surfaced on the main thread's next poll/flush
+                self._error = e
+            finally:
+                self._sendq.task_done()
+
+    def send(self, x, dest: int, envelope: Envelope) -> None:
+        self._raise_pending()
+        self.journal.sent(dest, envelope)
+        self._sendq.put((x, dest, envelope))
+
+    def poll(self) -> Message | None:
+        from mpi4py import MPI
+
+        self._raise_pending()
+        status = MPI.Status()
+        if not self.header_comm.Iprobe(source=MPI.ANY_SOURCE, tag=0, status=status):
+            return None
+        src = status.Get_source()
+        header = np.empty(3, np.int32)
+        self.header_comm.Recv(header, source=src, tag=0)
+        env = Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2]))
+        payload = self._laid_out(self._from_wire(self._recv_fn(src)()))
+        self.journal.received(src, env)
+        return Message(env, src, payload)
+
+    def flush(self) -> None:
+        self._sendq.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self._sendq.put(None)
+        self._thread.join(timeout=5)
+        if self.header_comm is not None and not self._thread.is_alive():  # a send still stuck uses it
+            self.header_comm.Free()
+            self.header_comm = None
+
+

@@ -1,0 +1,153 @@
+"""Schedule generators: ``make_schedule(name, stages, microbatches, split_backward, ...) -> Schedule``.
+
+Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches``) is read:
+
+* ``naive``: 2BP's baseline, one microbatch at a time through all stages (M = 1 is 2BP's exact setup).
+* ``gpipe``: all forwards then all backwards; any M.
+* ``1f1b``: 1F1B (PipeDream-Flush) for any M.
+* ``1f1b-1``, ``1f1b-2`` (any ``1f1b-K``): 2BP's 1F1B-K, i.e. 1F1B with exactly M = K x stages; another
+  M is an error (use ``1f1b`` for that M).
+* ``zb-h1``: zero-bubble H1 (always split backward); needs M >= stages.
+* ``1f1b-star``: MadPipe 1F1B* (Sec. 4.1) for a contiguous partition, from ``stage_costs=[(U_F, U_B),
+  ...]`` (default: ``costs``' F and BI + BW) and ``period=T`` (default: the largest stage or link load; plain 1F1B
+  when the stages are equal and messages free), or explicit ``groups``.
+* ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages) microbatches
+  in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
+  engine and the simulator re-derive the order from arriving messages and treat the F/B/BI tasks of a
+  row as the rank's work, placing BWs by the 2BP rule (with the engine's default ``weight_budget``,
+  stages; ``simulate(..., weight_budget=...)`` for another).
+
+``split_backward=True`` applies 2BP: B becomes BI, and BWs run when a rank would otherwise idle (not
+for ``gpipe``, where 2BP delays them all, Sec. 3.2; override with ``fill_idle``), with those left after a
+rank's last BI joined into one BW per stage (2BP Fig. 2; how: ``pipeline.weight_join``). The placement is
+computed with ``costs`` (a :class:`~jaxhybrid.parallel.pipeline.costs.Costs`, default F = BI = BW = 1).
+``memory_saving=True`` (2BP Fig. 5) also runs the pending BWs half-way (after BI number ceil(M/2) of each
+stage); ``bw_flush_every=K`` does so after every K-th BI.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from jaxhybrid.parallel.pipeline import generators as gen
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.policies import FillPolicy, MessageDrivenPolicy
+from jaxhybrid.parallel.pipeline.simcore import Core, describe_deadlock
+from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule
+
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "1f1b-1", "1f1b-2", "zb-h1", "1f1b-star", "myelin")
+_COMMON = {"costs", "fill_idle", "memory_saving", "bw_flush_every"}
+_OPTS = {"1f1b-star": {"stage_costs", "period", "groups"}}
+
+
+def _check_sizes(name: str, stages, microbatches) -> None:
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"schedule {name!r}: stages={stages!r} must be an integer >= 1")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"schedule {name!r}: microbatches={microbatches!r} must be an integer >= 1")
+
+
+def _k_of(name: str) -> int | None:
+    m = re.fullmatch(r"1f1b-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def make_schedule(name: str, stages: int, microbatches: int | None, split_backward: bool = False,
+                  pipeline_limit: int = 0, **opts) -> Schedule:
+    """Builds the named schedule; see the module docstring for names and options.
+
+    Raises:
+      ValueError: unknown name (listing the valid ones), stages < 1, microbatches < 1 or not fitting
+        the schedule, unknown options.
+    """
+    key = str(name).lower()
+    k = _k_of(key)
+    if key not in SCHEDULE_NAMES and k is None:
+        raise ValueError(f"unknown schedule {name!r}; valid choices: {', '.join(SCHEDULE_NAMES)} "
+                         "(or 1f1b-K for K x stages microbatches)")
+    if k is not None and microbatches is None and isinstance(stages, int):
+        microbatches = k * stages
+    _check_sizes(key, stages, microbatches)
+    unknown = set(opts) - _COMMON - _OPTS.get(key, set())
+    if unknown:
+        raise ValueError(f"schedule {key!r} got unknown options {sorted(unknown)}; valid: "
+                         f"{sorted(_COMMON | _OPTS.get(key, set()))}")
+    if k is not None and microbatches != k * stages:
+        raise ValueError(f"schedule {key!r} is 2BP's 1F1B-{k}: microbatches must be {k} x stages = "
+                         f"{k * stages}, got {microbatches}; set microbatches={k * stages} or use "
+                         "schedule '1f1b' for any number of microbatches")
+    if key == "zb-h1" and microbatches < stages:
+        raise ValueError(f"schedule 'zb-h1' needs microbatches >= stages, got microbatches="
+                         f"{microbatches} < stages={stages}; raise microbatches or use '1f1b'")
+    costs = opts.get("costs") or Costs.uniform(stages)
+    if costs.num_stages != stages:
+        raise ValueError(f"costs cover {costs.num_stages} stages, the schedule has {stages}")
+    identity = tuple(range(stages))
+    back = Kind.BI if split_backward else Kind.B
+    if key in ("myelin", "zb-h1") and (opts.get("memory_saving") or opts.get("bw_flush_every")):
+        # Myelin's BWs follow the 2BP rule (weight_budget), zb-h1's its own table: ignored, the flag would
+        # give a result other than the one asked for.
+        raise ValueError(f"{key} places its own weight gradients; memory_saving/bw_flush_every apply "
+                         "to naive, gpipe, 1f1b and 1f1b-star with split_backward")
+    if key == "myelin":
+        return _myelin(stages, microbatches, split_backward, pipeline_limit, costs)
+    if key == "zb-h1":
+        rows = gen.zb_h1_rows(stages, microbatches)
+        return Schedule(key, _freeze(rows), identity, microbatches, True, "static", pipeline_limit)
+    if key == "naive":
+        rows = gen.naive_rows(stages, microbatches, back)
+    elif key == "gpipe":
+        rows = gen.gpipe_rows(stages, microbatches, back)
+    elif key == "1f1b-star":
+        rows = gen.one_f_one_b_star_rows(_star_groups(stages, opts, costs), microbatches, back)
+    else:
+        rows = gen.one_f_one_b_rows(stages, microbatches, back)
+    if split_backward:
+        flush = opts.get("bw_flush_every") or (math.ceil(microbatches / 2) if opts.get("memory_saving")
+                                               else None)
+        if flush is not None and (not isinstance(flush, int) or flush < 1):
+            raise ValueError(f"bw_flush_every={flush!r} must be an integer >= 1")
+        fill = opts.get("fill_idle", key != "gpipe")
+        rows = _run(FillPolicy(rows, fill_idle=fill, flush_every=flush), identity, costs, key)
+    elif opts.get("memory_saving") or opts.get("bw_flush_every"):
+        raise ValueError("memory_saving / bw_flush_every need split_backward=True (2BP Fig. 5)")
+    return Schedule(key, _freeze(rows), identity, microbatches, split_backward, "static", pipeline_limit)
+
+
+def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
+    """MadPipe 4.1's groups at ``period``: each boundary's messages (activation on, gradient back) are a
+    resource of their own between the stages."""
+    if opts.get("groups") is not None:
+        return gen.check_groups(opts["groups"], stages)
+    # Loads in the units of the links below (message times of ``costs``), not fixed ones.
+    stage_costs = opts.get("stage_costs") or [(costs.forward[s], costs.fused_backward(s)) for s in range(stages)]
+    if len(stage_costs) != stages:
+        raise ValueError(f"stage_costs has {len(stage_costs)} (U_F, U_B) pairs for {stages} stages")
+    links = [2 * costs.message_time(b) for b in range(stages - 1)]
+    period = opts.get("period")
+    if period is None:  # the smallest period 4.1's rule accepts: no resource, stage or link, exceeds it
+        period = max([f + b for f, b in stage_costs] + links)
+    return gen.madpipe_groups(stage_costs, float(period), links)
+
+
+def _myelin(stages, microbatches, split, pipeline_limit, costs) -> Schedule:
+    limit = pipeline_limit or stages  # Myelin V-A fixes pipeline_limit = G_inter
+    if limit < 1:
+        raise ValueError(f"pipeline_limit={pipeline_limit} must be >= 1 (0 means: stages)")
+    back = Kind.BI if split else Kind.B
+    pool = [[t for t in gen.gpipe_rows(stages, microbatches, back)[s]] for s in range(stages)]
+    identity = tuple(range(stages))
+    rows = _run(MessageDrivenPolicy(pool, identity, limit), identity, costs, "myelin")
+    return Schedule("myelin", _freeze(rows), identity, microbatches, split, "message-driven", limit)
+
+
+def _run(policy, stage_to_rank, costs: Costs, name: str):
+    core = Core(stage_to_rank, len(stage_to_rank), costs)
+    stuck = core.run(policy)
+    if stuck:  # a generator bug, never a user error; say so loudly
+        raise RuntimeError(f"generator {name!r} deadlocked: {describe_deadlock(core, policy, stuck)}")
+    return policy.order
+
+
+def _freeze(rows):
+    return tuple(tuple(r) for r in rows)

@@ -1,0 +1,177 @@
+"""The process grid: MPI world -> (stage, replica) coordinates and the communicators of Myelin Fig. 2.
+
+Rank ``r`` of a ``G_inter x G_data`` job runs stage ``i = r % G_inter`` of replica ``j = r // G_inter``,
+so one pipeline row occupies consecutive ranks (activations stay on a node when ranks are packed by
+node) and a data column is strided by ``G_inter``. The pure part (:class:`Grid`, :func:`partition_blocks`)
+needs no MPI; :class:`Topology` adds the communicators, made collectively on every rank at start-up
+(mpi4jax's lazy default communicator hangs if only some ranks create it, facts.md):
+
+- ``row``: the pipeline row (this replica's stages), used for control collectives such as the global
+  gradient norm over stages;
+- ``p2p``: a duplicate of ``row`` reserved for pipeline messages, so probes see nothing else;
+- ``column``: the data column (this stage's replicas), used for the gradient all-reduce;
+- ``world``: every rank, for overflow agreement (max) and aborts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxhybrid.core.config.schema import Config
+from jaxhybrid.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Grid:
+    """``G_inter x G_data`` coordinates. Pure: no MPI."""
+
+    pipeline: int
+    data: int
+
+    def __post_init__(self):
+        if self.pipeline < 1 or self.data < 1:
+            raise ConfigError(f"grid pipeline={self.pipeline} x data={self.data}: both must be >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.pipeline * self.data
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` of a world rank."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} outside a {self.pipeline} x {self.data} grid of {self.size} ranks")
+        return rank % self.pipeline, rank // self.pipeline
+
+    def rank(self, stage: int, replica: int) -> int:
+        """World rank of ``(stage, replica)``: the one conversion between coordinates and ranks."""
+        if not (0 <= stage < self.pipeline and 0 <= replica < self.data):
+            raise ValueError(f"(stage {stage}, replica {replica}) outside a {self.pipeline} x {self.data} grid")
+        return replica * self.pipeline + stage
+
+    def row(self, replica: int) -> list[int]:
+        return [self.rank(s, replica) for s in range(self.pipeline)]
+
+    def column(self, stage: int) -> list[int]:
+        return [self.rank(stage, j) for j in range(self.data)]
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.size:
+            raise ConfigError(f"parallel.pipeline({self.pipeline}) x parallel.data({self.data}) = {self.size} "
+                              f"!= world size {world_size}; launch with -n {self.size} or change the grid")
+
+
+def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | list[int] = ()
+                     ) -> list[tuple[int, int]]:
+    """Blocks ``[first, last)`` of each stage: an explicit list of counts, or an even split.
+
+    The even split hands the remainder out one block each to the middle stages first, then to stage 0,
+    then the last stage: the first stage also runs the embedding and the last the head and loss.
+    Raises :class:`ConfigError` when there are more stages than blocks.
+    """
+    if stages < 1:
+        raise ConfigError(f"parallel.pipeline={stages} must be >= 1")
+    if stages > n_layers:
+        raise ConfigError(f"parallel.pipeline={stages} stages exceed model.n_layers={n_layers} blocks; "
+                          f"use at most {n_layers} stages")
+    if partition:
+        counts = [int(c) for c in partition]
+        if len(counts) != stages or any(c < 1 for c in counts) or sum(counts) != n_layers:
+            raise ConfigError(f"parallel.partition={counts} must have {stages} positive entries summing to "
+                              f"model.n_layers={n_layers}")
+    else:
+        base, extra = divmod(n_layers, stages)
+        # Middle stages first: stage 0 and the last stage also carry the embedding and the head.
+        order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
+        counts = [base] * stages
+        for s in order[:extra]:
+            counts[s] += 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+# Write ends of the launcher's ``.alive`` FIFOs held by this process (:meth:`Topology._record_pid`).
+_ALIVE: dict[str, int] = {}
+
+
+class Topology:
+    """This rank's place in the grid and its communicators (collective construction on all ranks).
+
+    Attributes:
+      grid: the :class:`Grid`.
+      rank, stage, replica: coordinates of this process.
+      blocks: ``(first, last)`` blocks of this rank's stage.
+      world, row, p2p, column: mpi4py communicators (see module docstring).
+    """
+
+    def __init__(self, grid: Grid, blocks: list[tuple[int, int]], comm: Any = None):
+        from mpi4py import MPI
+
+        base = comm if comm is not None else MPI.COMM_WORLD
+        grid.check_world(base.Get_size())
+        self.grid = grid
+        self.all_blocks = list(blocks)
+        self.world = base.Dup()
+        self.rank = self.world.Get_rank()
+        self.stage, self.replica = grid.coords(self.rank)
+        self.blocks = self.all_blocks[self.stage]
+        # Split is collective over world: every rank makes every split, in the same order.
+        self.row = self.world.Split(color=self.replica, key=self.stage)
+        self.p2p = self.row.Dup()
+        self.column = self.world.Split(color=self.stage, key=self.replica)
+        self._record_pid()
+
+    def _record_pid(self) -> None:
+        """Under ``jaxhybrid launch``, leave ``rank -> pid``, and a ``.exit`` marker when the interpreter
+        exits normally, so that the launcher can name the first rank that ended abnormally (killed by a
+        signal, or aborted: ``MPI_Abort`` skips Python's exit handlers), and hold the write end of the
+        launcher's ``.alive`` FIFO until this process's files close (``commands/rankwatch.py``)."""
+        import atexit
+        import os
+
+        pid_dir = os.environ.get("JAXHYBRID_PID_DIR")
+        if pid_dir and os.path.isdir(pid_dir):
+            base = os.path.join(pid_dir, f"rank{self.rank}")
+            with open(base + ".pid", "w") as f:
+                f.write(f"{os.getpid()} {self.who}")
+            atexit.register(lambda: os.path.isdir(pid_dir) and open(base + ".exit", "w").close())
+            if base not in _ALIVE and os.path.exists(base + ".alive"):
+                try:  # never closed by us: the kernel closes it when the process ends, however it ends
+                    _ALIVE[base] = os.open(base + ".alive", os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:  # ENXIO: the launcher's reader is gone; its PID watch still applies
+                    pass
+
+    @classmethod
+    def from_config(cls, cfg: Config, comm: Any = None) -> "Topology":
+        """Check the grid against the world size and the model before any communicator is made."""
+        from mpi4py import MPI
+
+        base = comm if comm is not None else MPI.COMM_WORLD
+        grid = Grid(cfg.parallel.pipeline, cfg.parallel.data)
+        grid.check_world(base.Get_size())
+        blocks = partition_blocks(cfg.model.n_layers, grid.pipeline, cfg.parallel.partition)
+        return cls(grid, blocks, base)
+
+    @property
+    def who(self) -> str:
+        """``rank r (stage i, replica j)``: how every message and the launcher's PID files name this rank."""
+        return self.name(self.stage)
+
+    def name(self, stage: int, replica: int | None = None) -> str:
+        """How messages name the rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+        replica = self.replica if replica is None else replica
+        return f"rank {self.grid.rank(stage, replica)} (stage {stage}, replica {replica})"
+
+    @property
+    def num_stages(self) -> int:
+        return self.grid.pipeline
+
+    @property
+    def num_replicas(self) -> int:
+        return self.grid.data
+
+    def free(self) -> None:
+        for c in (self.p2p, self.row, self.column, self.world):
+            c.Free()

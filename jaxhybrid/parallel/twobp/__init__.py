@@ -1,0 +1,1 @@
+"""2BP (backward split into input- and weight-gradient passes): the pipeline stage and its kernels."""

@@ -1,0 +1,1 @@
+"""What runs a job: the engines, the trainer, checkpoints, the run directory, metrics and data."""

@@ -1,0 +1,1 @@
+"""Per-rank atomic checkpoints (:mod:`.store`) and single-device export (:mod:`.export`)."""

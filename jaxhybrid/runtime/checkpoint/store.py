@@ -1,0 +1,196 @@
+"""Atomic, per-rank checkpoints with orbax; resume restores params, optimizer, loss scale and sampler.
+
+Layout: ``<run.dir>/checkpoints/rank_<r>/<step>/`` written by an orbax ``CheckpointManager`` (it writes
+to a temporary directory and renames it on commit, so a crash mid-save leaves nothing that loads).
+Under mpirun each rank is its own single-process JAX (facts.md), so each rank owns its directory; the
+step to resume from is the newest one that *every* rank committed, agreed through the engine.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jaxhybrid.optim.updater import spans_processes
+
+
+def _to_host(tree):
+    return jax.tree.map(lambda x: x if spans_processes(x) else np.asarray(x), tree)
+
+
+def _abstract(x):
+    """The restore target of one leaf: global arrays (across processes, or over a one-process mesh) come back
+    with their live sharding, the rest as numpy. Why the one-process mesh too: a checkpoint that
+    ``--distributed`` processes wrote records its arrays' shardings, and orbax refuses to restore those
+    without a sharded target ("Topology mismatch"), so one process could not resume it on the same mesh."""
+    if isinstance(x, jax.ShapeDtypeStruct):  # already a target
+        return x
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:  # spans_processes(x) included
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    x = np.asarray(x)
+    return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class UnreadableCheckpoint(ValueError):
+    """A saved state that cannot be read; ``reason`` alone, for callers that give their own fix (a resume's
+    depends on the steps its rank holds: :meth:`Checkpointer.restore`)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path} holds no readable checkpoint ({reason}); restore the folder from a copy, or use "
+                         f"another step")
+        self.reason = reason
+
+
+def state_metadata(path: str | Path) -> Any:
+    """The tree of shapes and dtypes of one saved ``state`` (``<rank dir>/<step>/state``), no array loaded."""
+    # orbax looks for the step's metadata file in the item's own folder and logs a warning per read.
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        meta = ocp.StandardCheckpointer().metadata(Path(path).absolute())
+    except FileNotFoundError:
+        meta = None
+    finally:
+        absl.setLevel(level)
+    meta = getattr(meta, "item_metadata", meta)
+    # orbax returns None when it cannot read the metadata: its file gone, or the array store it reads from
+    # truncated (a damaged or copied-in-part save); "missing" alone sent users looking for a file that is there.
+    if meta is None:
+        raise UnreadableCheckpoint(path, "its orbax metadata is missing or damaged")
+    return meta
+
+
+def tree_differences(saved: Any, like: Any) -> list[str]:
+    """``"path: saved (shape), this run (shape)"`` for each array that :func:`state_metadata`'s tree
+    ``saved`` and the pytree ``like`` do not share in the same shape (paths as orbax names its arrays:
+    dict keys, sequence indices and attribute names joined by dots; dtypes may differ, as a resume casts)."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path):
+                tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for path, x in leaves}
+
+    old, new = shapes(saved), shapes(like)
+    out = [f"{k}: saved {old[k]}, this run {new[k]}" for k in old if k in new and old[k] != new[k]]
+    out += [f"{k}: saved {old[k]}, not in this run" for k in old if k not in new]
+    out += [f"{k}: not saved, this run {new[k]}" for k in new if k not in old]
+    return sorted(out, key=lambda line: not line.startswith("params"))  # the weights first: the clearest sign
+
+
+def read_state(path: str | Path) -> Any:
+    """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
+    process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
+    on another topology without a target, so the target is built from its metadata, on one device."""
+    reader = ocp.StandardCheckpointer()
+    tree = state_metadata(path)
+    # This process's device: under --distributed jax.devices()[0] is process 0's, which another process
+    # cannot fill ("no addressable shards"), and the restore's collective barrier then hangs process 0.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
+    return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
+
+
+def saved_meta(run_dir: str | Path, rank: str, step: int) -> dict | None:
+    """The ``meta`` item (step, loss scale, sampler) that :meth:`Checkpointer.save` wrote for ``rank``
+    (``"rank_<r>"``) at ``step``, read as the JSON file orbax keeps it in, without orbax; None if unreadable."""
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / "checkpoints" / rank / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
+    """The steps checkpointed in each rank's folder of ``run_dir`` (from the folder names; orbax names a
+    step's folder by its number once committed, and an unfinished save by a temporary name)."""
+    out = {}
+    for d in sorted((Path(run_dir) / "checkpoints").glob("rank_*")):
+        steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+        if steps:
+            out[d.name] = steps
+    return out
+
+
+class Checkpointer:
+    """Saves ``{"state": pytree, "meta": json}`` per step for this rank."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0, keep: int = 2):
+        self.dir = Path(run_dir).absolute() / "checkpoints" / f"rank_{rank}"
+        # cleanup_tmp_directories: a save cut off mid-write (a killed job) leaves <step>.orbax-checkpoint-tmp-*;
+        # kept, orbax's later deletion of that step removed the stale folder instead of the step saved again,
+        # which then outlived checkpoint.keep. No save of this job is under way yet when the manager opens.
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                            enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.dir, options=opts)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest(self) -> int | None:
+        s = self.steps()
+        return s[-1] if s else None
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        # Host copies: offloaded optimizer state is numpy already; device arrays are fetched once here, except
+        # those spanning other processes, which orbax writes shard by shard from every process.
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_host(state)),
+                                                         meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete this rank's checkpoints newer than ``step`` (the newest one every rank has), returning
+        their steps. Why: a job that died mid-save leaves some ranks a step ahead; kept, that step would
+        stay the old run's on those ranks (orbax does not save a step it holds) while the others write the
+        resumed run's, and a later resume would load one checkpoint made of two trajectories."""
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.manager.delete(s)
+        return newer
+
+    def state_metadata(self, step: int) -> Any:
+        """The saved state's tree of shapes and dtypes at ``step`` (nothing loaded)."""
+        return state_metadata(self.dir / str(step) / "state")
+
+    def restore(self, step: int, like: Any) -> tuple[Any, dict]:
+        """Restore ``step`` into arrays shaped like ``like`` (numpy, bit-identical; leaves spanning other
+        processes come back as global arrays sharded like ``like``'s). The saved tree is compared with
+        ``like`` first: orbax returns a numpy leaf in its saved shape whatever the target's, so another
+        model's checkpoint (a run folder without the config.yaml that the layout check reads) failed
+        later, in flax. A step that cannot be read is named with its folder, not in orbax's words."""
+        from jaxhybrid.core.errors import ConfigError
+
+        where = self.dir / str(step)
+
+        def unreadable(e: Exception | str) -> ValueError:
+            # What to do depends on what the rank holds: deleting its only step leaves nothing to resume.
+            why, older = " ".join(str(e).split()), [s for s in self.steps() if s < step]
+            fix = (f"or delete it to resume from an earlier step (this rank also holds {older})" if older else
+                   "or start a new run (this rank holds no earlier step)")
+            return ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}); if it is "
+                              f"damaged or incomplete, restore the folder from a copy, {fix}")
+
+        try:
+            saved = self.state_metadata(step)
+        except UnreadableCheckpoint as e:
+            raise unreadable(e.reason) from None
+        diff = tree_differences(saved, like)
+        if diff:
+            raise ConfigError(f"{where} holds another model or layout than this run's ({len(diff)} arrays differ: "
+                              f"{'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}); resume with the settings "
+                              f"that wrote it, or train into another run.dir")
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
+        except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
+            raise unreadable(e) from None
+        return out["state"], out["meta"]
+
+    def close(self) -> None:
+        """Wait for and close the manager (idempotent: the trainer closes before its stop barrier too)."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.manager.close()

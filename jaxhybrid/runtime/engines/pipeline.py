@@ -1,0 +1,266 @@
+"""``PipelineEngine``: the :class:`~jaxhybrid.runtime.engines.base.GradEngine` of one rank of a Myelin grid.
+
+Myelin Alg. 1 from the point of view of rank ``(stage i, replica j)``: slice this replica's shard of the
+global batch into microbatches (line 5), run the pipeline phase with the event loop (line 12, Alg. 2 or
+any static schedule), sum the tied-embedding gradient between the first and last stage, all-reduce the
+stage's gradients over the data column in buckets (line 13). The trainer then runs the optimizer.
+
+Everything that can be wrong with the input (grid vs world size, stages vs blocks, microbatches vs
+schedule) is checked in the constructor before any compilation, by pure code, so every rank raises the
+same message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid.core.config.schema import Config
+from jaxhybrid.model import Model
+from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.parallel.data.flat import release
+from jaxhybrid.parallel.pipeline import tied
+from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
+from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.transport import InProcessHub
+from jaxhybrid.parallel.pipeline.watchdog import Watchdog, install_abort_on_exception
+from jaxhybrid.runtime.engines.base import split_batch
+
+
+class PipelineEngine:
+    """One rank of a ``G_inter x G_data`` pipeline (``mpirun -n G_inter*G_data jaxhybrid train``).
+
+    Args:
+      cfg: the run configuration (``parallel``, ``pipeline``, ``train.remat``, ``optim.bucket_size``).
+      model: the whole :class:`~jaxhybrid.model.Model` (this rank builds the stage it runs).
+      topology: this rank's :class:`~jaxhybrid.parallel.pipeline.topology.Topology`.
+      abort_on_error: install the excepthook that aborts the MPI job on any uncaught exception.
+      stage: an existing Stage for this rank's blocks, to reuse its compiled kernels (sweeps, benches).
+    """
+
+    def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True, stage: Any = None):
+        from jaxhybrid.parallel.twobp.stage import Stage
+
+        pl = cfg.pipeline
+        self.cfg, self.model, self.topo = cfg, model, topology
+        self.rank, self.stage_index, self.replica = topology.rank, topology.stage, topology.replica
+        self.num_stages, self.replicas = topology.num_stages, topology.num_replicas
+        self.microbatches = pl.microbatches
+        # Pure checks first: a bad schedule/microbatch count raises the same ValueError on every rank.
+        self.schedule = make_schedule(pl.schedule, self.num_stages, pl.microbatches,
+                                      split_backward=pl.split_backward, pipeline_limit=pl.pipeline_limit)
+        self.who = topology.who
+        if abort_on_error:
+            install_abort_on_exception(self.who, topology.world)
+        # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
+        interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
+        # Hybrid pipeline x tensor (AxoNN-4D item 5): this rank's stage runs on its local tensor mesh, with
+        # the tensor ops injected into the (unchanged) model; checks the layout before any compile.
+        self.local = None
+        stage_model = model
+        if cfg.tensor_size > 1:
+            from jaxhybrid.parallel.tensor.local import LocalTensor
+
+            self.local = LocalTensor.from_config(cfg)
+            stage_model = dataclasses.replace(model, ops=self.local.ops)
+        first, last = topology.blocks
+        if stage is not None and (stage.first_block, stage.last_block) != (first, last):
+            raise ValueError(f"{self.who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
+                             f"the topology assigns [{first}, {last})")
+        self.stage = stage or Stage(stage_model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
+                                    checkpoint_interval=interval)
+        mb = cfg.microbatch_size
+        template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
+        if self.num_stages > 1:
+            sharding = self.local.activation_sharding if self.local else None
+            self.transport = make_transport(pl.transport, topology.p2p, template, sharding)
+        else:
+            self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
+        # The report is the loop's (built below, before the watchdog is armed): its peers by world rank.
+        self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world,
+                                 compile_deadline_s=pl.watchdog_compile_s)
+        from jaxhybrid.parallel.twobp.stage import weight_join
+
+        self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
+                              self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
+                              waiting=self.watchdog.note, peer_name=topology.name,  # row rank = stage
+                              synced=synced_dispatch(pl.dispatch, jax.devices()[0].platform))
+        self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
+        self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
+        self.microbatch_size = mb
+
+    def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0,
+                     microbatches: int | None = None) -> None:
+        """Switch to another schedule (benchmarks and parity sweeps reuse the compiled stage kernels).
+        The microbatch size stays fixed (the transport's message shape); ``microbatches`` may change,
+        and with it the global batch. Pure check first: a bad combination raises on every rank alike."""
+        m = self.microbatches if microbatches is None else microbatches
+        self.schedule = make_schedule(name, self.num_stages, m, split_backward=split_backward,
+                                      pipeline_limit=pipeline_limit)
+        self.microbatches = m
+
+    @property
+    def tasks_timed(self) -> bool:
+        """Whether the next step waits for every task (:meth:`time_tasks`, or ``pipeline.dispatch``)."""
+        return self.loop.synced
+
+    def time_tasks(self, on: bool = True) -> None:
+        """From the next step on, every task waits for its kernel so the recorded events are kernel times
+        (the step :meth:`write_trace` writes, benchmarks); off, kernels are dispatched asynchronously
+        (Myelin Sec. IV-A; :mod:`~jaxhybrid.parallel.pipeline.event_loop`), whatever ``pipeline.dispatch`` chose."""
+        self.loop.synced = on
+
+    # -- GradEngine ----------------------------------------------------------------------------------
+    def init_params(self, rng: jax.Array) -> dict:
+        """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
+        (placed on the rank's tensor mesh in hybrid layouts)."""
+        # Only this stage's parts, never the whole model; in hybrid layouts each device its own shards.
+        return self.stage.init_params(rng, self.local.param_shardings if self.local else None)
+
+    def _microbatches(self, batch: np.ndarray) -> np.ndarray:
+        """This replica's microbatches ``[M, mb, seq+1]`` of the global batch (shape checked first)."""
+        want = self.replicas * self.microbatches * self.microbatch_size
+        if batch.shape[0] != want:
+            raise ValueError(f"{self.who}: global batch of {batch.shape[0]} sequences; this engine expects "
+                             f"replicas({self.replicas}) x microbatches({self.microbatches}) x microbatch size "
+                             f"({self.microbatch_size}) = {want}")
+        return split_batch(np.asarray(batch, np.int32), self.replica, self.replicas, self.microbatches)
+
+    def _mean_over_batch(self, loss_sum) -> jnp.ndarray:
+        """The global batch's mean loss on every rank from the last stages' microbatch-loss sums."""
+        mine = float(loss_sum) if loss_sum is not None else 0.0
+        return jnp.float32(self.topo.world.allreduce(mine) / (self.microbatches * self.replicas))
+
+    def eval_loss(self, params: dict, batch: np.ndarray):
+        """Validation loss: a forward-only pass of the pipeline over this replica's microbatches."""
+        mbs = self._microbatches(batch)
+        self.watchdog.arm("validation forward")
+        try:
+            return self._mean_over_batch(self.loop.evaluate({self.stage_index: params}, mbs))
+        finally:
+            self.watchdog.disarm()
+
+    def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
+        self.watchdog.arm("pipeline phase")
+        try:
+            loss, grads = self._pipeline_phase(params, batch, loss_scale)
+            self.watchdog.beat("data-parallel all-reduce")
+            if self.replicas > 1:
+                grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
+        finally:
+            self.watchdog.disarm()
+        return loss, grads
+
+    def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float):
+        """The schedule over this replica's microbatches: (global mean loss, this rank's gradients with
+        tied embeddings summed, not yet reduced over replicas)."""
+        mbs = self._microbatches(batch)
+        # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
+        cot = float(loss_scale) / (self.microbatches * self.replicas)
+        res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
+        grads = tied.sum_tied(res.grads[self.stage_index], self.stage_index, self.num_stages,
+                              self.cfg.model.tie_embeddings, self.topo.row)
+        return self._mean_over_batch(res.loss_sum), grads
+
+    @property
+    def streams_reduced_chunks(self) -> bool:
+        """Whether :meth:`loss_and_grad_chunks` applies: data replicas to reduce over and gradients on one
+        device (a hybrid rank's sharded leaves reduce per device). A tied-embedding copy streams too: its
+        gradient is summed before the chunks are cut, and the updater's norm leaves it out (:meth:`norm_view`)."""
+        return self.replicas > 1 and self.local is None
+
+    def loss_and_grad_chunks(self, params: dict, batch: np.ndarray, loss_scale: float, flatten):
+        """Myelin V-C: the pipeline phase, then the data-parallel all-reduce left to the consumer, which
+        gets ``(start, end, reduced)`` chunks of ``k x bsize`` elements of ``flatten(grads)``, each as soon
+        as its reduction is done with the next one already dispatched (mpi4jax returns once that one is
+        reduced too, so the update of a chunk's buckets does not run beside a reduction). Returns
+        ``(loss, chunks)``; the unreduced pytree is released once flattened (the footprint stays
+        parameters + gradients + buckets)."""
+        if not self.streams_reduced_chunks:
+            raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1 and one device per rank")
+        self.watchdog.arm("pipeline phase")
+        try:
+            loss, grads = self._pipeline_phase(params, batch, loss_scale)
+        finally:
+            self.watchdog.disarm()
+        flat = flatten(grads)
+        release(grads)
+        return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire),
+                                   "data-parallel all-reduce streamed into the optimizer")
+
+    def _watched(self, chunks, what: str):
+        """The chunk iterator under the watchdog: a dead peer mid-reduction ends the job, as in the phase."""
+        self.watchdog.arm(what)
+        try:
+            yield from chunks
+        finally:
+            self.watchdog.disarm()
+
+    def global_sum(self, x):
+        """Sum over the stages of this replica (the model-parallel group)."""
+        value = float(x)  # the local computation stays outside the deadline; only the wait is watched
+        with self.watchdog.watching("sum over the stages (gradient norm)"):
+            return jnp.float32(self.topo.row.allreduce(value))
+
+    def global_max(self, x):
+        from mpi4py import MPI
+
+        value = float(x)
+        with self.watchdog.watching("max over all ranks (overflow, stop or resume agreement)"):
+            return jnp.float32(self.topo.world.allreduce(value, op=MPI.MAX))
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def norm_view(self, grads: dict) -> dict:
+        """The gradients this rank contributes to the global norm (tied copies counted once)."""
+        return tied.norm_view(grads, self.stage_index)
+
+    # -- trace and shutdown ----------------------------------------------------------------------------
+    def gather_events(self) -> list | None:
+        """The last step's events of every rank, on rank 0 (others get None), clocks aligned. The step must
+        have been timed (:meth:`time_tasks`; every rank raises alike, before the barrier)."""
+        self.loop.recorder.check_timed(self.who)
+        with self.watchdog.watching("barrier before gathering the trace"):
+            self.topo.world.Barrier()
+        sync = time.perf_counter()
+        events = [(e.name, e.kind, e.start - sync, e.end - sync, e.microbatches, e.stage)
+                  for e in self.loop.recorder.events]
+        with self.watchdog.watching("gathering the trace"):
+            every = self.topo.world.gather(events, root=0)
+        if self.rank != 0:
+            return None
+        from jaxhybrid.parallel.pipeline.trace import Event
+
+        return [[Event(r, *ev) for ev in evs] for r, evs in enumerate(every)]
+
+    def write_trace(self, run_dir: str) -> dict | None:
+        """Merged Chrome trace, Gantt PNG and measured bubble ratio of the last step (rank 0 writes)."""
+        per_rank = self.gather_events()
+        if per_rank is None:
+            return None
+        from jaxhybrid.parallel.pipeline.trace import write_measured
+
+        return write_measured(per_rank, run_dir, f"{self.schedule.name} measured")
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.transport.close()
+
+
+def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
+    """``pipeline.transport``: ``mpi4jax`` (design card) or ``mpi4py`` (host-staged Isend); ``sharding``:
+    the payloads' layout on this rank's tensor mesh (hybrid layouts), None for single-device stages."""
+    if name == "mpi4jax":
+        return Mpi4jaxTransport(comm, template, sharding)
+    if name == "mpi4py":
+        return Mpi4pyTransport(comm, template, sharding)
+    raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax or mpi4py")

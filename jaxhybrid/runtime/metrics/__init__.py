@@ -1,0 +1,1 @@
+"""The run's metric record: ``metrics.jsonl``, TensorBoard scalars and the console line."""
