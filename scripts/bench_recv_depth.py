@@ -78,10 +78,10 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=20.0)
     ap.add_argument("--sizes-kib", default="64,4096", help="message sizes of the exposed-time measurement")
     a = ap.parse_args()
-    from jaxhybrid.runtime.config_load import config_from_dict
     from jaxhybrid.model import Model
-    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
     from jaxhybrid.parallel.pipeline.topology import Topology
+    from jaxhybrid.runtime.config_load import config_from_dict
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
     world = MPI.COMM_WORLD
     p, m = world.size, 2 * world.size

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install on first use (scripts/setup.sh), then run the whole test suite: unit, parity and MPI tests.
 # Extra arguments go to one pytest run, e.g. scripts/test.sh -k schedule (over tests/) or
-# scripts/test.sh tests/unit/test_data.py (that file only)
+# scripts/test.sh tests/unit/runtime/test_data.py (that file only)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -20,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.core.argtypes import positive_int
-from jaxhybrid.model.flops import forward_flops
+from jaxhybrid.core.config.model import PRESETS
 from jaxhybrid.core.hardware import run_peak_flops
+from jaxhybrid.model import Model, resolve_model
+from jaxhybrid.model.flops import forward_flops
+from jaxhybrid.parallel.twobp.stage import Stage
+from jaxhybrid.planner.machine import fit_compute_model
 
 
 def _case(text: str) -> tuple[str, int]:
-    from jaxhybrid.core.config.model import PRESETS
-
     name, _, mb = text.partition(":")
     if name not in PRESETS or not mb.isdigit() or int(mb) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give MODEL:MICROBATCH, a preset ({', '.join(PRESETS)}) and "
@@ -74,10 +76,6 @@ def busy_times(calls: dict, repeats: int) -> tuple[dict[str, float], str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.model import Model, resolve_model
-    from jaxhybrid.parallel.twobp.stage import Stage
-    from jaxhybrid.planner.machine import fit_compute_model
-
     device = jax.devices()[0]
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     peak = args.peak_tflops

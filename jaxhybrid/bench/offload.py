@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxhybrid.bench import round_ratios
+from jaxhybrid.bench.offload_tensor import prepare_tensor, run_tensor
+from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
 from jaxhybrid.core.argtypes import positive_int
 
 
@@ -58,25 +60,21 @@ def _peak(probe: list, others: set) -> None:
 
 def prepare(args: argparse.Namespace) -> None:
     if args.tensor:
-        from jaxhybrid.bench.offload_tensor import prepare_tensor
-
         prepare_tensor(args)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.tensor:
-        from jaxhybrid.bench.offload_tensor import run_tensor
-
         return run_tensor(args)
     import jax
     import jax.numpy as jnp
 
-    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import model_state_bytes
     from jaxhybrid.optim.offload import OffloadedOptimizer
     from jaxhybrid.optim.offload_updater import OffloadUpdater
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.runtime.engines.base import LocalEngine
     from jaxhybrid.runtime.engines.build import committed
 
@@ -192,8 +190,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(n: int, bsize: int, dtype: str) -> dict:
-    from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
-
     root = Path(__file__).resolve().parents[2]
     # The launcher's per-rank settings: threads sized to cores / ranks, a timeout, CPU-only.
     # (Not pinned: its ranks run jaxhybrid.bench.offload_sweep, not the CLI that pins them.)

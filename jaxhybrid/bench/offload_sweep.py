@@ -32,8 +32,8 @@ def main() -> None:
     import optax
     from mpi4py import MPI
 
-    from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks
     from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
+    from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks
 
     world = MPI.COMM_WORLD
     comm = world.Split(0, world.rank)  # the data column, made on all ranks

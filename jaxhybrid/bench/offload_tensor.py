@@ -39,12 +39,12 @@ def run_tensor(args) -> int:
     d, dep, r, c = _mesh(args.tensor)
     import jax
 
-    from jaxhybrid.runtime.engines.build import committed
-    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import live_device_bytes, model_state_bytes, params_per_device
     from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
+    from jaxhybrid.runtime.config_load import load_config
+    from jaxhybrid.runtime.engines.build import committed
     from jaxhybrid.runtime.engines.tensor import TensorEngine
 
     over = list(args.overrides) + ([f"model.name={args.model}"] if args.model else [])

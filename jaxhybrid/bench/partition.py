@@ -13,11 +13,11 @@ import math
 import sys
 import time
 
-from jaxhybrid.planner.madpipe_dp import grid_sizes
 from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.costs import resnet50_chain, transformer_chain
 from jaxhybrid.planner.madpipe import madpipe
+from jaxhybrid.planner.madpipe_dp import grid_sizes
 from jaxhybrid.planner.pipedream import pipedream
 
 GB = 1e9

@@ -34,7 +34,13 @@ import subprocess
 import sys
 import time
 
+from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
 from jaxhybrid.core.argtypes import nonnegative_int, positive_int
+from jaxhybrid.core.config.model import resolve_model
+from jaxhybrid.parallel.pipeline.costs import Costs
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.topology import Topology
 
 WORKER_FLAG = "--worker"
 
@@ -68,8 +74,6 @@ def default_microbatches(schedule: str, p: int) -> int:
 def theoretical_gain(schedule: str, p: int, m: int, costs=None) -> float:
     """Makespan(fused) / makespan(2BP) under ``costs`` (default: unit F, BI, BW, 2BP Table 1's assumption;
     the fused B then costs BI + BW)."""
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
-    from jaxhybrid.parallel.pipeline.simulate import simulate
 
     fused = simulate(make_schedule(schedule, p, m, split_backward=False), costs).makespan
     split = simulate(make_schedule(schedule, p, m, split_backward=True), costs).makespan
@@ -93,8 +97,6 @@ def measured_costs(per_step: list[dict], stages: int):
     schedule's gain on this machine's kernels."""
     import numpy as np
 
-    from jaxhybrid.parallel.pipeline.costs import Costs
-
     merged: dict[tuple[int, str], list[float]] = {}
     for d in per_step:
         for key, v in d.items():
@@ -108,8 +110,6 @@ def measured_costs(per_step: list[dict], stages: int):
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
-
     cpus = job_cpus(args.cores or 0)  # each rank pinned to its share, as `jaxhybrid launch` runs them
     env = rank_environment(args.stages, cpus, args.timeout)
     cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
@@ -132,7 +132,6 @@ def activation_bytes(cfg) -> float:
 
 def run(args: argparse.Namespace) -> int:
     m = args.microbatches or default_microbatches(args.schedule, args.stages)
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
 
     make_schedule(args.schedule, args.stages, m)  # bad input fails here, before any launch
     cfg = _cfg(args, m, args.transport)  # so do the model, its layers and the batch (validated)
@@ -151,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _cfg(args: argparse.Namespace, m: int, transport: str):
     from jaxhybrid.runtime.config_load import config_from_dict
-    from jaxhybrid.core.config.model import resolve_model
 
     base = resolve_model(args.model)
     layers = args.layers or max(base.n_layers, args.stages)
@@ -190,7 +188,6 @@ def _worker(args: argparse.Namespace, m: int) -> int:
 
     from jaxhybrid.model import Model
     from jaxhybrid.runtime.engines.pipeline import PipelineEngine
-    from jaxhybrid.parallel.pipeline.topology import Topology
 
     other = "mpi4py" if args.transport == "mpi4jax" else "mpi4jax"
     cfg = _cfg(args, m, args.transport)

@@ -50,9 +50,14 @@ import numpy as np
 
 from jaxhybrid.bench.stage_timing import cache_times, dispatch_times, noop_call_s, queued_times, time_call
 from jaxhybrid.core.argtypes import positive_int
-from jaxhybrid.runtime.host_alloc import host_malloc_status
-from jaxhybrid.model.flops import forward_flops
 from jaxhybrid.core.config.model import REMATS
+from jaxhybrid.model import Model, resolve_model
+from jaxhybrid.model.flops import forward_flops
+from jaxhybrid.model.testing import max_rel_err
+from jaxhybrid.parallel.twobp.stage import Stage, auto_weight_join, concat_weight_residuals, reference_apply
+from jaxhybrid.parallel.twobp.stage_costs import kernel_costs, split_ratios
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.host_alloc import host_malloc_status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,12 +92,6 @@ def _block_range(spec: str, n: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.runtime.config_load import load_config
-    from jaxhybrid.model import Model, resolve_model
-    from jaxhybrid.parallel.twobp.stage import Stage, auto_weight_join, concat_weight_residuals, reference_apply
-    from jaxhybrid.parallel.twobp.stage_costs import kernel_costs, split_ratios
-    from jaxhybrid.model.testing import max_rel_err
-
     clash = [o for o in args.overrides if o.startswith("model.")]
     if args.model and clash:
         raise ValueError(f"--model {args.model} replaces the whole model config, so {', '.join(clash)} would be "

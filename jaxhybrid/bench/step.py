@@ -17,6 +17,11 @@ import numpy as np
 import optax
 
 from jaxhybrid.bench import round_ratios
+from jaxhybrid.optim import build_transform, decay_mask
+from jaxhybrid.optim.updater import decay_view
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.engines.build import committed
+from jaxhybrid.runtime.trainer import Trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,12 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.runtime.engines.build import committed
-    from jaxhybrid.runtime.config_load import load_config
-    from jaxhybrid.optim import build_transform, decay_mask
-    from jaxhybrid.optim.updater import decay_view
-    from jaxhybrid.runtime.trainer import Trainer
-
     if args.steps < 1 or args.rounds < 1:
         raise ValueError(f"--steps {args.steps} and --rounds {args.rounds} must be >= 1")
     cfg = load_config(args.config, ["metrics.progress=false", "metrics.tensorboard=false"] + args.overrides)

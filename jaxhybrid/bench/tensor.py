@@ -62,9 +62,9 @@ def _cfg(args, shape, letters, remat="none"):
 
 
 def _bytes_report(eng, cfg, shape, hlo_text):
-    from jaxhybrid.planner import hlo
     from jaxhybrid.parallel.tensor.linear import NORMAL
     from jaxhybrid.parallel.tensor.sharding import dense_shapes
+    from jaxhybrid.planner import hlo
 
     sizes = eng.shape.sizes()
     measured = hlo.collectives(hlo_text, shape)
@@ -128,8 +128,8 @@ def prepare(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from jaxhybrid.planner.hlo import async_overlap
     from jaxhybrid.parallel.tensor.mesh import factorizations
+    from jaxhybrid.planner.hlo import async_overlap
 
     n = len(jax.devices())
     shapes = args.only or factorizations(n)

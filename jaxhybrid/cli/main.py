@@ -13,6 +13,11 @@ import importlib
 import os
 import sys
 
+from jaxhybrid.core import __version__
+from jaxhybrid.core.argtypes import DefaultsHelp
+from jaxhybrid.core.launch_env import bind_rank_cpus
+from jaxhybrid.runtime.host_alloc import configure_host_malloc
+
 COMMANDS = {
     "train": ("jaxhybrid.cli.commands.train", "train a model (one process, or one rank under mpirun)"),
     "launch": ("jaxhybrid.cli.commands.launch", "start an MPI job of `jaxhybrid train` ranks"),
@@ -35,8 +40,6 @@ def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
-    from jaxhybrid.core import __version__
-
     try:
         return f"jaxhybrid {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')})"
     except PackageNotFoundError:
@@ -53,7 +56,6 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
         return parser, None
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
-    from jaxhybrid.core.argtypes import DefaultsHelp
 
     p = argparse.ArgumentParser(prog=f"jaxhybrid {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelp)
     module.add_arguments(p)
@@ -64,9 +66,6 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxhybrid.runtime.host_alloc import configure_host_malloc
-    from jaxhybrid.core.launch_env import bind_rank_cpus
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         bind_rank_cpus()  # a `jaxhybrid launch` rank pins itself before JAX sizes its thread pool from the affinity

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 import yaml
 
+from jaxhybrid.core.config.parse import read_text
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
@@ -21,7 +23,6 @@ def load_hardware(name: str) -> dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"hardware {name!r} not found in {HARDWARE_DIR}; available: "
                                 f"{', '.join(hardware_names()) or 'none'}, or a path to such a YAML file")
-    from jaxhybrid.core.config.parse import read_text
 
     text = read_text(p, "hardware file")
     try:

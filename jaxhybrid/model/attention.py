@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.core.errors import ConfigError
+
 Array = jax.Array
 
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
@@ -97,8 +99,6 @@ def check_cudnn_device(kernel: str, dev) -> None:
     when the first attention was traced, it failed every MPI rank mid-job. (The dtype and head_dim rules
     need no device: :func:`jaxhybrid.runtime.config_checks.validate` applies them.)"""
     if kernel == "cudnn" and cudnn_device_unmet(dev):
-        from jaxhybrid.core.errors import ConfigError
-
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this process's device is "
                           f"{dev.device_kind!r}: set model.attention=auto (cuDNN where it can run) or xla")
 

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-from jaxhybrid.core.config.model import REMATS
+from jaxhybrid.core.config.model import REMATS, block_matmuls
 
 GPT3_TOKENS = 300e9  # Myelin Sec. VI-D: the GPT-3 training regime, 300 billion tokens
 
@@ -56,7 +55,6 @@ def forward_flops(model, batch: int, seq: int, blocks: int | None = None, head: 
     default all ``n_layers``), plus the head's logits matmul with ``head``, on ``batch`` sequences of
     ``seq`` tokens: ``blocks (2 T sum(k n) + 4 b s^2 d) + 2 T d V``. A pipeline stage's count is
     ``forward_flops(model, microbatch, seq, its_blocks, head=is_last)``."""
-    from jaxhybrid.core.config.model import block_matmuls
 
     _check(batch, seq)
     blocks = model.n_layers if blocks is None else blocks

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhybrid.model.transformer import qkv_groups
+
 # Relative tolerances (max |a-b| / max(|b|, tiny) per leaf), by what is compared.
 TOLERANCES = {
     "fp32_kernel": 1e-6,   # a split/fused kernel against jax.vjp of the same function
@@ -76,7 +78,6 @@ def without_key_bias(tree, model) -> Any:
     summation-order noise that AdamW scales to learning-rate-sized steps: measured 1e-7 against the
     1e-4..1e-2 of the query and value biases beside it, 2-5e-5 relative after 3-6 steps, where every other
     leaf agrees to 4e-7. Parity tests of AdamW runs whose reduction order differs leave it out."""
-    from jaxhybrid.model.transformer import qkv_groups
 
     def zero_keys(path, x):
         x = np.array(x, np.float32)

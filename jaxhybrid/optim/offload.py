@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
-from jaxhybrid.parallel.data.flat import FlatSpec
-from jaxhybrid.optim.hoststore import make_store
 from jaxhybrid.optim.bucket_programs import Prefetcher, programs, sq_outside
+from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
+from jaxhybrid.optim.hoststore import make_store
 from jaxhybrid.optim.updater import DecayMask
+from jaxhybrid.parallel.data.flat import FlatSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadState
 from jaxhybrid.optim.updater import _stats, decay_mask
+from jaxhybrid.parallel.data.flat import release
 
 
 class OffloadUpdater:

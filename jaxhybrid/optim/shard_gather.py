@@ -17,8 +17,6 @@ columns in host memory, :class:`ShardLayout` assembles the leaves holder by hold
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np

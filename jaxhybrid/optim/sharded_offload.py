@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.parallel.data.flat import FlatSpec, release
 from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 from jaxhybrid.optim.shard_gather import OwnerGather, ShardLayout
 from jaxhybrid.optim.shard_owners import assign_owners, shard_key
 from jaxhybrid.optim.updater import _stats, decay_mask
+from jaxhybrid.parallel.data.flat import FlatSpec, release
 
 
 def is_sharded(params: Any) -> bool:

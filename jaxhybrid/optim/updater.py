@@ -81,8 +81,7 @@ def place_like(like, saved):
     """Host arrays from a checkpoint, put back with the dtype and sharding of the live tree ``like``
     (committed, so the restored step reuses the compiled programs of a fresh run). Leaves that spanned
     other processes come back from the checkpoint as global arrays placed already."""
-    from jaxhybrid.optim.updater import spans_processes
-
+    
     def put(ref, x):
         if spans_processes(x):
             return x.astype(ref.dtype) if x.dtype != ref.dtype else x

@@ -16,6 +16,10 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jaxhybrid.core.config.parse import read_text
+from jaxhybrid.core.hardware import HARDWARE_DIR
+from jaxhybrid.core.hardware import load_hardware as load_checked
+from jaxhybrid.planner.hardware_checks import planner_key_errors
 
 _REQUIRED = ("name", "forward_s", "backward_s", "weight_bytes", "activation_bytes")
 _OPTIONAL = ("backward_input_s", "backward_weight_s", "stored_bytes")
@@ -84,7 +88,6 @@ def read_json(path: str | Path, what: str):
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} not found: {p}")
-    from jaxhybrid.core.config.parse import read_text
 
     text = read_text(p, what)
     try:
@@ -111,8 +114,6 @@ def planner_hardware_names() -> list[str]:
     (Sec. V). Others (``cpu.yaml``) only serve the MFU bookkeeping of training runs."""
     import yaml
 
-    from jaxhybrid.core.hardware import HARDWARE_DIR
-
     names = []
     for p in sorted(HARDWARE_DIR.glob("*.yaml")):
         try:
@@ -126,8 +127,6 @@ def planner_hardware_names() -> list[str]:
 def load_hardware(name_or_path: str) -> dict:
     """A ``configs/hardware`` file by name (``perlmutter``) or path: :func:`jaxhybrid.model.flops.load_hardware`
     plus the keys the planner needs; errors list only the files the planner can use."""
-    from jaxhybrid.core.hardware import HARDWARE_DIR
-    from jaxhybrid.core.hardware import load_hardware as load_checked
 
     usable = f"the planner can use {', '.join(planner_hardware_names()) or 'none'}, or a path to such a YAML file"
     try:
@@ -137,7 +136,6 @@ def load_hardware(name_or_path: str) -> dict:
     if not _has_bandwidths(hw):
         raise ValueError(f"hardware {name_or_path!r} has no bandwidth.intra_node / bandwidth.inter_node keys, so "
                          f"it serves MFU bookkeeping in training runs but not the planner; {usable}")
-    from jaxhybrid.planner.hardware_checks import planner_key_errors
 
     errors = planner_key_errors(hw)
     if errors:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxhybrid.planner.comm_model import layer_comm_volumes
 from jaxhybrid.parallel.tensor.mesh import AXES
+from jaxhybrid.planner.comm_model import layer_comm_volumes
 
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
 _OPS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",

@@ -11,8 +11,9 @@ import dataclasses
 import functools
 import itertools
 
-from jaxhybrid.core.config.schema import TensorConfig
 from jaxhybrid.core.config.model import REMATS, ModelConfig
+from jaxhybrid.core.config.schema import TensorConfig
+from jaxhybrid.parallel.tensor.sharding import run_layout_error
 from jaxhybrid.planner.step_model import Layout
 
 # What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count >= stages: GPipe,
@@ -104,6 +105,5 @@ def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: 
 def tensor_fits(cfg: ModelConfig, pipeline: int, data: int, depth: int, row: int, col: int, microbatch: int) -> bool:
     """Whether the tensor engines accept the mesh the layout builds: the rule the config validation applies
     (:func:`~jaxhybrid.parallel.tensor.sharding.run_layout_error`), cached per layout shape."""
-    from jaxhybrid.parallel.tensor.sharding import run_layout_error
 
     return run_layout_error(cfg, pipeline, data, depth, row, col, microbatch, TensorConfig.optimizations) is None

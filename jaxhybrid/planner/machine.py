@@ -4,8 +4,8 @@ usable memory per device, and the network of AxoNN's model.
 """
 from __future__ import annotations
 
-from jaxhybrid.core.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.core.hardware import peak_tflops
+from jaxhybrid.core.launch_env import DEVICE_MEMORY_FRACTION
 from jaxhybrid.planner.comm_model import Network
 from jaxhybrid.planner.hardware_checks import as_number
 from jaxhybrid.planner.step_model import DTYPE_BYTES, Machine

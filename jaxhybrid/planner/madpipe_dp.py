@@ -17,7 +17,6 @@ is exact for Algorithm 1, which only compares the result with its bracket).
 from __future__ import annotations
 
 import argparse
-
 from dataclasses import dataclass
 
 import numpy as np

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import functools
 
+from jaxhybrid.parallel.pipeline.generators import gpipe_rows
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.simulate import Costs, memory_deltas, run_order
+from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule
+
 # Tasks (stages x microbatches) simulated at most; longer schedules are extrapolated (pipeline_makespan).
 MAX_SIMULATED = 2048
 
@@ -22,9 +27,6 @@ def _fixed_schedule(schedule: str, p: int, m: int, split: bool, limit: int = 0):
     2BP, and Myelin's, whose rows are only each rank's pool of tasks: the simulator's message-driven policy
     re-derives the order under the costs and ``limit`` (Alg. 2) and reads the rows only as a pool, so
     they are the pool as it is, not ordered by a run of the policy at unit costs (make_schedule's rows)."""
-    from jaxhybrid.parallel.pipeline.generators import gpipe_rows
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
-    from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule
 
     if schedule == "myelin":
         rows = tuple(map(tuple, gpipe_rows(p, m, Kind.BI if split else Kind.B)))
@@ -49,7 +51,6 @@ def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     its weight residuals from BI to BW). A rank's peak bytes are the largest ``a A + r R`` over its states,
     for any per-microbatch activation bytes ``A`` and residual bytes ``R``: its two separate peaks, which
     may fall at different times (under GPipe + 2BP they never meet), would overstate it."""
-    from jaxhybrid.parallel.pipeline.simulate import memory_deltas
 
     records: list[list] = [[] for _ in range(p)]
     for rec in core.records:
@@ -74,8 +75,6 @@ def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, 
     """One simulation at these ratios. The schedule is built with them too, as ``jaxhybrid simulate
     --costs`` builds it: 2BP places its weight passes in the idle time the costs leave (unit costs
     placed them elsewhere: 35.5 against 34 for 1F1B + 2BP, 4 stages, 8 microbatches, costs 1, 2, 0.5)."""
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
-    from jaxhybrid.parallel.pipeline.simulate import Costs, run_order
 
     costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
                   message_bytes=(msg,) * p, bandwidth=1.0)

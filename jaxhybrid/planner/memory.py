@@ -14,6 +14,9 @@
 from __future__ import annotations
 
 from jaxhybrid.model.remat import optimal_checkpoint_interval
+from jaxhybrid.optim.memory_report import model_state_bytes
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.validate import peak_stashed
 
 __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_interval",
            "stashed_microbatches", "block_residual_bytes", "head_residual_bytes", "boundary_bytes"]
@@ -35,8 +38,6 @@ def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0,
         matrices (its vectors are held in full over some axes), hence the step model's per-device phi.
       dtype_bytes: the compute dtype's (float32 keeps no separate compute copies: 16 phi without offload).
     """
-    from jaxhybrid.optim.memory_report import model_state_bytes
-
     if phi < 0 or bucket_size < 0 or tensor_size < 1:
         raise ValueError(f"phi={phi}, bucket_size={bucket_size} must be >= 0 and tensor_size={tensor_size} >= 1")
     shard = phi / tensor_size
@@ -62,8 +63,6 @@ def stashed_microbatches(schedule: str, stages: int, microbatches: int, split_ba
     """
     if stages < 1 or microbatches < 1:
         raise ValueError(f"stages={stages} and microbatches={microbatches} must be >= 1")
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
-    from jaxhybrid.parallel.pipeline.validate import peak_stashed
 
     return peak_stashed(make_schedule(schedule, stages, microbatches, split_backward))
 
@@ -73,7 +72,7 @@ def block_residual_bytes(cfg, seq: int, microbatch: int, dtype_bytes: int = 2, r
     """What one transformer block of :class:`jaxhybrid.parallel.twobp.stage.Stage` keeps per microbatch: bytes
     ``(activations, weight_residuals)``, i.e. its ``residual_bytes`` (forward -> backward-p1) and
     ``weight_residual_bytes`` (backward-p1 -> backward-p2, 2BP Sec. 4.2), counted from the arrays the stage
-    keeps (``tests/unit/test_memory_model.py`` checks them against the stage's own count).
+    keeps (``tests/unit/planner/test_memory_model.py`` checks them against the stage's own count).
 
     Per token, with ``c`` the compute dtype's bytes, ``d`` the width, ``f`` the MLP width, ``k`` the key and
     value width (``d`` unless the model has grouped-query heads, ``model.n_kv_heads``):

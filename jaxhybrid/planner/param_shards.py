@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import math
 
-from jaxhybrid.core.config.schema import TensorConfig
 from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.core.config.schema import TensorConfig
 
 __all__ = ["part_params_per_device", "stage_params_per_device"]
 
@@ -26,8 +26,7 @@ def _abstract_parts(cfg: ModelConfig) -> dict:
     embedding table, whose copy a last pipeline stage holds under ``TIED_KEY``."""
     import jax
 
-    from jaxhybrid.model.transformer import TIED_KEY
-    from jaxhybrid.model.transformer import Model, block_name
+    from jaxhybrid.model.transformer import TIED_KEY, Model, block_name
 
     tree = jax.eval_shape(lambda: Model(cfg).init(jax.random.key(0), None, ("embed", block_name(0), "head")))
     tied = {TIED_KEY: tree["embed"]["wte"]} if cfg.tie_embeddings else {}

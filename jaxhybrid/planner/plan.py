@@ -13,8 +13,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from jaxhybrid.core.config.model import ModelConfig, shape_settings
 from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
-from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.layouts import divisors, search, tensor_fits
 from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (planner.plan's API)
@@ -176,7 +177,6 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
     ``dataclasses.asdict`` gives them), so is a plan for the same preset with other sizes (a run config's
     ``model.d_model``, ``n_layers``, ...), each named. A plan without a "model" ("model_config") entry is not
     checked for it."""
-    from jaxhybrid.core.errors import ConfigError
 
     p = Path(path)
     data = read_json(p, "plan file")
@@ -193,7 +193,6 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
                           f"{model!r}; write a plan for it (jaxhybrid plan --model {model} ... --out {p.name})")
     if shape is not None and isinstance(data.get("model_config"), dict):
         # The settings that shape the parameters, as train.init_from compares them (rope_theta, ... aside).
-        from jaxhybrid.core.config.model import shape_settings
 
         mine = shape_settings(shape)
         diff = [f"model.{k} {v} there, {mine.get(k)} here" for k, v in shape_settings(data["model_config"]).items()

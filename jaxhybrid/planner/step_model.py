@@ -13,14 +13,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxhybrid.core.config.model import ModelConfig, block_matmuls
 from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
-from jaxhybrid.parallel.tensor.mesh import reduce_data_once
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.model.flops import attention_core_flops, forward_flops
-from jaxhybrid.core.config.model import ModelConfig, block_matmuls
+from jaxhybrid.parallel.tensor.mesh import reduce_data_once
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.makespan import makespan_floor, pipeline_makespan, sig2
-from jaxhybrid.planner.memory import (block_residual_bytes, boundary_bytes, head_residual_bytes, optimal_checkpoint_interval, param_state_bytes)
+from jaxhybrid.planner.memory import (
+    block_residual_bytes,
+    boundary_bytes,
+    head_residual_bytes,
+    optimal_checkpoint_interval,
+    param_state_bytes,
+)
 from jaxhybrid.planner.param_shards import stage_params_per_device
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -71,7 +77,7 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
     The stage's count (:func:`~jaxhybrid.planner.memory.block_residual_bytes`) divided by G_d x min(G_r,
     G_c): the batch is split over depth, and a layer's input or output features over row or column. With
     a depth axis each layer also keeps its all-gathered W (``k / G_r x n / G_c``, AxoNN Alg. 1 line 13).
-    ``tests/unit/test_hybrid_local.py`` holds this to a sharded stage's own bytes per device: equal where
+    ``tests/unit/parallel/test_hybrid_local.py`` holds this to a sharded stage's own bytes per device: equal where
     G_r = G_c, above them otherwise (a row- or column-only grid shards fewer arrays than the other).
     """
     b = lay.microbatch_size
@@ -86,7 +92,7 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
 
 def gathered_weights(lay: Layout, letters: str) -> dict:
     """Where a layer's all-gathered W (AxoNN Alg. 1 line 13) lives, as the engines keep it (measured in
-    their lowered programs: ``tests/unit/test_plan_gathered.py``). ``kept``: stored with each block's
+    their lowered programs: ``tests/unit/planner/test_plan_gathered.py``). ``kept``: stored with each block's
     activations per microbatch, not gathered again: remat none, and dots with optimization E (Sec. IV-E,
     the ops' ``saved_names`` in either engine's save policy). ``cached_full``: remat full in the whole-model
     engine with E: every block's gathered W is saved through the recomputation; a pipeline stage's

@@ -11,9 +11,13 @@ from __future__ import annotations
 from functools import reduce
 from typing import TYPE_CHECKING
 
-from jaxhybrid.core.errors import ConfigError
-from jaxhybrid.core.config.ranges import range_errors
 from jaxhybrid.core.config.model import REMATS
+from jaxhybrid.core.config.parse import flatten, lookup, to_plain
+from jaxhybrid.core.config.ranges import range_errors
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.topology import partition_blocks
+from jaxhybrid.runtime.data.tokenizer import TOKENIZERS
 
 if TYPE_CHECKING:
     from jaxhybrid.core.config.schema import Config
@@ -48,7 +52,6 @@ def _with_plan_note(cfg: Config, message: str) -> str:
     config does not hold. A key whose value differs from the plan's was set over it by the command line."""
     if not cfg.plan.file:
         return message
-    from jaxhybrid.core.config.parse import flatten, lookup, to_plain
     from jaxhybrid.planner.plan import load_plan_overrides
 
     try:
@@ -66,7 +69,6 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if t.eval_every and not cfg.data.path and cfg.data.val_fraction <= 0:
         errors.append(f"train.eval_every={t.eval_every} needs a validation split, but data.val_fraction="
                       f"{cfg.data.val_fraction} holds none out of the built-in corpus: set it > 0 or eval_every=0")
-    from jaxhybrid.runtime.data.tokenizer import TOKENIZERS
 
     if cfg.data.tokenizer not in TOKENIZERS:  # the ranks' data preparation found it, after mpiexec started
         errors.append(f"data.tokenizer={cfg.data.tokenizer!r}; choose {' or '.join(TOKENIZERS)}")
@@ -96,7 +98,6 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"optim.weight_decay_mask={cfg.optim.weight_decay_mask!r}; choose matrices (kernels and "
                       f"embeddings decay, biases and norm scales do not) or all")
     # The schedule module is the one source of its rules (names, microbatches per stage, 2BP needs).
-    from jaxhybrid.parallel.pipeline.schedule import make_schedule
 
     try:
         make_schedule(pl.schedule, p.pipeline, pl.microbatches, split_backward=pl.split_backward,
@@ -176,8 +177,6 @@ def _interval_errors(cfg: Config) -> list[str]:
     (N / G_inter; with ``parallel.partition`` or an uneven split, each stage's count), so that every
     recomputed segment holds ac blocks: a stage would otherwise clamp it or end in a shorter segment."""
     from math import gcd
-
-    from jaxhybrid.parallel.pipeline.topology import partition_blocks
 
     p, ac, n = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers
     try:

@@ -11,12 +11,8 @@ all-reduce's without MPI data replicas, the dynamic loss scale's, evaluation's, 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jaxhybrid.core.config.parse import lookup
-
-if TYPE_CHECKING:
-    from jaxhybrid.core.config.schema import Config
+from jaxhybrid.core.config.schema import Config
 
 PIPELINE_ENGINE_KEYS = ("pipeline.schedule", "pipeline.split_backward", "pipeline.pipeline_limit",
                         "pipeline.transport", "pipeline.dispatch", "pipeline.weight_join", "pipeline.watchdog_s",
@@ -67,8 +63,6 @@ RULES = (
 
 def unread_settings_notes(cfg: Config) -> list[str]:
     """One line per row of :data:`RULES` whose keys this run sets but does not read."""
-    from jaxhybrid.core.config.schema import Config
-
     default = Config()
     notes = []
     for keys, unread, why in RULES:

@@ -18,6 +18,7 @@ import socket
 import sys
 
 from jaxhybrid.core import launch_env
+from jaxhybrid.parallel.pipeline.watchdog import install_abort_on_exception
 
 
 def peer_arguments(coordinator: str | None = None, num_processes: int | None = None,
@@ -113,8 +114,6 @@ def abort_on_exception() -> None:
     at once, leaving its peers to the coordination service's missed heartbeats or srun."""
     import jax
 
-    from jaxhybrid.parallel.pipeline.watchdog import install_abort_on_exception
-
     mpi = sys.modules.get("mpi4py.MPI")  # imported by _from_mpi or `python -m mpi4py`: an MPI job
     install_abort_on_exception(f"process {jax.process_index()} of {jax.process_count()} (--distributed)",
                                mpi.COMM_WORLD if mpi is not None else None)
@@ -126,11 +125,11 @@ def check_step(shape: tuple[int, int, int, int], letters: str = "ABCDE") -> floa
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.model import Model
+    from jaxhybrid.model.testing import assert_tree_close
+    from jaxhybrid.runtime.config_load import load_config
     from jaxhybrid.runtime.engines.base import LocalEngine
     from jaxhybrid.runtime.engines.tensor import TensorEngine
-    from jaxhybrid.model.testing import assert_tree_close
 
     d, dep, r, c = shape
     cfg = load_config(None, ["model.name=gpt-tiny", "model.n_layers=1", "train.global_batch=8",

@@ -8,14 +8,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jaxhybrid.core.argtypes import check_writable
+from jaxhybrid.core.config.parse import load_yaml
+from jaxhybrid.core.config.schema import dump_config
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.model.transformer import PARAM_LAYOUT
 from jaxhybrid.runtime.checkpoint.store import committed_steps, saved_meta
+from jaxhybrid.runtime.config_load import config_from_dict
+from jaxhybrid.runtime.data import Sampler
+from jaxhybrid.runtime.data.splits import open_dataset
 
 
 def saved_config(run_dir: str | Path):
     """The config a run in ``run_dir`` wrote (its ``config.yaml``), unchecked; None when there is none."""
-    from jaxhybrid.runtime.config_load import config_from_dict
-    from jaxhybrid.core.config.parse import load_yaml
-
     saved = Path(run_dir) / "config.yaml"
     return config_from_dict(load_yaml(saved), check=False) if saved.is_file() else None
 
@@ -39,7 +44,6 @@ def unrecorded_settings(saved: Path, cfg) -> list[str]:
     before they existed, whose behaviour its steps ran by (before optim.weight_decay_mask, every parameter
     decayed). Loading fills in today's defaults, so :func:`config_changes` cannot see them; a resume names
     them instead of changing the training without a word."""
-    from jaxhybrid.core.config.parse import load_yaml
 
     tree = load_yaml(saved) or {}
     out = []
@@ -57,8 +61,6 @@ def write_run_config(run_dir: Path, cfg, step: int) -> None:
     checkpoint allows: schedule, steps, evaluation, ...) says which, and keeps the file it replaces as
     ``config.step<N>.yaml``: what steps 1-N trained with."""
     import sys
-
-    from jaxhybrid.core.config.schema import dump_config
 
     saved = run_dir / "config.yaml"
     old = saved_config(run_dir) if cfg.run.resume else None
@@ -82,7 +84,6 @@ def check_resume_layout(run_dir: str | Path, cfg) -> None:
     """Before a resume: the settings that shape the checkpointed state (model, parallel layout, offloaded
     optimizer buckets) must equal those of the run that wrote ``run_dir`` (its ``config.yaml``); else a
     ConfigError listing each change, instead of orbax's tree-structure mismatch at restore."""
-    from jaxhybrid.core.errors import ConfigError
 
     old = saved_config(run_dir)
     if old is None:
@@ -120,7 +121,6 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
     same length, never). The built-in corpus is one fixed text, whose train split data.tokenizer and
     data.val_fraction shape: compared with the earlier config.yaml, as is leaving a data.path for it
     (preparing the corpus here to count its tokens would do each rank's first-use work in the launcher)."""
-    from jaxhybrid.core.errors import ConfigError
 
     if not cfg.data.path:
         old = saved_config(run_dir)
@@ -133,8 +133,6 @@ def check_resume_data(run_dir: str | Path, cfg) -> None:
     state = (_newest_meta(run_dir) or {}).get("sampler")
     if not isinstance(state, dict):
         return  # unreadable here: the restore names it
-    from jaxhybrid.runtime.data import Sampler
-    from jaxhybrid.runtime.data.splits import open_dataset
 
     bad = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).mismatches(state)
     if bad:
@@ -147,8 +145,6 @@ def check_param_layout(run_dir: str | Path) -> None:
     """Before a resume or an export: the newest checkpoint holds this version's parameter layout
     (:data:`jaxhybrid.model.transformer.PARAM_LAYOUT`, in its meta; absent: layout 1, the fused qkv's
     columns as ``[q | k | v]``); else a ConfigError, since the weights would load and mean something else."""
-    from jaxhybrid.core.errors import ConfigError
-    from jaxhybrid.model.transformer import PARAM_LAYOUT
 
     meta = _newest_meta(run_dir)
     got = meta.get("param_layout", 1) if isinstance(meta, dict) else PARAM_LAYOUT  # unreadable: restore names it
@@ -164,8 +160,6 @@ def check_run_dir(cfg) -> None:
     ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
     after the model was initialised), and it holds no earlier run's checkpoints unless resuming, when
     they must have this run's layout. Needs no peer: the trainer checks it, and ``jaxhybrid launch`` once for all its ranks."""
-    from jaxhybrid.core.argtypes import check_writable
-    from jaxhybrid.core.errors import ConfigError
 
     run_dir = Path(cfg.run.dir)
     try:

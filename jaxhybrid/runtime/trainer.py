@@ -20,22 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.runtime import data as data_lib
-from jaxhybrid.core.hardware import run_peak_flops
-from jaxhybrid.model import flops as metrics_lib
-from jaxhybrid.runtime.checkpoint.store import Checkpointer
-from jaxhybrid.runtime.checkpoint.export import check_init_from, params_for, read_meta
-from jaxhybrid.runtime.engines.build import build_engine, build_updater, committed
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.core.errors import ConfigError
-from jaxhybrid.runtime.config_checks import validate
-from jaxhybrid.runtime.data.splits import open_dataset, validation_batches
-from jaxhybrid.runtime.metrics.writer import MetricsWriter
+from jaxhybrid.core.hardware import run_peak_flops
 from jaxhybrid.model import Model
+from jaxhybrid.model import flops as metrics_lib
 from jaxhybrid.model.transformer import PARAM_LAYOUT
 from jaxhybrid.optim import lr_schedule
-from jaxhybrid.optim.updater import place_like
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
+from jaxhybrid.optim.memory_report import gather_entries, rank_entry, report_over_ranks, summary_line, write_report
+from jaxhybrid.optim.updater import place_like
+from jaxhybrid.runtime import data as data_lib
+from jaxhybrid.runtime.checkpoint.export import check_init_from, params_for, read_meta
+from jaxhybrid.runtime.checkpoint.store import Checkpointer
+from jaxhybrid.runtime.config_checks import validate
+from jaxhybrid.runtime.data.splits import open_dataset, validation_batches
+from jaxhybrid.runtime.engines.build import build_engine, build_updater, committed
+from jaxhybrid.runtime.metrics.writer import MetricsWriter
 from jaxhybrid.runtime.run_dir import check_run_dir, write_run_config
 from jaxhybrid.runtime.stop import StopOnSignal
 
@@ -188,7 +189,6 @@ class Trainer:
         ckpt = self._checkpointer()
         if cfg.run.resume:
             st = self.restore(ckpt, st)
-        from jaxhybrid.optim.memory_report import (gather_entries, rank_entry, report_over_ranks, summary_line, write_report)
 
         # Collective: every rank's phi on the writer, which reports the fullest rank (with and without offload).
         entries = gather_entries(self.engine, rank_entry(self.engine, st.params))

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.model import Model
-from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.runtime.config_load import config_from_dict
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
 
 def main() -> int:

@@ -53,11 +53,11 @@ def case_half_sum() -> None:
 
 
 def case_engine() -> None:
-    from jaxhybrid.runtime.config_load import config_from_dict
     from jaxhybrid.model import Model
     from jaxhybrid.parallel.data.flat import FlatSpec
-    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
     from jaxhybrid.parallel.pipeline.topology import Topology
+    from jaxhybrid.runtime.config_load import config_from_dict
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
     calls = []
     traced = half_allreduce.half_sum

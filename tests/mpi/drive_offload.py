@@ -29,11 +29,11 @@ import numpy as np
 import optax
 from mpi4py import MPI
 
-from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.model.testing import assert_tree_close, without_key_bias
 from jaxhybrid.optim.offload import OffloadedOptimizer
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
-from jaxhybrid.model.testing import assert_tree_close, without_key_bias
+from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
 
 WORLD = MPI.COMM_WORLD
 TX = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.01)
@@ -86,10 +86,10 @@ def case_pipeline(dtype: str = "float32") -> None:
     """A 2-stage pipeline, offloaded against the on-device update. float32: bit-exact. bfloat16: the stages
     get the bf16 compute copy (Myelin V-B) and return bf16 gradients, the on-device update fp32 masters
     and fp32 gradients of the same bf16 computation, so they agree to bf16 parity."""
-    from jaxhybrid.runtime.config_load import config_from_dict
     from jaxhybrid.model import Model
-    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
     from jaxhybrid.parallel.pipeline.topology import Topology
+    from jaxhybrid.runtime.config_load import config_from_dict
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
     cfg = config_from_dict({
         "model": {"name": "gpt-tiny", "vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32,

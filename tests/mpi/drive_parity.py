@@ -21,13 +21,13 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxhybrid.cli.commands.train import enable_compilation_cache
-from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.model import Model
-from jaxhybrid.optim import device_updater
-from jaxhybrid.runtime.engines.pipeline import PipelineEngine
-from jaxhybrid.runtime.engines.base import LocalEngine
 from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.optim import device_updater
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.runtime.config_load import config_from_dict
+from jaxhybrid.runtime.engines.base import LocalEngine
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
 # Every case uses microbatches of MB sequences, so all schedules share one set of compiled stage kernels
 # (1F1B-1's M = P then means a smaller global batch, with its own single-device reference).
@@ -138,8 +138,8 @@ def bad_input_checks(p, d):
 def bf16_round_trip(topo):
     """Both MPI transports move bfloat16 bit-exactly (as uint16) between the first two stages, and the
     mpi4jax transport's jitted receive holds no arithmetic (the bitcast runs apart)."""
-    from jaxhybrid.runtime.engines.pipeline import make_transport
     from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
+    from jaxhybrid.runtime.engines.pipeline import make_transport
 
     template = jax.ShapeDtypeStruct((3, 5, 7), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(topo.rank), template.shape, jnp.bfloat16)

@@ -25,8 +25,8 @@ from jaxhybrid.model.transformer import TIED_KEY
 from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
-from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 from jaxhybrid.parallel.pipeline.topology import Grid, Topology
+from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 
 WORLD = MPI.COMM_WORLD
 # 1 KiB messages: below every MPI eager limit, so rank 1's sends complete before rank 0 receives.

@@ -295,9 +295,9 @@ def _first_loss(run_dir) -> np.float32:
     on its batch 0."""
     import jax
 
+    from jaxhybrid.model import Model
     from jaxhybrid.runtime.data import Sampler
     from jaxhybrid.runtime.data.splits import open_dataset
-    from jaxhybrid.model import Model
     from jaxhybrid.runtime.run_dir import saved_config
 
     cfg = saved_config(run_dir)

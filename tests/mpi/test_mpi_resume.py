@@ -13,11 +13,11 @@ import sys
 
 import numpy as np
 import pytest
+from test_mpi_pipeline import ROOT, _env  # same env: MPIEXEC_TIMEOUT, 1 thread per rank
 
-from jaxhybrid.runtime.checkpoint.store import read_state
 from jaxhybrid.model import PRESETS
 from jaxhybrid.model.testing import assert_tree_close, without_key_bias
-from test_mpi_pipeline import ROOT, _env  # same env: MPIEXEC_TIMEOUT, 1 thread per rank
+from jaxhybrid.runtime.checkpoint.store import read_state
 
 pytestmark = pytest.mark.mpi
 
@@ -76,10 +76,10 @@ def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
 def _check_export(run_dir, out) -> None:
     """``jaxhybrid export`` of the job's step 6 (stage slices, replicas, offloaded fp32 masters) is the
     trained model: on one device, in this process, it scores the validation loss the job logged there."""
-    from jaxhybrid.runtime.run_dir import saved_config
+    from jaxhybrid.model import Model
     from jaxhybrid.runtime.checkpoint.export import load_export
     from jaxhybrid.runtime.data.splits import validation_batches
-    from jaxhybrid.model import Model
+    from jaxhybrid.runtime.run_dir import saved_config
 
     r = subprocess.run([sys.executable, "-m", "jaxhybrid", "export", "--run-dir", str(run_dir), "--out", str(out)],
                        env=_env(300, 1), cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -222,11 +222,11 @@ def test_distributed_run_starts_from_an_export(tmp_path):
     (``jax.devices()[0]`` is process 0's, which process 1 cannot fill: it failed with "no addressable
     shards" while process 0 hung in orbax's barrier), and the mesh's first loss is the exported weights'
     loss on the first batch."""
-    from jaxhybrid.runtime.run_dir import saved_config
+    from jaxhybrid.model import Model
     from jaxhybrid.runtime.checkpoint.export import load_export
     from jaxhybrid.runtime.data import Sampler
     from jaxhybrid.runtime.data.splits import open_dataset
-    from jaxhybrid.model import Model
+    from jaxhybrid.runtime.run_dir import saved_config
 
     small = ["model.n_layers=2", "train.eval_every=0", "train.steps=2", "checkpoint.every=0"]
     src, out, b = tmp_path / "src", tmp_path / "w", tmp_path / "b"

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_mpi_pipeline import _env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.model import Model, PRESETS
-from jaxhybrid.parallel.twobp.stage import assemble_grads, concat_weight_residuals, make_stages, model_loss_via_stages
+from jaxhybrid.model import PRESETS, Model
 from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.parallel.twobp.stage import assemble_grads, concat_weight_residuals, make_stages, model_loss_via_stages
 
 SMALL = dict(d_model=32, n_heads=4, d_ff=64, n_layers=3, vocab_size=64, max_seq_len=16)
 MODELS = {

@@ -24,13 +24,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.model import Model
+from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import device_updater
+from jaxhybrid.parallel.tensor.mesh import factorizations
+from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.runtime.engines.base import LocalEngine
 from jaxhybrid.runtime.engines.tensor import TensorEngine
-from jaxhybrid.parallel.tensor.mesh import factorizations
-from jaxhybrid.model.testing import assert_tree_close
 
 FACTORS = factorizations(8)
 FAST = {"xla_backend_optimization_level": 0}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from jaxhybrid.core.argtypes import DefaultsHelp
+
 BENCHES = {
     "step": "trainer step vs a plain jit(value_and_grad) + optax step",
     "stage": "2BP stage kernels: forward, fused backward, input and weight gradients",
@@ -24,7 +26,6 @@ def prepare(args: argparse.Namespace) -> None:
     """Parse the benchmark's own arguments and let it settle its environment (``prepare(ns)``, e.g. its
     fake CPU devices) before JAX starts."""
     module = importlib.import_module(f"jaxhybrid.bench.{args.name.replace('-', '_')}")
-    from jaxhybrid.core.argtypes import DefaultsHelp
 
     p = argparse.ArgumentParser(prog=f"jaxhybrid bench {args.name}", description=BENCHES[args.name],
                                 formatter_class=DefaultsHelp)

@@ -28,9 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxhybrid.core.argtypes import positive_int
+from jaxhybrid.cli.commands import train as train_cmd
 from jaxhybrid.cli.launch.checks import check_devices, check_job, check_script, find_mpiexec, train_config
 from jaxhybrid.cli.launch.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
+from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.core.launch_env import RANK_CPUS_ENV, terminal_signals
 
 
@@ -65,8 +66,6 @@ def add_train_options(group) -> None:
             group.add_argument(*flags, action=_TrainOption, dest="train_first", default=[], help=help,
                                nargs=0 if action == "store_true" else None,
                                metavar=metavar or flags[-1].lstrip("-").replace("-", "_").upper())
-
-    from jaxhybrid.cli.commands import train as train_cmd
 
     train_cmd.add_arguments(Passthrough())
 

@@ -16,12 +16,14 @@ import argparse
 import json
 import math
 
-from jaxhybrid.planner.madpipe_dp import grid_sizes
+from jaxhybrid.cli.commands.plan import model_and_config
 from jaxhybrid.core.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.planner.chain import Chain, check_platform, check_processors
-from jaxhybrid.planner.costs import load_profile
+from jaxhybrid.planner.costs import load_profile, save_profile
 from jaxhybrid.planner.madpipe import madpipe
+from jaxhybrid.planner.madpipe_dp import grid_sizes
 from jaxhybrid.planner.pipedream import pipedream
+from jaxhybrid.planner.profile import profile_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,9 +99,6 @@ def _profile(args: argparse.Namespace):
         profile = load_profile(args.profile)
         check_processors(args.processors, len(profile.layers), "--processors")
         return profile
-    from jaxhybrid.cli.commands.plan import model_and_config
-    from jaxhybrid.planner.costs import save_profile
-    from jaxhybrid.planner.profile import profile_model
 
     model, cfg = model_and_config(args.profile_model, "--profile-model")
     check_processors(args.processors, model.n_layers, "--processors")  # one chain layer per block

@@ -14,10 +14,21 @@ from pathlib import Path
 
 from jaxhybrid.core.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.core.config.model import PRESETS, resolve_model
-from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
 from jaxhybrid.core.config.schema import OptimConfig
 from jaxhybrid.core.hardware import peak_tflops
-from jaxhybrid.planner.plan import (PLAN_KEYS, check_gpus, config_layout, latency_notes, machine_from_hardware, rank_plans, score_config, write_plan)
+from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
+from jaxhybrid.planner.machine import overheads_ok
+from jaxhybrid.planner.plan import (
+    PLAN_KEYS,
+    check_gpus,
+    config_layout,
+    latency_notes,
+    machine_from_hardware,
+    rank_plans,
+    score_config,
+    write_plan,
+)
+from jaxhybrid.runtime.config_load import load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overheads(text: str) -> tuple[float, float]:
     """``--block-overhead FWD_S,BWD_S``: two finite seconds >= 0."""
-    from jaxhybrid.planner.machine import overheads_ok
-
     try:
         vals = tuple(float(v) for v in text.split(","))
     except ValueError:
@@ -76,7 +85,6 @@ def model_and_config(spec: str, flag: str = "--model"):
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"{flag} {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
-    from jaxhybrid.runtime.config_load import load_config
 
     cfg = load_config(path)
     return cfg.model, cfg

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from jaxhybrid.core.argtypes import check_writable
+from jaxhybrid.runtime.data import prepare_data
+from jaxhybrid.runtime.data.dataset import TokenDataset
+from jaxhybrid.runtime.data.prepare import META
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
@@ -20,13 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.core.argtypes import check_writable
-    from jaxhybrid.runtime.data import prepare_data
-    from jaxhybrid.runtime.data.dataset import TokenDataset
-
     from pathlib import Path
-
-    from jaxhybrid.runtime.data.prepare import META
 
     # A prepared dataset is what runs trained on it resume from (their fingerprint of its tokens): like
     # export's --out, replacing one takes asking for it.

@@ -13,11 +13,14 @@ import math
 import re
 
 from jaxhybrid.core.argtypes import check_writable, positive_int
+from jaxhybrid.parallel.pipeline.costs import parse_costs
+from jaxhybrid.parallel.pipeline.schedule import SCHEDULE_NAMES, make_schedule
+from jaxhybrid.parallel.pipeline.simulate import simulate
+from jaxhybrid.parallel.pipeline.trace import save_gantt, write_chrome_trace
+from jaxhybrid.parallel.pipeline.validate import validate_schedule
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxhybrid.parallel.pipeline.schedule import SCHEDULE_NAMES
-
     p.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULE_NAMES)} (or 1f1b-K)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P (one rank each)")
     p.add_argument("--microbatches", type=int, default=None,
@@ -64,11 +67,6 @@ def _per_stage_bytes(text: str | None, name: str, stages: int) -> tuple[float, .
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.parallel.pipeline.costs import parse_costs
-    from jaxhybrid.parallel.pipeline.schedule import SCHEDULE_NAMES, make_schedule
-    from jaxhybrid.parallel.pipeline.simulate import simulate
-    from jaxhybrid.parallel.pipeline.validate import validate_schedule
-
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages} must be >= 1")
     for flag, path in (("--trace", args.trace), ("--png", args.png)):
@@ -107,12 +105,8 @@ def run(args: argparse.Namespace) -> int:
     validate_schedule(schedule, costs=costs)
     result = simulate(schedule, costs)
     if args.trace:
-        from jaxhybrid.parallel.pipeline.trace import write_chrome_trace
-
         write_chrome_trace(result.timeline, args.trace, process_name=f"simulated {schedule.name}")
     if args.png:
-        from jaxhybrid.parallel.pipeline.trace import save_gantt
-
         title = (f"{schedule.name}{' + 2BP' if schedule.split_backward else ''}: P={schedule.num_stages}, "
                  f"M={schedule.num_microbatches}, bubble {result.bubble_ratio:.3f}")
         save_gantt(result.timeline, args.png, title)

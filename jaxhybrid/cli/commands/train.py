@@ -7,6 +7,18 @@ import json
 import sys
 from pathlib import Path
 
+from jaxhybrid.core import launch_env
+from jaxhybrid.core.argtypes import check_writable
+from jaxhybrid.core.config.parse import flatten, lookup, parse_overrides
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.core.hardware import run_peak_flops
+from jaxhybrid.core.launch_env import reserve_device_memory
+from jaxhybrid.runtime import distributed
+from jaxhybrid.runtime.config_checks import validate
+from jaxhybrid.runtime.config_notes import unread_settings_notes
+from jaxhybrid.runtime.data.splits import cache_dir, repetition_notes
+from jaxhybrid.runtime.metrics.writer import finite_or_none
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file of overrides (configs/runs/*.yaml)")
@@ -24,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def prepare(args: argparse.Namespace) -> None:
     """Before JAX starts: on a GPU, XLA preallocates the share of memory the planner fits layouts into."""
-    from jaxhybrid.core.launch_env import reserve_device_memory
-
     reserve_device_memory()
 
 
@@ -49,7 +59,6 @@ def compilation_cache_path(setting: str) -> Path | None:
     """The folder ``run.compilation_cache`` names: ``auto`` is ``cache_dir()/xla``, ``""`` none."""
     if not setting:
         return None
-    from jaxhybrid.runtime.data.splits import cache_dir
 
     return cache_dir() / "xla" if setting == "auto" else Path(setting).expanduser()
 
@@ -57,8 +66,6 @@ def compilation_cache_path(setting: str) -> Path | None:
 def check_compilation_cache(cfg) -> None:
     """The cache folder can be made where :func:`enable_compilation_cache` makes it: every process of a job
     makes it after its start, so a file in its place failed each rank with a traceback naming no key."""
-    from jaxhybrid.core.argtypes import check_writable
-    from jaxhybrid.core.errors import ConfigError
 
     setting = cfg.run.compilation_cache
     path = compilation_cache_path(setting)
@@ -75,8 +82,6 @@ def check_compilation_cache(cfg) -> None:
 
 def check_distributed(cfg, args) -> None:
     """``--distributed`` runs one tensor-mode mesh over processes; its options need it."""
-    from jaxhybrid.core.errors import ConfigError
-
     if not args.distributed:
         if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
             raise ConfigError("--coordinator, --num-processes and --process-id only apply with --distributed")
@@ -103,9 +108,8 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     anything: ``jaxhybrid launch`` makes them once before its ``processes`` ranks start, so a mistake
     prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
     ``--distributed``, whose processes are one JAX mesh)."""
-    from jaxhybrid.runtime.run_dir import check_run_dir
     from jaxhybrid.runtime.checkpoint.export import check_init_from
-    from jaxhybrid.runtime.config_checks import validate
+    from jaxhybrid.runtime.run_dir import check_run_dir
 
     check_distributed(cfg, args)
     world = 1 if args.distributed else processes
@@ -123,9 +127,6 @@ def check_metrics(cfg) -> None:
     with a peak for the compute dtype (``auto`` is resolved against the device later), and tensorboardX
     where ``metrics.tensorboard`` is on."""
     import importlib.util
-
-    from jaxhybrid.core.errors import ConfigError
-    from jaxhybrid.core.hardware import run_peak_flops
 
     m = cfg.metrics
     if m.hardware != "auto":
@@ -145,8 +146,6 @@ def check_mpi4jax(cfg, ranks: int) -> None:
     reduction, after every rank had compiled its step; a ModuleNotFoundError then aborted the job."""
     import importlib.util
 
-    from jaxhybrid.core.errors import ConfigError
-
     p, uses = cfg.parallel, []
     if ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax":
         uses.append(f"pipeline.transport=mpi4jax (activations between parallel.pipeline={p.pipeline} stages)")
@@ -164,7 +163,6 @@ def plan_line(cfg, overrides: list[str]) -> str | None:
     sets too is the command line's (it sits above the plan), so it is not listed."""
     if not cfg.plan.file:
         return None
-    from jaxhybrid.core.config.parse import flatten, lookup, parse_overrides
     from jaxhybrid.planner.plan import load_plan_overrides
 
     cli = flatten(parse_overrides(overrides))
@@ -183,13 +181,9 @@ def nothing_to_train_line(cfg, summary: dict) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxhybrid.core import launch_env
-
     cfg = load_train_config(args)
     world = check_run(cfg, args, launch_env.world_size())
     if args.distributed:
-        from jaxhybrid.runtime import distributed
-
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
         # From here a failing process ends the job, as a pipeline rank's engine makes it: a peer waits for it
         # in the first collective (building the Trainer's state, or a step), and it in the shutdown barrier.
@@ -208,9 +202,6 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer
     if writer:
-        from jaxhybrid.runtime.config_notes import unread_settings_notes
-        from jaxhybrid.runtime.data.splits import repetition_notes
-
         notes = [*repetition_notes(cfg), trainer.overlap_note(), *unread_settings_notes(cfg)]
         for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
             print(line, file=sys.stderr, flush=True)
@@ -218,7 +209,6 @@ def run(args: argparse.Namespace) -> int:
     if writer:
         if line := nothing_to_train_line(cfg, summary):
             print(line, file=sys.stderr, flush=True)
-        from jaxhybrid.runtime.metrics.writer import finite_or_none
 
         # Strict JSON, as metrics.jsonl: a diverged or overflowed loss is null, not NaN.
         summary = {k: finite_or_none(v) for k, v in summary.items()}

@@ -14,11 +14,16 @@ import shutil
 import sys
 from pathlib import Path
 
+from jaxhybrid.cli.commands import train as train_cmd
+from jaxhybrid.cli.commands.train import check_run
+from jaxhybrid.runtime.data.splits import check_data
+from jaxhybrid.runtime.distributed import devices_per_process
+from jaxhybrid.runtime.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
+
 
 def train_config(train_args: list[str]):
     """``(train options, config)`` of the ranks' train arguments, read as `jaxhybrid train` reads them: a
     wrong option, a missing config or plan file fails here once, not on every rank."""
-    from jaxhybrid.cli.commands import train as train_cmd
 
     p = argparse.ArgumentParser(prog="jaxhybrid train", description="the ranks' arguments")
     train_cmd.add_arguments(p)
@@ -33,8 +38,6 @@ def check_job(ns, cfg, n: int) -> int:
     path, :func:`~jaxhybrid.runtime.data.splits.check_data`), and with
     ``--distributed`` that the ``n`` processes split the mesh evenly. Returns the devices each rank needs
     (:func:`devices_per_rank`)."""
-    from jaxhybrid.cli.commands.train import check_run
-    from jaxhybrid.runtime.data.splits import check_data
 
     check_run(cfg, ns, n)
     check_data(cfg)
@@ -49,8 +52,6 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
     Skipped where the ranks will compute on an accelerator (:func:`~jaxhybrid.runtime.host_alloc.accelerator_backend`):
     the count only shapes the CPU platform."""
     from types import SimpleNamespace
-
-    from jaxhybrid.runtime.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
 
     if not (cfg.tensor_size > 1 or cfg.on_mesh) or accelerator_backend(env):
         return
@@ -74,7 +75,6 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
 def devices_per_rank(ns, cfg, n: int = 1) -> int:
     """Devices each rank's tensor mesh needs: ``G_d G_r G_c`` in hybrid layouts, the whole mesh in tensor
     mode, the mesh's share of each of the ``n`` processes with ``--distributed``."""
-    from jaxhybrid.runtime.distributed import devices_per_process
 
     if ns.distributed:
         return devices_per_process(cfg.num_devices, n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxhybrid.core.errors import ConfigError
 
 # Activation recomputation (``train.remat``): none keeps every activation; dots keeps the weighted sites'
 # outputs (matmul + bias) and the norms' statistics; full keeps each segment's input (Myelin V-A).
@@ -39,8 +40,6 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     def validate(self) -> None:
-        from jaxhybrid.core.errors import ConfigError
-
         errs = []
         if self.kind not in ("gpt2", "llama"):
             errs.append(f"model.kind={self.kind!r}; choose gpt2 or llama")
@@ -123,8 +122,6 @@ PRESETS: dict[str, ModelConfig] = {
 
 def resolve_model(name: str) -> ModelConfig:
     """A preset by name; raises ConfigError listing the valid names."""
-    from jaxhybrid.core.errors import ConfigError
-
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
-from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.config.parse import lookup
+from jaxhybrid.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxhybrid.core.config.schema import Config

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from jaxhybrid.core.config.parse import to_plain
 from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.core.config.parse import to_plain
 
 
 @dataclass(frozen=True)

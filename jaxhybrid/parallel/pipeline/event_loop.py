@@ -32,6 +32,7 @@ from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule, Task
 from jaxhybrid.parallel.pipeline.trace import Recorder
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, Transport, wait_message
 
+
 @dataclass
 class StepResult:
     loss_sum: jax.Array | None  # sum of microbatch mean losses (last stage only)

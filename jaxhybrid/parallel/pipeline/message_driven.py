@@ -7,7 +7,7 @@ stage runs a backward, after which stage 0 injects the next microbatch (Alg. 2 l
 is waiting, or at once when ``weight_budget`` microbatches of weight residuals are held (memory bound);
 those still pending after the last backward run as one weight pass (2BP Sec. 3.2, Fig. 2). The
 simulator's :class:`~jaxhybrid.parallel.pipeline.policies.MessageDrivenPolicy` models this order, budget included
-(``simulate(..., weight_budget=...)``); tests/unit/test_engine_vs_simulator.py holds the two to the same
+(``simulate(..., weight_budget=...)``); tests/unit/parallel/test_engine_vs_simulator.py holds the two to the same
 order and peak on :mod:`~jaxhybrid.parallel.pipeline.virtual_clock`. Change them together.
 
 With asynchronous dispatch (:mod:`.engine`) "no message is waiting" is not yet idle time: the kernels

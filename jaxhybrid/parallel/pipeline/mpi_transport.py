@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid.parallel.pipeline.transport import Envelope, Journal, Message, MsgKind
+from jaxhybrid.parallel.twobp.stage_costs import compiled_cost
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -126,7 +127,6 @@ class Mpi4jaxTransport(MpiTransportBase):
     def recv_flops(self, peer: int) -> float:
         """XLA's flop count of the jitted receive from ``peer``: under XLA:CPU's inline threshold (1000) it
         runs on the calling thread, not on the worker pool (module docstring)."""
-        from jaxhybrid.parallel.twobp.stage_costs import compiled_cost
 
         return compiled_cost(self._recv_fn(peer))["flops"]
 

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.simcore import dependencies, products
+from jaxhybrid.parallel.pipeline.simulate import run_order
 from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule, Task
 
 _WHAT = {"F": "the output of F{m}@s{s}", "G": "the input gradient of the backward of microbatch {m} "
@@ -109,8 +110,6 @@ def validate_schedule(schedule: Schedule, max_stashed: int | Sequence[int] | Non
         schedule the order simulated with ``costs`` is checked.
       costs: costs for the deadlock simulation (default: unit costs).
     """
-    from jaxhybrid.parallel.pipeline.simulate import run_order  # simulate imports this module's neighbours
-
     _structure(schedule)
     _coverage(schedule)
     if schedule.policy == "static":

@@ -17,7 +17,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-
 # Seconds between writing a failure's report and MPI_Abort. Why: the abort makes mpiexec's proxies kill
 # every process and stop, and a report still in the pipe to this rank's proxy was then lost now and then
 # (about 1 run in 20 of test_a_trainer_failing_on_one_process_ends_the_job[distributed-raises]: the

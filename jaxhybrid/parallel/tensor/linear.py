@@ -53,7 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.parallel.tensor.mesh import BATCH, COL, DATA, DEPTH, ROW
 

@@ -18,7 +18,8 @@ import os
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.launch_env import local_rank
 from jaxhybrid.parallel.tensor.mesh import BATCH, MeshShape, make_mesh

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, DEPTH, ROW, COL = "data", "depth", "row", "col"
 AXES = (DATA, DEPTH, ROW, COL)

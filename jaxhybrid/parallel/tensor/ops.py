@@ -28,7 +28,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.config.ranges import check_optimizations
 from jaxhybrid.model.layers import KEEP_STATS, Ops, layer_norm_body, rms_norm_body

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.model.transformer import TIED_KEY

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.parallel.twobp.backprop import SITE_OUTPUT
 from jaxhybrid.model.layers import NORM_STATS
+from jaxhybrid.parallel.twobp.backprop import SITE_OUTPUT
 
 
 @dataclasses.dataclass(frozen=True)

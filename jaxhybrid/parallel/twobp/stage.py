@@ -27,13 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.parallel.twobp import residuals as rs
 from jaxhybrid.core.config.model import REMATS
+from jaxhybrid.model.remat import optimal_checkpoint_interval
+from jaxhybrid.model.transformer import TIED_KEY, Model, block_name
+from jaxhybrid.parallel.twobp import residuals as rs
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
 from jaxhybrid.parallel.twobp.stage_kernels import StageKernels
-from jaxhybrid.model.transformer import Model, block_name
 from jaxhybrid.parallel.twobp.weight_join import auto_weight_join, concat_weight_residuals, weight_join
-from jaxhybrid.model.transformer import TIED_KEY
 
 
 class Stage(StageKernels):
@@ -71,8 +71,6 @@ class Stage(StageKernels):
         self.remat = remat
         self.num_blocks = last_block - first_block
         if remat == "full":
-            from jaxhybrid.model.remat import optimal_checkpoint_interval
-
             ac = checkpoint_interval or (optimal_checkpoint_interval(n, num_stages_hint) if num_stages_hint else 1)
             self.checkpoint_interval = min(ac, self.num_blocks)
             self.segments = [(lo, min(lo + ac, last_block)) for lo in range(first_block, last_block, ac)]

@@ -15,7 +15,6 @@ stage's split 1.6x the fused pass's flops. :func:`split_ratios` gives no ratio t
 """
 from __future__ import annotations
 
-
 # Entry-computation instructions that launch no device work (buffer plumbing).
 _NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 

@@ -14,7 +14,6 @@ from jaxhybrid.parallel.twobp import residuals as rs
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
 from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 
-
 # Most microbatches per summed weight-pass program; more run as several programs, each adding the
 # running sum. Why: its compile time grows with K (4-block gpt-small-cpu stage: 0.3 s at K=1, 1.3 s at 8,
 # 2.1 s at 16), and a schedule's flush can hold all M microbatches.

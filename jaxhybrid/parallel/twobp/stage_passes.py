@@ -21,11 +21,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.model.transformer import block_name
 from jaxhybrid.parallel.twobp import backprop as bp
 from jaxhybrid.parallel.twobp import residuals as rs
 from jaxhybrid.parallel.twobp.residuals import Residuals, Static, WeightResiduals
 from jaxhybrid.parallel.twobp.stage_checks import StageChecks
-from jaxhybrid.model.transformer import block_name
 
 
 def _plus(acc, grads):

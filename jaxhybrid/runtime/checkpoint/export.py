@@ -25,12 +25,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxhybrid.runtime.checkpoint.store import committed_steps, read_state, state_metadata
-from jaxhybrid.model.transformer import TIED_KEY
-from jaxhybrid.model.transformer import PARAM_LAYOUT
-from jaxhybrid.optim.updater import place_like
-from jaxhybrid.runtime.run_dir import check_param_layout, saved_config
 from jaxhybrid.core.config.model import shape_settings
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.model import Model
+from jaxhybrid.model.transformer import PARAM_LAYOUT, TIED_KEY
+from jaxhybrid.optim.updater import place_like
+from jaxhybrid.parallel.data.flat import FlatSpec
+from jaxhybrid.runtime.checkpoint.store import committed_steps, read_state, state_metadata
+from jaxhybrid.runtime.run_dir import check_param_layout, saved_config
 
 META = "export.json"
 PARAMS = "params"
@@ -44,8 +46,6 @@ def master_params(state: dict, offload: bool) -> dict:
         return params
     master = state["opt_state"]["master"]
     if isinstance(master, np.ndarray) and master.ndim == 1:
-        from jaxhybrid.parallel.data.flat import FlatSpec
-
         return FlatSpec(params).unravel_host(master)
     return master  # --distributed: a params-shaped tree of global arrays
 
@@ -54,7 +54,6 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
     """The model's flat dict of fp32 weights at ``step`` (default: the newest step every rank saved),
     gathered from all ranks of ``run_dir``, with the step and the run's config. Each part comes from the
     lowest rank holding it (data replicas hold the same values); the tied copy is ``embed.wte``'s."""
-    from jaxhybrid.model import Model
 
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir)
@@ -151,7 +150,6 @@ def check_init_from(cfg) -> None:
     and the configs alone, before anything is built (the launcher checks it too, so nothing here starts
     JAX). A resumed run ignores it (its own checkpoints supersede the weights it started from), so the
     command that started a run also continues it."""
-    from jaxhybrid.core.errors import ConfigError
 
     src = cfg.train.init_from
     if not src or cfg.run.resume:

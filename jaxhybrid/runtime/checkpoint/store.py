@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.optim.updater import spans_processes
 
 
@@ -161,7 +163,6 @@ class Checkpointer:
         ``like`` first: orbax returns a numpy leaf in its saved shape whatever the target's, so another
         model's checkpoint (a run folder without the config.yaml that the layout check reads) failed
         later, in flax. A step that cannot be read is named with its folder, not in orbax's words."""
-        from jaxhybrid.core.errors import ConfigError
 
         where = self.dir / str(step)
 

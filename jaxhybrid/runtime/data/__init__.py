@@ -6,7 +6,13 @@ resumable ``Sampler``), ``splits`` (a config's training set and fixed validation
 this package does not import JAX.
 """
 from jaxhybrid.runtime.data.dataset import Sampler, TokenDataset
-from jaxhybrid.runtime.data.prepare import (DEFAULT_BPE_VOCAB, builtin_corpus_text, ensure_builtin_data, prepare_data, token_dtype)
+from jaxhybrid.runtime.data.prepare import (
+           DEFAULT_BPE_VOCAB,
+           builtin_corpus_text,
+           ensure_builtin_data,
+           prepare_data,
+           token_dtype,
+)
 from jaxhybrid.runtime.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, make_tokenizer, train_bpe
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "DEFAULT_BPE_VOCAB", "Sampler", "TokenDataset", "builtin_corpus_text",

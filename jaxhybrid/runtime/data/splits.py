@@ -10,8 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxhybrid.core.config.schema import DataConfig
+from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.runtime.data.dataset import Sampler, TokenDataset
 from jaxhybrid.runtime.data.prepare import ensure_builtin_data
+from jaxhybrid.runtime.data.tokenizer import BYTE_VOCAB
 
 
 def cache_dir() -> Path:
@@ -38,8 +41,6 @@ def check_builtin_vocab(cfg) -> None:
     (:func:`check_data`); the ranks found it while preparing the corpus, each printing it (a BPE's in
     ``prepare-data``'s ``--vocab-size`` terms). A ``data.path``'s vocabulary is its meta's
     (:meth:`TokenDataset.check_vocab`)."""
-    from jaxhybrid.core.errors import ConfigError
-    from jaxhybrid.runtime.data.tokenizer import BYTE_VOCAB
 
     vocab = cfg.model.vocab_size
     if cfg.data.path or vocab >= BYTE_VOCAB:
@@ -58,8 +59,6 @@ def check_prepared_settings(cfg, ds: TokenDataset) -> None:
     that differs from the data's would evaluate on another split, or claim another tokenizer, than the
     run uses, with nothing said: refuse it. A default passes (a value left out cannot be told from one
     typed equal to it)."""
-    from jaxhybrid.core.errors import ConfigError
-    from jaxhybrid.core.config.schema import DataConfig
 
     asked, held = cfg.data.val_fraction, ds.meta.get("val_fraction")
     if held is not None and asked not in (DataConfig.val_fraction, held):
@@ -94,8 +93,6 @@ def validation_batches(cfg) -> list[np.ndarray]:
     (the sampler's first steps), so successive validation losses compare the same tokens."""
     ds = open_dataset(cfg, "val")
     if len(ds) <= cfg.data.seq_len:
-        from jaxhybrid.core.errors import ConfigError
-
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs a validation split, but the val split of "
                           f"{ds.dir} has {len(ds)} tokens (one sequence is data.seq_len + 1 = {cfg.data.seq_len + 1}): "
                           f"prepare the data with a larger val_fraction, or set train.eval_every=0")

@@ -106,7 +106,8 @@ def train_bpe(text: str | Iterable[str], vocab_size: int) -> BPETokenizer:
     if not 256 <= vocab_size < 2**32:
         raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least the 256 byte symbols; "
                          f"use --vocab-size >= 256")
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -7,11 +7,16 @@ from __future__ import annotations
 import jax
 
 from jaxhybrid.core.config.schema import Config
-from jaxhybrid.model.remat import whole_model_interval
 from jaxhybrid.model import Model
 from jaxhybrid.model.attention import check_cudnn_device
+from jaxhybrid.model.remat import whole_model_interval
 from jaxhybrid.optim import build_transform, device_updater
+from jaxhybrid.optim.offload_updater import OffloadUpdater
+from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
+from jaxhybrid.parallel.pipeline.topology import Topology
 from jaxhybrid.runtime.engines.base import LocalEngine
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+from jaxhybrid.runtime.engines.tensor import TensorEngine
 
 
 def build_engine(cfg: Config, model: Model):
@@ -19,13 +24,8 @@ def build_engine(cfg: Config, model: Model):
     check_cudnn_device(cfg.model.attention, jax.devices()[0])  # before a rank joins its peers
     remat = cfg.train.remat
     if cfg.world_size > 1:
-        from jaxhybrid.runtime.engines.pipeline import PipelineEngine
-        from jaxhybrid.parallel.pipeline.topology import Topology
-
         return PipelineEngine(cfg, model, Topology.from_config(cfg))
     if cfg.on_mesh:
-        from jaxhybrid.runtime.engines.tensor import TensorEngine
-
         return TensorEngine(cfg.model, cfg)
     return LocalEngine(model, cfg.pipeline.microbatches, remat=remat, interval=whole_model_interval(cfg))
 
@@ -37,10 +37,8 @@ def build_updater(cfg: Config, engine):
         return device_updater(cfg)
     transform = build_transform(cfg.optim, cfg.train.steps)
     if cfg.tensor_size > 1 or cfg.on_mesh:  # each device offloads the shards it owns
-        from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
 
         return ShardedOffloadUpdater(transform, cfg)
-    from jaxhybrid.optim.offload_updater import OffloadUpdater
 
     return OffloadUpdater(transform, cfg)
 

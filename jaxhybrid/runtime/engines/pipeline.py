@@ -29,8 +29,11 @@ from jaxhybrid.parallel.pipeline.event_loop import EventLoop
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.trace import Event, write_measured
 from jaxhybrid.parallel.pipeline.transport import InProcessHub
 from jaxhybrid.parallel.pipeline.watchdog import Watchdog, install_abort_on_exception
+from jaxhybrid.parallel.tensor.local import LocalTensor
+from jaxhybrid.parallel.twobp.stage import Stage, weight_join
 from jaxhybrid.runtime.engines.base import split_batch
 
 
@@ -46,8 +49,6 @@ class PipelineEngine:
     """
 
     def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True, stage: Any = None):
-        from jaxhybrid.parallel.twobp.stage import Stage
-
         pl = cfg.pipeline
         self.cfg, self.model, self.topo = cfg, model, topology
         self.rank, self.stage_index, self.replica = topology.rank, topology.stage, topology.replica
@@ -66,8 +67,6 @@ class PipelineEngine:
         self.local = None
         stage_model = model
         if cfg.tensor_size > 1:
-            from jaxhybrid.parallel.tensor.local import LocalTensor
-
             self.local = LocalTensor.from_config(cfg)
             stage_model = dataclasses.replace(model, ops=self.local.ops)
         first, last = topology.blocks
@@ -86,7 +85,6 @@ class PipelineEngine:
         # The report is the loop's (built below, before the watchdog is armed): its peers by world rank.
         self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world,
                                  compile_deadline_s=pl.watchdog_compile_s)
-        from jaxhybrid.parallel.twobp.stage import weight_join
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
                               self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
@@ -238,7 +236,6 @@ class PipelineEngine:
             every = self.topo.world.gather(events, root=0)
         if self.rank != 0:
             return None
-        from jaxhybrid.parallel.pipeline.trace import Event
 
         return [[Event(r, *ev) for ev in evs] for r, evs in enumerate(every)]
 
@@ -247,7 +244,6 @@ class PipelineEngine:
         per_rank = self.gather_events()
         if per_rank is None:
             return None
-        from jaxhybrid.parallel.pipeline.trace import write_measured
 
         return write_measured(per_rank, run_dir, f"{self.schedule.name} measured")
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.parallel.tensor.mesh import reduce_data_once
-from jaxhybrid.model.remat import whole_model_interval
-from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.core.config.model import ModelConfig
-from jaxhybrid.runtime.engines.base import accumulated_step, mean_loss
-from jaxhybrid.parallel.tensor.mesh import DATA, MeshShape, make_mesh
+from jaxhybrid.model import Model, remat_policy
+from jaxhybrid.model.remat import whole_model_interval
+from jaxhybrid.parallel.tensor.mesh import DATA, MeshShape, make_mesh, reduce_data_once
 from jaxhybrid.parallel.tensor.ops import TensorOps
 from jaxhybrid.parallel.tensor.sharding import batch_sharding, check_layout, param_shardings
+from jaxhybrid.runtime.engines.base import accumulated_step, mean_loss
 
 
 def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:

@@ -1,0 +1,428 @@
+"""Ranked plans: feasibility against the device memory, JSON keys, plan files -> config, clear failures."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.planner.costs import load_hardware
+from jaxhybrid.planner.plan import (
+    PLAN_KEYS,
+    load_plan_overrides,
+    machine_from_hardware,
+    plan_overrides,
+    rank_plans,
+    write_plan,
+)
+from jaxhybrid.planner.step_model import Layout, evaluate
+from jaxhybrid.runtime.config_load import config_from_dict
+
+
+def _machine(hw="h100-node", gpn=8, memory=None):
+    h = load_hardware(hw)
+    if memory is not None:
+        h = {**h, "memory_bytes": memory}
+    return machine_from_hardware(h, gpn, "bfloat16", 0.5)
+
+
+@pytest.mark.parametrize("memory", [80e9, 12e9])
+def test_plans_respect_device_memory_and_are_ranked(memory):
+    m = _machine(memory=memory)
+    plans = rank_plans(PRESETS["gpt2-1.3b"], 8, m, global_batch=32, seq=1024, top=1000)
+    assert plans
+    assert all(p["memory_per_device_bytes"] <= 0.9 * memory for p in plans)  # the usable share
+    times = [p["predicted_step_s"] for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        assert set(PLAN_KEYS) <= set(p)
+        assert p["pipeline"] * p["data"] * p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] == 8
+        assert p["microbatch_size"] * p["microbatches"] * p["data"] == 32
+        assert sum(p["partition"]) == PRESETS["gpt2-1.3b"].n_layers
+    if memory < 20e9:  # 1.3B x 20 bytes = 26 GB: only sharded or offloaded layouts fit
+        assert all(p["offload"] or p["pipeline"] * p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1
+                   for p in plans)
+
+
+def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    base = Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "none")
+    r0 = evaluate(cfg, base, m, 1024)
+    assert r0["comm_s"] == 0
+    off = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, True, "none"), m, 1024)
+    assert off["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
+    tp = evaluate(cfg, Layout(1, 1, 2, 2, 2, 4, 8, "gpipe", False, False, "none"), m, 1024)
+    assert tp["memory_per_device_bytes"] < r0["memory_per_device_bytes"] and tp["comm_s"] > 0
+    remat = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "full"), m, 1024)
+    assert remat["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
+    assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
+
+
+def test_step_is_pipeline_plus_data_allreduce_plus_offload_streaming():
+    """The step's three phases are reported and add up (Myelin V-B streams 12 bytes per fp32 parameter
+    in and out over the host link; serial with the all-reduce, as the runtime is under global-norm
+    clipping). Offload time grows with the largest stage's share, so tensor sharding divides it."""
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    on = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
+    off = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, False, "none"), m, 1024)
+    assert off["offload_s"] == 0 and on["offload_s"] > 0 and on["data_allreduce_s"] > 0
+    for r in (on, off):
+        assert r["predicted_step_s"] == pytest.approx(r["pipeline_s"] + r["data_allreduce_s"] + r["offload_s"])
+    assert on["predicted_step_s"] - off["predicted_step_s"] == pytest.approx(on["offload_s"])
+    tp = evaluate(cfg, Layout(2, 2, 2, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
+    assert tp["offload_s"] < on["offload_s"]
+
+
+def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time():
+    """The stage's activations (planner.memory.block_residual_bytes): on hardware with cuDNN flash
+    attention a 16-bit block keeps no [H, T, T] probabilities (model.attention xla, float32 or a file
+    without flash_attention keep them); remat dots keeps neither and recomputes the attention core."""
+    cfg, flash, plain = PRESETS["gpt2-1.3b"], _machine(), _machine("frontier", 8)
+    lay = {r: Layout(1, 8, 1, 1, 1, 8, 4, "1f1b", False, False, r) for r in ("none", "dots")}
+    ev = {(r, name): evaluate(c, lay[r], mach, 1024) for r in lay for name, c, mach in (
+        ("flash", cfg, flash), ("plain", cfg, plain), ("xla", dataclasses.replace(cfg, attention="xla"), flash))}
+    probs = 24 * 8 * cfg.n_heads * 1024 * 1024 * 4  # float32, per block, 24 blocks
+    mem = {k: v["memory_per_device_bytes"] for k, v in ev.items()}
+    assert mem["none", "plain"] == mem["none", "xla"] > mem["none", "flash"] > mem["dots", "flash"]
+    assert mem["none", "plain"] - mem["dots", "plain"] == pytest.approx(probs)
+    assert mem["dots", "plain"] == mem["dots", "flash"]
+    assert ev["dots", "flash"]["predicted_step_s"] > ev["none", "flash"]["predicted_step_s"]
+    wide = dataclasses.replace(cfg, n_heads=8)  # head_dim 256: cuDNN's rule (attention.cudnn_unmet) says no
+    assert [evaluate(wide, lay["none"], m, 1024)["memory_per_device_bytes"] for m in (flash, plain)] == \
+        [mem["none", "plain"] - probs / 2] * 2
+    with pytest.raises(ValueError, match="flash_attention='yes' must be true or false"):
+        machine_from_hardware({**load_hardware("h100-node"), "flash_attention": "yes"}, 8, "bfloat16", 0.5)
+
+
+def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does():
+    """One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step), so its
+    activations do not grow with their number, and the planner labels it so."""
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    mem = [evaluate(cfg, Layout(1, 2, 2, 2, 2, 8, k, "gpipe", False, False, "none"), m, 1024)
+           ["memory_per_device_bytes"] for k in (1, 8, 32)]
+    assert mem[0] == mem[1] == mem[2]
+    piped = [evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, k, "gpipe", False, False, "none"), m, 1024)
+             ["memory_per_device_bytes"] for k in (2, 8)]
+    assert piped[1] > piped[0]  # a real GPipe stashes every microbatch
+    plans = rank_plans(cfg, 8, m, 64, 1024, top=10_000, tensor=False)
+    assert {p["schedule"] for p in plans if p["pipeline"] == 1} == {"1f1b"}
+
+
+def test_model_that_cannot_fit_says_which_constraint_and_what_would():
+    with pytest.raises(ValueError, match=r"does not fit on 2 GPUs.*needs .* GB per device; \d+ GPUs would fit"):
+        rank_plans(PRESETS["myelin-100b"], 2, _machine("summit", 6), global_batch=64, seq=512)
+
+
+def test_plan_file_round_trips_into_a_valid_config(tmp_path):
+    plans = rank_plans(PRESETS["gpt2-small"], 8, _machine(), global_batch=16, seq=1024, top=10_000)
+    for p in plans:  # every ranked layout is one the config validation accepts (hybrid ones included)
+        config_from_dict({"model": "gpt2-small", "data": {"seq_len": 1024}, **plan_overrides(p, 16)})
+    assert any(p["pipeline"] > 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1 for p in plans)
+    piped = next(p for p in plans if p["pipeline"] > 1)
+    path = tmp_path / "plan.json"
+    write_plan(path, piped, {"model": "gpt2-small", "gpus": 8, "global_batch": 16, "seq_len": 1024,
+                             "dtype": "bfloat16"})
+    over = load_plan_overrides(path)
+    cfg = config_from_dict({"model": "gpt2-small", **over})
+    assert cfg.data.seq_len == 1024  # the length the plan was modelled at (the config's default is 128)
+    assert cfg.parallel.pipeline == piped["pipeline"] and cfg.pipeline.schedule == piped["schedule"]
+    assert cfg.microbatch_size == piped["microbatch_size"] and cfg.optim.offload == piped["offload"]
+    assert list(cfg.parallel.partition) == piped["partition"]
+    assert cfg.precision.compute_dtype == "bfloat16"  # the dtype the plan was modelled with
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"bad\.json has no 'config' with parallel/pipeline/optim overrides"):
+        load_plan_overrides(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("model,gpus,batch,seq", [("gpt2-1.3b", 8, 8, 1024), ("gpt-tiny", 16, 4, 128)])
+def test_every_ranked_plan_is_one_the_trainer_runs(model, gpus, batch, seq):
+    """The ranking kept layouts whose mesh the trainer refuses (tensor.sharding.check_layout, which the config
+    validation applies), and ranked them first: col 2 over GPT-2's 50257-token vocabulary for gpt2-1.3b on 8
+    GPUs at global batch 8, depth 2 over a microbatch of one sequence for gpt-tiny on 16 GPUs at batch 4."""
+    plans = rank_plans(PRESETS[model], gpus, _machine(), global_batch=batch, seq=seq, top=10_000)
+    assert any(p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1 for p in plans)
+    for p in plans:
+        config_from_dict({"model": model, "data": {"seq_len": seq}, **plan_overrides(p, batch)})
+
+
+def test_plan_cli_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jaxhybrid", "plan", "--model", "gpt2-small", "--gpus", "4",
+                          "--gpus-per-node", "4", "--hardware", "perlmutter", "--top", "3", "--global-batch", "8",
+                          "--json", "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)["plans"]
+    assert 1 <= len(plans) <= 3 and set(PLAN_KEYS) <= set(plans[0])
+    assert json.loads((tmp_path / "p.json").read_text())["plan"]["predicted_step_s"] == plans[0]["predicted_step_s"]
+    bad = subprocess.run([sys.executable, "-m", "jaxhybrid", "plan", "--model", "gpt2-small", "--gpus", "4",
+                          "--gpus-per-node", "4", "--hardware", "cpu"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bandwidth" in bad.stderr
+
+
+def test_the_slowest_stage_counts_the_head():
+    """GPT-2 small's head is 4.5 blocks of work: with 8 stages of [2,2,2,2,1,1,1,1] blocks the last one
+    (1 block + head) sets the pace, not a 2-block stage; the step cannot beat M x its F + BI + BW."""
+    from jaxhybrid.model.flops import forward_flops
+
+    cfg, m = PRESETS["gpt2-small"], _machine()
+    ev = evaluate(cfg, Layout(8, 1, 1, 1, 1, 8, 8, "1f1b", False, False, "none"), m, 1024)
+    assert ev["partition"] == [2, 2, 2, 2, 1, 1, 1, 1]
+    last = (forward_flops(cfg, 8, 1024, 1, head=True)) / m.flops_per_s
+    assert ev["compute_s"] >= 8 * 3 * last * 0.99
+    dp = evaluate(cfg, Layout(1, 8, 1, 1, 1, 8, 1, "1f1b", False, False, "none"), m, 1024)
+    assert ev["predicted_step_s"] > 2 * dp["predicted_step_s"]  # a 5.5 : 2 imbalance no bubble-free DP has
+
+
+def test_2bp_memory_peaks_where_activations_and_residuals_coexist():
+    """GPipe + 2BP frees a microbatch's activations at its BI, keeping its weight residuals: the two peaks
+    never meet, so the planner takes the largest a A + r R over the states a rank passes through, not
+    the sum of the two peaks (1.6x for GPT-2 small, 2 stages, M = 8)."""
+    from jaxhybrid.planner.makespan import pipeline_makespan
+
+    _, states = pipeline_makespan("gpipe", 2, 4, True, 1.0, 1.0, 0.0)
+    assert states[0] == ((0, 4), (1, 3), (2, 2), (3, 1), (4, 0))
+    cfg, m = PRESETS["gpt2-small"], _machine()
+    mem = {split: evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, 8, "gpipe", split, False, "none"), m, 1024)
+           ["memory_per_device_bytes"] for split in (False, True)}
+    assert mem[False] <= mem[True] < 1.1 * mem[False]  # activations (214.5 MB a block) >= residuals (201.5)
+
+
+def test_long_schedules_extrapolate_the_simulated_makespan():
+    """Beyond MAX_SIMULATED tasks the makespan is extrapolated linearly from two simulated ones: it equals
+    the simulation (1F1B + 2BP adds 3 per microbatch at unit costs, not GPipe-2BP's closed form). Myelin
+    is periodic in M with period p (a round of pipeline_limit = p injections), so its points are
+    congruent to M modulo p: 2p and 3p gave 486.4 against 459 fused at unit costs."""
+    from jaxhybrid.planner import makespan as mk
+
+    for sched in ("1f1b", "gpipe", "myelin"):
+        for split in (True, False):
+            got = mk.pipeline_makespan(sched, 16, 129, split, 1.0, 1.0, 0.0)[0]
+            assert got == pytest.approx(mk._simulate(sched, 16, 129, split, 1.0, 1.0, 0.0)[0], rel=1e-9), sched
+    for costs in ((1.5, 1.0, 0.2), (1.0, 0.5, 1.3), (0.8, 0.6, 0.4)):  # uneven costs, messages
+        for split, rel in ((False, 1e-9), (True, 0.01)):  # 2BP's weight passes settle more slowly
+            got = mk.pipeline_makespan("myelin", 16, 129, split, *costs)[0]
+            assert got == pytest.approx(mk._simulate("myelin", 16, 129, split, *costs)[0], rel=rel), (split, costs)
+
+
+def test_myelin_2bp_memory_is_what_the_engine_holds():
+    """Myelin + 2BP: the engine pays a weight pass once ``weight_budget`` (= stages) are pending
+    (pipeline/message_driven.py), so the planner's states peak at 7, 6, 5, 4 microbatches at 4 stages and
+    M = 16 (the simulator without the budget: 16, 15, 15, 16). Past MAX_SIMULATED the closed form bounds
+    every simulated state: p in flight on any stage (Alg. 2's limit, not 1F1B's p - rank), p residuals."""
+    from jaxhybrid.planner import makespan as mk
+
+    _, states = mk.pipeline_makespan("myelin", 4, 16, True, 1.0, 1.0, 0.0)
+    assert [max(a + r for a, r in st) for st in states] == [7, 6, 5, 4]
+    for split in (True, False):
+        _, bound = mk.pipeline_makespan("myelin", 16, 129, split, 1.0, 1.0, 0.0)
+        assert bound[0] == ((16, 16 if split else 0),)
+        for rank, (full, (top,)) in enumerate(zip(mk._simulate("myelin", 16, 129, split, 1.0, 1.0, 0.0)[1], bound)):
+            assert all(a <= top[0] and r <= top[1] for a, r in full), (split, rank, full, top)
+
+
+def test_full_recompute_repeats_the_forward_collectives():
+    """remat full runs each forward's tensor collectives again in the backward: comm_s counts them."""
+    cfg, m = PRESETS["gpt2-1.3b"], _machine()
+    ev = {r: evaluate(cfg, Layout(2, 1, 2, 2, 1, 4, 8, "1f1b", False, False, r), m, 1024) for r in ("none", "full")}
+    assert ev["full"]["comm_s"] > ev["none"]["comm_s"]
+    assert ev["full"]["compute_s"] + ev["full"]["comm_s"] <= ev["full"]["predicted_step_s"] * 1.001
+
+
+def test_planner_makespan_is_the_simulate_commands():
+    """The planner builds a 2BP schedule with the layout's cost ratios, as `jaxhybrid simulate --costs`
+    does (unit costs placed the weight passes elsewhere: 35.5 against 34)."""
+    from jaxhybrid.parallel.pipeline.costs import parse_costs
+    from jaxhybrid.parallel.pipeline.schedule import make_schedule
+    from jaxhybrid.parallel.pipeline.simulate import simulate
+    from jaxhybrid.planner.makespan import pipeline_makespan
+
+    for sched, split in (("1f1b", True), ("gpipe", True), ("1f1b", False)):
+        costs = parse_costs("1,2,0.5", 4)
+        want = simulate(make_schedule(sched, 4, 8, split, costs=costs), costs).makespan
+        assert pipeline_makespan(sched, 4, 8, split, 2.0, 0.5, 0.0)[0] == pytest.approx(want), sched
+
+
+def test_plans_fill_the_usable_share_of_memory_that_train_preallocates():
+    """A plan fills at most 90% of a device (the hardware file or --memory-fraction may say otherwise), the
+    share `jaxhybrid train` lets XLA preallocate unless the environment chooses (JAX's own default, 75%,
+    would leave a plan at 79 of 80 GB short)."""
+    from jaxhybrid.core.launch_env import MEM_FRACTION_ENV, reserve_device_memory
+
+    h = load_hardware("h100-node")
+    assert machine_from_hardware(h, 8, "bfloat16", 0.5).memory_bytes == pytest.approx(72e9)
+    assert machine_from_hardware({**h, "usable_memory_fraction": 0.8}, 8, "bfloat16", 0.5).memory_bytes == \
+        pytest.approx(64e9)
+    assert machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.0).memory_bytes == pytest.approx(80e9)
+    with pytest.raises(ValueError, match=r"memory fraction 1.5 \(plan --memory-fraction, or hardware h100-node's "
+                                         r"usable_memory_fraction\) must be in \(0, 1\]"):
+        machine_from_hardware(h, 8, "bfloat16", 0.5, memory_fraction=1.5)
+    tight = rank_plans(PRESETS["gpt2-1.3b"], 8, _machine(memory=12e9), global_batch=32, seq=1024, top=1 << 30)
+    whole = rank_plans(PRESETS["gpt2-1.3b"], 8, machine_from_hardware(
+        {**h, "memory_bytes": 12e9}, 8, "bfloat16", 0.5, memory_fraction=1.0), global_batch=32, seq=1024, top=1 << 30)
+    assert len(tight) < len(whole) and max(p["memory_per_device_bytes"] for p in whole) > 10.8e9
+    env = {}
+    assert reserve_device_memory(env) == "0.9" and env == {MEM_FRACTION_ENV: "0.9"}
+    assert reserve_device_memory({MEM_FRACTION_ENV: ".5"}) == ".5"  # the user's choice stands
+    assert reserve_device_memory({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == ""
+
+
+def test_data_allreduce_moves_float32_over_mpi_and_the_compute_dtype_on_a_mesh():
+    """MPI reduces no half floats (optim/allreduce.py upcasts them), so data replicas that are MPI ranks move
+    4 bytes per gradient in any dtype. A tensor mesh reduces each layer in the compute dtype (AxoNN eq. 8)
+    in every microbatch, unless M x dtype bytes > 4, where it reduces float32 once after its scan."""
+    h = load_hardware("h100-node")
+    bf16, fp32 = (machine_from_hardware(h, 8, dt, 0.5) for dt in ("bfloat16", "float32"))
+    cfg = PRESETS["gpt2-1.3b"]
+    pipe = Layout(2, 4, 1, 1, 1, 1, 8, "1f1b", False, False, "none")
+    ar = lambda lay, m: evaluate(cfg, lay, m, 1024)["data_allreduce_s"]  # noqa: E731
+    mesh = lambda mbs: Layout(1, 2, 2, 2, 1, 16 // mbs, mbs, "1f1b", False, False, "none")  # noqa: E731
+    assert ar(pipe, bf16) == pytest.approx(ar(pipe, fp32)) and ar(pipe, bf16) > 0
+    once = ar(mesh(1), fp32)
+    assert ar(mesh(1), bf16) == pytest.approx(once / 2)  # one microbatch: per layer, bf16
+    assert ar(mesh(2), bf16) == pytest.approx(once)  # 2 x bf16 per layer = float32 once: per layer
+    assert ar(mesh(2), fp32) == ar(mesh(8), fp32) == ar(mesh(8), bf16) == pytest.approx(once)  # once, float32
+
+
+def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tmp_path):
+    """Myelin's message-driven schedule (Alg. 2), fused and with 2BP, is searched like GPipe and 1F1B: the
+    engine runs it for any pipeline and microbatch count. Its plan file resets pipeline.pipeline_limit to
+    the default (stages) it was modelled with, whatever the run's YAML set."""
+    from jaxhybrid.planner.layouts import layouts
+    from jaxhybrid.runtime.config_load import load_config
+
+    cfg = PRESETS["gpt2-small"]
+    searched = {(lay.schedule, lay.split_backward) for lay in layouts(cfg, 8, 16) if lay.pipeline > 1}
+    assert {("myelin", False), ("myelin", True)} <= searched
+    plans = rank_plans(cfg, 8, _machine(), global_batch=16, seq=1024, top=10_000)
+    myelin = [p for p in plans if p["schedule"] == "myelin"]
+    assert {p["split_backward"] for p in myelin} == {False, True}
+    yaml_path, plan_path = tmp_path / "run.yaml", tmp_path / "plan.json"
+    yaml_path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\npipeline: {pipeline_limit: 1}\n")
+    for p in (next(p for p in myelin if p["split_backward"]), next(p for p in myelin if not p["split_backward"])):
+        write_plan(plan_path, p, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+        run = load_config(yaml_path, [f"plan.file={plan_path}"])
+        assert (run.pipeline.schedule, run.pipeline.split_backward) == ("myelin", p["split_backward"])
+        assert run.pipeline.pipeline_limit == 0 and run.parallel.pipeline == p["pipeline"]
+    # A plan of a static schedule sets the limit to 0 too: the YAML's Myelin limit would be refused with it
+    # (only the message-driven schedule reads one), and so does a plan file written before it said so.
+    static = next(p for p in plans if p["schedule"] != "myelin" and p["pipeline"] > 1)
+    write_plan(plan_path, static, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+    run = load_config(yaml_path, [f"plan.file={plan_path}"])
+    assert (run.pipeline.schedule, run.pipeline.pipeline_limit) == (static["schedule"], 0)
+    old = json.loads(plan_path.read_text())
+    del old["config"]["pipeline"]["pipeline_limit"]
+    plan_path.write_text(json.dumps(old))
+    assert load_config(yaml_path, [f"plan.file={plan_path}"]).pipeline.pipeline_limit == 0
+
+
+def test_a_config_is_scored_with_its_own_offload_bucket_size():
+    """`plan --model CONFIG` scores the config's layout, and ranks plans, with its optim.bucket_size: each
+    offloaded device holds 28 bytes per bucket element (memory_report), so the 16M-element buckets of
+    myelin-50b-offload.yaml hold 28 x 15M bytes more than the default 1M-element ones."""
+    from pathlib import Path
+
+    from jaxhybrid.planner.plan import score_config
+    from jaxhybrid.runtime.config_load import load_config
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "runs" / "myelin-50b-offload.yaml"
+    cfg, small = load_config(path), load_config(path, ["optim.bucket_size=1048576"])
+    assert cfg.optim.offload and cfg.optim.bucket_size == 1 << 24
+    m, seq = _machine(), cfg.data.seq_len
+    got = score_config(cfg, m, seq)["memory_per_device_bytes"] - score_config(small, m, seq)["memory_per_device_bytes"]
+    assert got == pytest.approx(28 * ((1 << 24) - (1 << 20)))
+    ranked = {b: rank_plans(cfg.model, 16, m, 512, seq, top=1, tensor=False, offload=True, bucket_size=b)[0]
+              for b in (1 << 20, 1 << 24)}
+    assert ranked[1 << 24]["memory_per_device_bytes"] > ranked[1 << 20]["memory_per_device_bytes"]
+
+
+def test_half_precision_allreduce_halves_the_modelled_data_allreduce():
+    """myelin-50b-offload.yaml all-reduces its bf16 gradients as bf16 (``optim.allreduce_dtype: compute``,
+    Myelin IV-B): the step model charges its MPI replicas half the float32 wire's all-reduce time, and the
+    step that much less; nothing else changes."""
+    from pathlib import Path
+
+    from jaxhybrid.planner.plan import score_config
+    from jaxhybrid.runtime.config_load import load_config
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "runs" / "myelin-50b-offload.yaml"
+    half, f32 = load_config(path), load_config(path, ["optim.allreduce_dtype=float32"])
+    assert half.optim.allreduce_dtype == "compute" and half.precision.compute_dtype == "bfloat16"
+    m, seq = _machine(), half.data.seq_len
+    a, b = score_config(half, m, seq), score_config(f32, m, seq)
+    assert b["data_allreduce_s"] > 0 and a["data_allreduce_s"] == pytest.approx(b["data_allreduce_s"] / 2)
+    assert a["predicted_step_s"] == pytest.approx(b["predicted_step_s"] - b["data_allreduce_s"] / 2)
+    assert a["memory_per_device_bytes"] == b["memory_per_device_bytes"]
+
+
+def test_plan_ranks_a_config_with_its_own_allreduce_dtype(tmp_path, capsys):
+    """`plan --model CONFIG` scored the config's own layout with its optim.allreduce_dtype (Myelin IV-B's
+    half-precision all-reduce: half the float32 wire's bytes) but ranked every plan with float32, so the
+    same layout listed as a plan was predicted slower than "the config's own layout" and its rank compared
+    two wires. Both now use the config's setting: the identical plan has the identical prediction."""
+    from jaxhybrid.cli.main import main
+
+    path = tmp_path / "half.yaml"
+    path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"
+                    "optim: {offload: true, bucket_size: 1048576, allreduce_dtype: compute}\n"
+                    "precision: {compute_dtype: bfloat16}\nparallel: {pipeline: 2, data: 2}\n"
+                    "pipeline: {schedule: myelin, microbatches: 4}\n")
+    assert main(["plan", "--model", str(path), "--gpus", "4", "--gpus-per-node", "4", "--hardware", "h100-node",
+                 "--no-tensor", "--offload", "--top", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    own = out["config_layout"]
+    keys = ("pipeline", "data", "microbatch_size", "schedule", "pipeline_limit", "split_backward", "remat", "offload")
+    same = [p for p in out["plans"] if all(p[k] == own[k] for k in keys)]
+    assert len(same) == 1 and own["data_allreduce_s"] > 0
+    assert same[0]["predicted_step_s"] == own["predicted_step_s"]
+    assert own["rank"] == sum(p["predicted_step_s"] < own["predicted_step_s"] for p in out["plans"])
+
+
+@pytest.mark.parametrize("name,gpus,grid", [("myelin-12b", 48, (6, 8)), ("myelin-24b", 96, (12, 8))])
+def test_myelin_table_ii_grid_is_the_step_models_fastest(name, gpus, grid):
+    """Myelin Table II: tuned on Summit (6 x 16 GB V100 per node, float16, batch 16384 x 512, Sec. VI), Myelin
+    runs the 12B model as G_inter x G_data = 6 x 8 and the 24B as 12 x 8. Scored Myelin's way (its
+    message-driven schedule, checkpointing at ac (V-A), the bucketed offload with bsize 16M (V-B), no tensor
+    parallelism, microbatch 1 to keep the search short), the step model's fastest layout that fits is the
+    same grid: the smallest G_inter whose 4 phi / G_inter leaves room, as V-B argues."""
+    from jaxhybrid.planner.layouts import layouts
+
+    cfg, m = PRESETS[name], machine_from_hardware(load_hardware("summit"), 6, "float16", 0.5)
+    fastest = {}
+    for lay in layouts(cfg, gpus, 16384, tensor=False, offload=True, schedules=("myelin",), remats=("full",),
+                       max_microbatch=1):
+        if lay.split_backward or lay.pipeline_limit:  # Myelin's Alg. 2 as published: no 2BP, limit G_inter
+            continue
+        r = evaluate(cfg, lay, m, 512, 16_000_000)
+        if r["memory_per_device_bytes"] <= m.memory_bytes:
+            fastest[lay.pipeline, lay.data] = r["predicted_step_s"]
+    assert min(fastest, key=fastest.get) == grid
+    assert (grid[0] // 2, grid[1] * 2) not in fastest  # half the stages do not fit 16 GB
+
+
+def test_a_plan_applies_to_the_config_it_was_made_for(tmp_path):
+    """A config with Myelin V-C's coarsening and IV-B's half-precision all-reduce (as myelin-50b-offload.yaml)
+    ranks plans without offload or on a tensor mesh too, where neither exists: their plan files reset both
+    (else `--set plan.file` was a ConfigError on the config the plan was made for); a plan with offload on
+    MPI replicas keeps the run's own."""
+    from jaxhybrid.runtime.config_load import load_config
+
+    path = tmp_path / "half.yaml"
+    path.write_text("model: {name: gpt2-small}\ndata: {seq_len: 1024}\ntrain: {global_batch: 16}\n"
+                    "optim: {offload: true, bucket_size: 1048576, allreduce_coarsening: 4, allreduce_dtype: compute}\n"
+                    "precision: {compute_dtype: bfloat16}\nparallel: {pipeline: 2, data: 2}\n"
+                    "pipeline: {schedule: myelin, microbatches: 4}\n")
+    cfg = load_config(path)
+    plans = rank_plans(cfg.model, 4, _machine("h100-node", 4), 16, 1024, top=100000,
+                       allreduce_dtype=cfg.optim.allreduce_dtype)
+    def mesh(p):
+        return p["pipeline"] == 1 and p["tensor_col"] * p["tensor_row"] * p["tensor_depth"] > 1
+
+    # (which plan, the run's (allreduce_dtype, allreduce_coarsening) from its plan file)
+    cases = {"no offload": (lambda p: not p["offload"], ("float32", 1)),
+             "mesh": (lambda p: p["offload"] and mesh(p), ("float32", 4)),
+             "offload on MPI": (lambda p: p["offload"] and p["pipeline"] > 1 and p["data"] > 1, ("compute", 4))}
+    for what, (pick, want) in cases.items():
+        plan = next(p for p in plans if pick(p))
+        write_plan(tmp_path / "p.json", plan, {"model": "gpt2-small", "global_batch": 16, "dtype": "bfloat16"})
+        run = load_config(path, [f"plan.file={tmp_path / 'p.json'}"])
+        assert (run.optim.allreduce_dtype, run.optim.allreduce_coarsening) == want, what
