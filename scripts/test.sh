@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install on first use (scripts/setup.sh), then run the whole test suite: unit, parity and MPI tests.
 # Extra arguments go to one pytest run, e.g. scripts/test.sh -k schedule (over tests/) or
-# scripts/test.sh tests/unit/runtime/test_data.py (that file only)
+# scripts/test.sh tests/unit/runtime/test_data.py (that file only); scripts/test.sh --quick runs the unit tests
+# alone (no parity or MPI tests), on the same pytest-xdist workers
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -11,6 +12,10 @@ export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-300}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MPLBACKEND=Agg
 export JAXHYBRID_CACHE="${JAXHYBRID_CACHE:-$root/.cache}"
+if [ "${1:-}" = --quick ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal "$@" tests/unit
+fi
 if [ "$#" -gt 0 ]; then  # a selection (-k, a file): one run, in order
   # Over tests/ unless the arguments name test paths themselves (a file, a folder, file::test): appending
   # tests/ to those would run the whole suite beside them.
