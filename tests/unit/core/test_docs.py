@@ -79,16 +79,27 @@ def dotted_resolves(name: str, root: Path = ROOT) -> bool:
     return False
 
 
+def anchors(page: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as dashes."""
+    heads = re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", page), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
 def broken_references(text: str, page_dir: Path, root: Path = ROOT) -> list[str]:
-    """What a page names that does not exist: relative links (their path part), repository paths in
+    """What a page names that does not exist: relative links (their path, and a heading anchor of a page),
+    repository paths in
     backticks (inline spans: the first word; fenced blocks: every word) and ``jaxhybrid.x.y`` names."""
     bad = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # a URL or an anchor in the same page
-        path = target.split("#", 1)[0]
-        if not _path_exists(page_dir, path):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        if path and not _path_exists(page_dir, path):
             bad.append(f"link ({target})")
+        elif anchor and (path == "" or path.endswith(".md")):
+            page = text if not path else (page_dir / path).read_text(encoding="utf-8")
+            if anchor not in anchors(page):
+                bad.append(f"anchor ({target})")
     fenced = "\n".join(FENCE.findall(text))
     words = [span.split()[0] for span in SPAN.findall(FENCE.sub("", text)) if span.split()]
     words += [w.strip("'\"") for w in fenced.split()]
@@ -138,14 +149,16 @@ def test_reference_check_finds_what_is_missing(tmp_path):
     (tmp_path / "jaxhybrid" / "__init__.py").write_text("")
     (tmp_path / "jaxhybrid" / "core" / "__init__.py").write_text("")
     (tmp_path / "jaxhybrid" / "core" / "errors.py").write_text("class ConfigError(ValueError):\n    code = 1\n")
-    good = ("[a](../jaxhybrid/core/errors.py#L1) `jaxhybrid/core/errors.py: ConfigError` "
+    (tmp_path / "docs" / "other.md").write_text("# Other page\n\n## What `it` does (CPU)\n")
+    good = ("# Top\n[a](../jaxhybrid/core/errors.py#L1) `jaxhybrid/core/errors.py: ConfigError` "
+            "[o](other.md#what-it-does-cpu) [t](#top) "
             "`jaxhybrid.core.errors.ConfigError.code` `jaxhybrid.core` [web](https://example.org) [x](#top)\n"
             "```\npython jaxhybrid/core/errors.py --x=jaxhybrid/core\n```\n")
     assert broken_references(good, tmp_path / "docs", tmp_path) == []
-    bad = ("[a](missing.md#x) `scripts/nope.sh --flag` `jaxhybrid.core.errors.Nope` `jaxhybrid.core.nothere`\n"
+    bad = ("[a](missing.md#x) [o](other.md#nowhere) [t](#nothere) `scripts/nope.sh --flag` `jaxhybrid.core.errors.Nope` `jaxhybrid.core.nothere`\n"
            "```\nrun --config=configs/gone.yaml\n```\n")
     assert sorted(broken_references(bad, tmp_path / "docs", tmp_path)) == [
-        "link (missing.md#x)", "module `jaxhybrid.core.errors.Nope`", "module `jaxhybrid.core.nothere`",
+        "anchor (#nothere)", "anchor (other.md#nowhere)", "link (missing.md#x)", "module `jaxhybrid.core.errors.Nope`", "module `jaxhybrid.core.nothere`",
         "path `configs/gone.yaml`", "path `scripts/nope.sh`"]
 
 
@@ -155,6 +168,7 @@ def test_readme_is_at_most_200_lines():
 
 
 def test_no_page_points_outside_the_repository():
-    outside = re.compile(r"\bsession \d+|\bsessions \d+|facts\.md|ARCHITECTURE\.md|\.\./shared|/work/", re.I)
+    # ARCHITECTURE.md (upper case) was a file outside the repository; docs/architecture.md is this one's page.
+    outside = re.compile(r"(?i:\bsessions? \d+)|facts\.md|ARCHITECTURE\.md|\.\./shared|/work/")
     found = {p.name: outside.findall(p.read_text(encoding="utf-8")) for p in PAGES}
     assert not {k: v for k, v in found.items() if v}
