@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: import this checkout's package
     sys.path.insert(0, str(ROOT))
 
-from jaxhybrid.core.config import model as model_module  # noqa: E402
-from jaxhybrid.core.config import schema as schema_module  # noqa: E402
-from jaxhybrid.core.config.schema import Config  # noqa: E402
+from jaxhybrid.core.config import model as model_module
+from jaxhybrid.core.config import schema as schema_module
+from jaxhybrid.core.config.schema import Config
 
 PAGE = ROOT / "docs" / "configuration.md"
 
@@ -58,8 +58,7 @@ def _comments(source: str) -> dict[int, str]:
 def field_docs(cls: type) -> dict[str, str]:
     """Each annotated field of dataclass ``cls`` -> its doc: the trailing comment on its line, else the
     comment lines directly above it (joined), else ''."""
-    source, first = inspect.getsourcelines(cls)
-    text = "".join(source)
+    text = inspect.getsource(cls)
     comments = _comments(text)
     lines = text.splitlines()
     docs = {}

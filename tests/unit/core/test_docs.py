@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PREFIXES = ("jaxhybrid/", "tests/", "scripts/", "configs/", "docs/")
 
-FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 SPAN = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"\bjaxhybrid(?:\.[A-Za-z_]\w*)+")
@@ -57,12 +57,12 @@ def dotted_resolves(name: str, root: Path = ROOT) -> bool:
     for k in range(len(parts), 0, -1):
         base = root.joinpath(*parts[:k])
         source_file = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-        if base.is_dir() and not source_file.exists() or not source_file.exists():
+        if not source_file.exists():
             continue
         rest = parts[k:]
         if not rest:
             return True
-        if (base / f"{rest[0]}.py").exists() if base.is_dir() else False:
+        if base.is_dir() and (base / f"{rest[0]}.py").exists():
             return False  # a submodule the longer prefix would have found
         names = _top_names(source_file.read_text(encoding="utf-8"))
         node = names.get(rest[0])
@@ -72,23 +72,20 @@ def dotted_resolves(name: str, root: Path = ROOT) -> bool:
             return True
         if not isinstance(node, ast.ClassDef) or len(rest) > 2:
             return False
-        return any(getattr(m, "name", None) == rest[1] or
-                   isinstance(m, (ast.AnnAssign,)) and getattr(m.target, "id", None) == rest[1] or
-                   isinstance(m, ast.Assign) and any(getattr(t, "id", None) == rest[1] for t in m.targets)
-                   for m in node.body)
+        return rest[1] in _top_names(ast.unparse(ast.Module(body=node.body, type_ignores=[])))
     return False
 
 
 def anchors(page: str) -> set[str]:
     """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as dashes."""
-    heads = re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", page), re.M)
+    heads = re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", page), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 def broken_references(text: str, page_dir: Path, root: Path = ROOT) -> list[str]:
     """What a page names that does not exist: relative links (their path, and a heading anchor of a page),
-    repository paths in
-    backticks (inline spans: the first word; fenced blocks: every word) and ``jaxhybrid.x.y`` names."""
+    repository paths in backticks (inline spans: the first word; fenced blocks: every word) and
+    ``jaxhybrid.x.y`` names."""
     bad = []
     for target in LINK.findall(text):
         if re.match(r"[a-z]+:", target):
@@ -117,6 +114,19 @@ def test_configuration_page_is_current():
     page = ROOT / "docs" / "configuration.md"
     assert page.exists() and page.read_text(encoding="utf-8") == _generator().render(), (
         "docs/configuration.md is stale: run `python scripts/gen_config_docs.py`")
+
+
+def test_check_flag_exits_1_on_a_stale_page(tmp_path, monkeypatch, capsys):
+    gen = _generator()
+    page = tmp_path / "configuration.md"
+    monkeypatch.setattr(gen, "PAGE", page)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    assert gen.main(["--check"]) == 1  # no page yet
+    assert gen.main([]) == 0 and page.read_text(encoding="utf-8") == gen.render()
+    assert gen.main(["--check"]) == 0
+    page.write_text(gen.render().replace("optimizer steps", "steps"), encoding="utf-8")
+    assert gen.main(["--check"]) == 1
+    assert "run `python scripts/gen_config_docs.py`" in capsys.readouterr().err
 
 
 def test_configuration_page_names_every_key():
