@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2BP stage measurements (issue 3) in one command: `jaxhybrid bench stage` on each stage the goal
+# The 2BP stage measurements in one command: `jaxhybrid bench stage` on each stage the goal
 # names, one JSON object per line (also appended to $OUT/bench_2bp.jsonl when OUT is set).
 #
 #   scripts/bench_2bp.sh            CPU set: gpt-small-cpu stages (middle at mb 2/4/8, first, last),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install jaxhybrid with everything it needs. Idempotent: re-running is cheap.
 # On a GPU machine (nvidia-smi works and CUDA headers exist) it installs jax[cuda12] and builds
-# mpi4jax's CUDA bridge; elsewhere it builds mpi4jax without it (facts.md: nvcc without headers).
+# mpi4jax's CUDA bridge; elsewhere it builds mpi4jax without it (nvcc alone, without the CUDA headers,
+# fails mpi4jax's CUDA build).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

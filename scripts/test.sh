@@ -34,8 +34,8 @@ rc=0
   || rc=$?
 # The MPI tests keep their cache apart, in $JAXHYBRID_CACHE/mpi (the corpus is prepared there once more):
 # their ranks compile under the launcher's XLA flags, so the unit phase's entries never hit, and JAX's bounded
-# cache scans its whole directory on every write under the lock every rank's read waits for (about 90 ms among
-# 1,660 entries, 5 ms among 100): test_parity_every_schedule[4x1] took 53-64 s apart, 72-95 s beside them.
+# cache scans its whole directory on every write under the lock every rank's read waits for, which slows the
+# MPI tests markedly beside a large unit-test cache.
 JAXHYBRID_CACHE="$JAXHYBRID_CACHE/mpi" .venv/bin/python -m pytest -q -rs --durations=15 tests/mpi \
   || { [ "$rc" -ne 0 ] || rc=$?; }
 exit "$rc"

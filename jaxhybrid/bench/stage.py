@@ -1,43 +1,29 @@
 """``jaxhybrid bench stage``: the 2BP stage kernels timed side by side in one run.
 
 Times, on one stage and one microbatch: ``forward``, the fused ``backward``, ``backward_input`` and
-``backward_weight`` (single; on K microbatches concatenated as 2BP Fig. 2; on the list of K, summed in
-one program, which is what the pipeline does by default, ``pipeline.weight_join``), plus a plain reference
-(``jax.vjp`` of the same slice w.r.t. (params, x), forward and backward in separate jits). Rounds
-interleave the variants, in a fresh random order each, so machine noise and cache warmth hit all alike;
-each figure is the median over rounds of ``block_until_ready`` timings, and ``split_over_fused_rounds_iqr``
-is the quartile range of the per-round ratio (the noise band).
+``backward_weight`` (single; on K microbatches concatenated as 2BP Fig. 2; on the list of K, summed in one
+program, ``pipeline.weight_join``), plus a plain reference (``jax.vjp`` of the same slice, forward and
+backward in separate jits). Rounds interleave the variants in a fresh random order, so noise and cache
+warmth hit all alike; each figure is a median over rounds, ``split_over_fused_rounds_iqr`` the quartile
+range of the per-round ratio.
 
-Prints JSON with ``split_over_fused = (input + weight) / fused`` (goal <= 1.05), where ``input + weight``
-is one microbatch's split backward timed as the fused one is: its input pass and then its weight pass
-(on the input pass's own weight residuals) called back to back, one ``block_until_ready`` at the end
-(``backward_split_s``). ``split_over_fused_per_call`` adds the two passes each timed with its own sync
-instead, so it charges the split a second call's fixed host cost. That cost is large on a GPU: on an H200
-a synchronous call left the device idle for 0.7-1.0 ms before its first kernel, while the host parsed
-arguments, prepared buffers and launched the program's CUDA graph (session 34's profile). No 2BP schedule
-pays it twice per microbatch. A schedule runs the weight pass later, behind other queued work or in a
-gap where the device waits anyway. ``grad_max_rel_err`` is the split against the plain reference, over
-dx and every param leaf.
+Prints JSON with ``split_over_fused = (input + weight) / fused`` (goal <= 1.05): the input pass and its
+weight pass called back to back under one ``block_until_ready``, as the fused one is timed. Why not each
+pass with its own sync (``split_over_fused_per_call``): that charges the split a second call's fixed host
+cost, large on a GPU (argument parsing, buffers, the CUDA graph launch), which no 2BP schedule pays, since
+it runs the weight pass later behind queued work or in an idle gap. ``split_over_fused_queued`` queues 8
+calls per sync: the device-bound cost. ``noop_call_s`` and ``dispatch_s`` show the host's share.
+``grad_max_rel_err`` is the split against the reference, over dx and every param leaf.
 
-``split_over_fused_queued`` is the same ratio with 8 calls queued per sync: the device-bound cost,
-without any call's fixed host cost. ``noop_call_s`` is a jitted scalar add called synchronously.
-``dispatch_s`` is each backward's time from an idle device until the call returns, its work enqueued.
-Together they show the host's share.
-
-``split_over_fused_cold`` / ``_warm``: the ratio with the caches flushed before each call, and right after
-a call of the same kernel, each pass synchronised on its own (as ``_per_call``). The split pays for reading
-back what the input pass stored for the weight pass (2BP's cost in memory traffic), so cold is the
-pipeline's case and warm its lower bound. ``split_sum_over_fused`` and ``split_concat_over_fused`` (the
-weight pass of K microbatches) add separately synchronised calls too.
-
-The pair under one sync still pays one call's fixed host cost, its input pass's, which is a little smaller
-than the fused pass's (fewer arguments, a smaller CUDA graph). So on a GPU ``split_over_fused`` can read a
-little under the device-bound ``split_over_fused_queued``.
+``split_over_fused_cold`` / ``_warm`` flush the caches before each call, or run it right after the same
+kernel, each pass on its own sync: the split reads back what the input pass stored for the weight pass
+(2BP's cost in memory traffic), so cold is the pipeline's case and warm its lower bound.
+``split_sum_over_fused`` and ``split_concat_over_fused`` add separately synchronised calls too.
 
 ``xla_costs``, ``split_flops_over_fused`` and ``split_bytes_over_fused``: XLA's own count of the compiled
-kernels' flops, bytes and launching instructions (``entry_ops``; :mod:`jaxhybrid.parallel.twobp.stage_costs`), the
-same on every run and machine. They show what the split adds in work, apart from what the timings add in
-locality and per-call cost (the ratios are null on a GPU, where XLA's count misses library calls).
+kernels' flops, bytes and launching instructions (:mod:`jaxhybrid.parallel.twobp.stage_costs`), the same on
+every machine: what the split adds in work, apart from locality and per-call cost (null on a GPU, where
+XLA's count misses library calls).
 """
 from __future__ import annotations
 
@@ -158,8 +144,7 @@ def run(args: argparse.Namespace) -> int:
     order = np.random.default_rng(1)
     for _ in range(args.repeats):
         # A fresh order each round: a kernel that runs right after another reading the same inputs finds
-        # them in cache (measured: up to 0.6 ms on a 10 ms kernel), which a fixed order would hand to the same
-        # variant every round.
+        # them in cache, an advantage a fixed order would hand to the same variant every round.
         for k in order.permutation(names):
             fn, *a = calls[k]
             times[k].append(time_call(fn, *a) / per_mb.get(k, 1))

@@ -22,9 +22,7 @@ def noop_call_s(repeats: int) -> float:
     """Median seconds of one synchronous call of a jitted program that adds 1 to a scalar: the fixed
     cost of a call (host dispatch, launch, the wait for its result) apart from its kernels. Timed each with
     its own sync (``split_over_fused_per_call``), the split pays it twice where the fused backward pays it
-    once. A real program's fixed cost is larger: its arguments, buffers and CUDA graph (on an H200, a
-    stage's backward left the device idle 0.66-1.0 ms before its first kernel, against 0.05-0.07 ms for
-    this whole call)."""
+    once. A real program's fixed cost is larger: its arguments, buffers and CUDA graph."""
     fn, x = jax.jit(lambda v: v + 1), jnp.zeros((), jnp.float32)
     jax.block_until_ready(fn(x))  # compile outside the timing
     return float(np.median([time_call(fn, x) for _ in range(max(5, repeats))]))

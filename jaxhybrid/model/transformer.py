@@ -26,7 +26,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # each), as Megatron-LM orders them and AxoNN keeps each shard's [q_i | k_i | v_i]. Why: the tensor-parallel
 # qkv layer splits its output columns into contiguous blocks over column; with whole groups in each block the
 # split into q, k and v is local, where the [q | k | v] order (layout 1) made the compiler move the k and v
-# blocks between shards (34% of a gpt-tiny step's tensor-parallel bytes). Checkpoints and exports record it.
+# blocks between shards (a third of a small model's tensor-parallel bytes). Checkpoints and exports record it.
 PARAM_LAYOUT = 2
 
 

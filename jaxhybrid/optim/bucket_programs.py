@@ -39,10 +39,9 @@ def programs(inner, split, cdt, grad_clip: float):
             # The elements that do not decay (buckets.decay_bounds' runs) take the step in which the decay
             # sees zeros (updater.decay_view's rule); the others keep the step above, computed from
             # ``master`` itself: through a masked copy XLA:CPU rounded some updates 1 ulp away from optax's.
-            # How: compare each element with all K bounds while K is small (fused, one pass: 1.2-2.3 ms for a
-            # 4M-element bucket on one CPU core at K = 4-32), else a binary search (a loop of gathers: 70-160
-            # ms at any K on the CPU; compare_all fell off a cliff past 32, 48 bounds: 277 ms). A bucket has
-            # 4-10 bounds per block it spans.
+            # How: compare each element with all K bounds while K is small (one fused pass), else a binary
+            # search (a loop of gathers, far slower at small K; compare_all's cost climbs steeply past 32
+            # bounds). A bucket has 4-10 bounds per block it spans.
             method = "compare_all" if decay.shape[-1] <= 32 else "scan"
             decayed = jnp.searchsorted(decay, jnp.arange(master.shape[0], dtype=decay.dtype), side="right",
                                        method=method) % 2 == 1

@@ -5,10 +5,9 @@ leaves) and move whole tuples: ``fetch`` starts an asynchronous host-to-device c
 returns before the bytes arrive, so bucket ``i + 1`` streams in while bucket ``i`` updates) and
 ``send_back`` starts the device-to-host copy of an updated bucket without waiting for it.
 
-Both are measured side by side by ``jaxhybrid bench offload`` (``host_backend_step_s``); the per-platform
-choice is ``DEFAULT_BACKEND``.
-On CPU both are the same RAM (facts.md "Host offload"); on GPU ``pinned_host`` gives DMA-able
-page-locked buffers, which is what Myelin's prefetching needs to reach PCIe bandwidth.
+``jaxhybrid bench offload`` times both side by side (``host_backend_step_s``); the per-platform choice is
+``DEFAULT_BACKEND``. On CPU both are the same RAM; on GPU ``pinned_host`` gives DMA-able page-locked
+buffers, which Myelin's prefetching needs to reach PCIe bandwidth.
 """
 from __future__ import annotations
 
@@ -17,10 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-# Per platform, the store ``OffloadedOptimizer(backend=None)`` picks. CPU (`jaxhybrid bench offload`,
-# gpt-tiny bf16, 64 buckets, loaded 2-core box): equal step times (0.231 s numpy vs 0.235 s pinned_host),
-# but numpy buckets kept 1.30 MB of device arrays alive against 1.02 MB for pinned_host (4 phi + 16 bsize
-# = 1.02 MB): pinned_host. GPU/TPU: page-locked memory for asynchronous DMA (not measured here: no GPU).
+# Per platform, the store ``OffloadedOptimizer(backend=None)`` picks. CPU: both stores step equally fast,
+# but numpy buckets keep more device arrays alive than Myelin's 4 phi + 16 bsize, pinned_host does not.
+# GPU/TPU: page-locked memory for asynchronous DMA.
 DEFAULT_BACKEND = {"cpu": "pinned_host", "gpu": "pinned_host", "cuda": "pinned_host", "rocm": "pinned_host",
                    "tpu": "pinned_host"}
 BACKENDS = ("numpy", "pinned_host")

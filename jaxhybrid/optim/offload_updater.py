@@ -38,8 +38,8 @@ class OffloadUpdater:
         """One step; consumes ``params`` and ``grads`` (their buffers are deleted, as jit donation would).
 
         Why: Myelin's device footprint is the compute parameters, the gradients and a few buckets. Kept
-        alive by the caller, the old parameter and gradient pytrees sat next to the flat vectors the
-        buckets slice (measured 2.17 MB against a 1.27 MB goal on gpt-tiny, ``bench offload``). The old
+        alive by the caller, the old parameter and gradient pytrees would sit next to the flat vectors the
+        buckets slice, well over that goal (``jaxhybrid bench offload`` reports the peak). The old
         compute parameters are not needed at all (each bucket writes its new ones from the host masters,
         and a skipped step rebuilds them from there), so they go first; the gradient pytree goes once its
         flat copy is queued. At most two pytree-sized arrays are then alive at any moment: the gradients

@@ -33,13 +33,11 @@ def myelin_limits(p: int, m: int, split: bool) -> tuple[int, ...]:
 
     V-A fixes the limit at G_inter so that every GPU can compute; but p in flight keep p stages busy only
     if a microbatch's round trip has no waits, and its 2(p - 1) messages and the interleaving of forwards
-    and backwards on each stage add some. Simulated (p = 2 to 16, M = 32 to 128, BI/F 1 to 2, message/F
-    0.05 to 1), 3p/2 took 0.72-1.0 of p's makespan, 2p most of the rest and 3p at most 4.5% more (only at
-    message = F). With 2BP, whose engine holds at most p microbatches' weight residuals, 2p gained at most
-    0.4% over 3p/2 (searching myelin-50b-offload.yaml and axonn-gpt-10b-4d.yaml). p/2 halves the
-    activations in flight for 1.5x-2x the makespan: in four memory-tight searches (myelin-100b on 16 GPUs,
-    with and without tensor layouts; myelin-50b and axonn-gpt-40b on 8) it let 8-47 layouts fit that did
-    not at p, none within 1.5x of the best plan, so it is not searched."""
+    and backwards on each stage add some. In simulation 3p/2 recovers most of that, 2p most of the rest,
+    and 3p little more, so the search stops at 2p; with 2BP, whose engine holds at most p microbatches'
+    weight residuals, 2p adds next to nothing over 3p/2 and is left out. p/2 halves the activations in
+    flight but lengthens the makespan by half or more, so the layouts it lets fit never rank near the
+    best plan: it is not searched."""
     larger = {min(m, k * p // 2) for k in ((3,) if split else (3, 4))}
     return (0,) + tuple(sorted(lim for lim in larger if lim > p))
 
@@ -85,10 +83,8 @@ def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: 
     ``memory_bytes`` and, for a larger Myelin limit, faster than the limit before it (else it holds more
     for nothing). A larger limit is scored only where the one before it fits, is faster than its own
     predecessor (or is the default), and is more than :data:`LIMIT_SLACK` above the pipeline time no limit
-    beats (``pipeline_floor_s``). Each is a simulation: searching myelin-50b-offload.yaml and
-    axonn-gpt-10b-4d.yaml on 16 GPUs, 57 of 675 and 115 of 923 larger limits gained over 0.5%; the floor
-    kept 62 and 132 to simulate, 52 and 88 of those, and the ones it skipped gained at most 0.6% and 0.9%.
-    The searches then take 12-18% more CPU time than with the default limit alone, not about twice."""
+    beats (``pipeline_floor_s``). Each is a simulation, and few larger limits gain much: the floor skips
+    most of those that cannot, so the search costs little more than with the default limit alone."""
     last = (None, False, 0.0)  # (layout at the default limit, worth a larger limit, step time)
     for lay in layouts(cfg, gpus, global_batch, tensor, offload):
         base = dataclasses.replace(lay, pipeline_limit=0)

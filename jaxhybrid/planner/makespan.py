@@ -92,16 +92,13 @@ def _extrapolation_points(schedule: str, p: int, m: int, limit: int = 0) -> tupl
     """The two microbatch counts a long schedule's makespan is extrapolated from.
 
     GPipe and 1F1B (static rows): ``2p`` and ``3p``; past the fill every further microbatch adds one
-    steady-state period to the bottleneck rank (within 0.2% of a full simulation at p = 8, 16 and
-    uneven costs). Myelin (Alg. 2) is periodic in ``m`` with period ``p``, not 1: stage 0 injects
-    ``pipeline_limit = p`` microbatches per round (V-A), and a round's first extra microbatch costs more
-    than the others (at p = 16, unit costs, M = 2p + 1 adds 6 and later ones 3), and its fill settles
-    only after several rounds (``2p``/``3p`` gave 486.4 against 459 simulated at p = 16, M = 129). So
-    both points are congruent to ``m`` modulo ``p``, the later one as far as ``MAX_SIMULATED`` tasks
-    (at least ``6p``), the earlier one about half-way back: whole rounds between them and ``m``. A run's
-    own ``limit`` (``pipeline.pipeline_limit``) makes a round ``limit`` microbatches, and the period with
-    it: points ``limit`` apart matched a full simulation within 1e-4 at p = 16, M = 129 for limits 2 to
-    24, where ``p`` apart missed by up to 1.2% (limits 3, 6, 12)."""
+    steady-state period to the bottleneck rank. Myelin (Alg. 2) is periodic in ``m`` with period ``p``,
+    not 1: stage 0 injects ``pipeline_limit = p`` microbatches per round (V-A), a round's first extra
+    microbatch costs more than the others, and its fill settles only after several rounds, so ``2p``/``3p``
+    would overestimate. Both points are congruent to ``m`` modulo ``p``, the later one as far as
+    ``MAX_SIMULATED`` tasks (at least ``6p``), the earlier one about half-way back: whole rounds between
+    them and ``m``. A run's own ``limit`` (``pipeline.pipeline_limit``) makes a round ``limit``
+    microbatches, and the period with it, so the points are then ``limit`` apart."""
     if schedule != "myelin":
         return 2 * p, 3 * p
     period = limit or p

@@ -110,8 +110,8 @@ class Machine:
     ``block_overhead_s`` (forward, backward): seconds each block's pass costs a device on top of its
     flops at ``flops_per_s``. Why: a constant fraction of peak makes small matmuls as efficient as large
     ones, so the planner took the smallest microbatch (the smallest bubble) every time, where a GPU runs a
-    block of few tokens far below its peak (one H200, bf16: 141 TFLOP/s for a GPT-2-small block's
-    backward at 1 x 1024 tokens, 646 for a 1.3B block's at 8 x 1024). ``time = flops / flops_per_s + overhead``
+    block of few tokens far below its peak and a large block several times closer to it.
+    ``time = flops / flops_per_s + overhead``
     is that curve: efficiency ``flops / (flops + overhead x flops_per_s)`` of the asymptote. The
     hardware file's ``compute_model`` gives both (:func:`~jaxhybrid.planner.plan.machine_from_hardware`).
     """
@@ -144,7 +144,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # The head in blocks of a stage's whole work (forward + backward: 3 x the forward flops, + the overheads).
     parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / (f_blk + (o_f + o_b) / 3))
     bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
-    # Ranks: tensor grid innermost, then pipeline stages, then data replicas (ARCHITECTURE.md), so a data
+    # Ranks: tensor grid innermost, then pipeline stages, then data replicas (the launch order), so a data
     # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
     bw_["data"] = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row,
                                    lay.tensor_depth * lay.pipeline, lay.data)["data"]

@@ -1,34 +1,22 @@
 """Keep XLA:CPU's per-execution host buffers mapped between calls: glibc's malloc tuned once at start-up.
 
-Why: XLA:CPU allocates each execution's temporaries (one buffer holding all of a program's
-intermediates: 102 MB for the ``tiny.yaml`` train step) and its results with ``malloc``. glibc serves a
-request above its mmap threshold (adaptive, at most 32 MiB), and any request a thread's own arena (64 MiB
-heaps) cannot hold, with a fresh ``mmap`` that ``free`` unmaps again; below it, free heap above the trim
-threshold goes back to the kernel. Either way the kernel zero-fills every page anew on first touch.
-Measured on a 2-core CPU: 25,400 minor page faults per step of the ``tiny.yaml`` job (its 100 MB of
-temporaries, every step), 0.063-0.069 s per step; with the settings below none, 0.041-0.050 s. A 2BP
-input pass, whose results are the weight pass's residuals, paid up to 3,900 faults per call (llama-tiny,
-16 x 128 tokens: 11 ms instead of 5.3) or none, by where glibc's adaptive thresholds happened to stand.
+Why: XLA:CPU allocates each execution's temporaries (one buffer of all of a program's intermediates) and
+its results with ``malloc``. glibc serves a request above its adaptive mmap threshold, or one a thread's
+64 MiB arena heaps cannot hold, with a fresh ``mmap`` that ``free`` unmaps again, and trims free heap back
+to the kernel; either way every page is zero-filled anew on first touch, a page fault per page per step.
 
-What :func:`configure_host_malloc` sets with ``mallopt``: ``M_MMAP_MAX = 0`` (never ``mmap``) and
-``M_TRIM_THRESHOLD`` at its maximum (never hand free heap back), and, in a process that drives one CPU
-device, ``M_ARENA_MAX = 1`` (every thread allocates from the main arena, which grows with ``brk`` and holds
-any size; a thread arena still mmaps what its 64 MiB heaps cannot hold: without it the step above kept its
-25,400 faults). With several CPU devices in one process (``--xla_force_host_platform_device_count``, the
-tests' fake devices) one arena serialises their threads: ``tiny.yaml`` on a 2 x 2 x 2 tensor mesh ran
-0.063-0.065 s per step against 0.054-0.056 with per-thread arenas, whose per-device buffers fit their
-heaps (no faults either way). The price: the process keeps its resident high-water mark, as a caching
-device allocator does.
+:func:`configure_host_malloc` sets ``M_MMAP_MAX = 0`` (never ``mmap``), ``M_TRIM_THRESHOLD`` at its maximum
+(never hand free heap back) and, in a process that drives one CPU device, ``M_ARENA_MAX = 1`` (the main
+arena grows with ``brk`` and holds any size; a thread arena would still mmap what its heaps cannot hold).
+With several CPU devices in one process (the tests' fake devices) one arena would serialise their
+threads, and their per-device buffers fit per-thread heaps anyway. The price: the process keeps its
+resident high-water mark, as a caching device allocator does.
 
-Only where JAX computes on the CPU (:func:`accelerator_backend`): on an H100 host (16 cores, jax 0.11.2)
-the same settings made ``bench stage`` of a bf16 GPT-2-small stage take 105 s instead of 25, with 10.5
-minutes of system time against 8 s, and its synchronous backward calls 0.2-0.8 ms longer.
-
-It must run before JAX starts its CPU client: threads that already allocated keep their own arenas, which
-``mmap`` large requests regardless (measured: no effect when set after the first computation). The
-``jaxhybrid`` command calls it once the command has settled its environment (a benchmark's fake CPU
-devices: ``prepare`` in :mod:`jaxhybrid.cli.main`) and before it runs; a library user calls it at the top of
-their script, after setting ``XLA_FLAGS``.
+Only where JAX computes on the CPU (:func:`accelerator_backend`): on a GPU host the same settings slow the
+host side down badly. It must run before JAX starts its CPU client, since threads that already allocated
+keep their own arenas: the ``jaxhybrid`` command calls it once the command has settled its environment
+(``prepare`` in :mod:`jaxhybrid.cli.main`); a library user calls it at the top of their script, after
+setting ``XLA_FLAGS``.
 """
 from __future__ import annotations
 

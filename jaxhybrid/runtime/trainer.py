@@ -69,8 +69,8 @@ class Trainer:
         self.model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
         self.engine = build_engine(cfg, self.model)
         self.updater = build_updater(cfg, self.engine)
-        # The updater's schedule, for the logged lr; jitted as the update computes it (eager optax: 0.99 ms
-        # a step in dispatches, jitted 0.04 ms, on this CPU).
+        # The updater's schedule, for the logged lr; jitted as the update computes it (eager optax pays a
+        # dispatch per operation every step).
         self.lr = jax.jit(lr_schedule(cfg.optim, cfg.train.steps))
         self.rank = int(getattr(self.engine, "rank", 0))
         self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")

@@ -90,7 +90,7 @@ def train(engine, cfg, data):
 
 def quiet_barrier(comm) -> None:
     """A barrier whose waiting ranks sleep: mpich's blocking calls spin (sched_yield), and with more
-    ranks than cores the spinners take half of the one rank that computes (measured: 4 ranks, 2 cores)."""
+    ranks than cores the spinners take half of the one rank that computes."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(2e-3)

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.mpi
 
 def _env(timeout: int, devices: int = 1) -> dict:
     """The environment of the MPI tests' jobs: a timeout, fake CPU devices, one thread per rank, and XLA's
-    backend optimisation off (a cold compile took 50-55 s of a 2- or 4-stage parity job's run on 2 cores,
-    32-35 s without; what these tests compare, parity and bit-exactness, does not depend on it)."""
+    backend optimisation off (it takes a large share of a parity job's cold compile; what these tests
+    compare, parity and bit-exactness, does not depend on it)."""
     env = dict(os.environ)
     env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
@@ -98,7 +98,7 @@ def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages()
     (2, 2, (1, 2, 1), ["--cases", "myelin", "--tied"], 3),
 ], ids=["2x1-depth2-col2", "2x2-row2-tied"])
 def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
-    """AxoNN-4D item 5: every rank runs its stage on a local (depth, row, col) mesh of fake CPU devices;
+    """AxoNN-4D Sec. V: every rank runs its stage on a local (depth, row, col) mesh of fake CPU devices;
     stage boundaries are device-staged (mpi4jax) or host-staged (mpi4py), data-parallel gradients are
     all-reduced shard by shard. Losses, step-1 gradients and params after 3 steps equal the single-device
     trainer's (fp32_parity), with and without 2BP; on the 2 x 1 grid also for LLaMA and without

@@ -1,4 +1,4 @@
-"""Chaining all 2BP stages of a model reproduces ``jax.grad`` of the single-device model (issue 3).
+"""Chaining all 2BP stages of a model reproduces ``jax.grad`` of the single-device model.
 
 Two routes: the pipeline's own calling sequence (forward per stage, backward_input in reverse, the weight
 passes deferred and run once on the concatenated microbatches, 2BP Fig. 2), and ``jax.grad`` through

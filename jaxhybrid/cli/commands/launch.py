@@ -9,7 +9,7 @@ Runs the venv's ``mpiexec`` (next to this Python) with ``python -m mpi4py -m jax
 uncaught exception on any rank aborts the whole job (mpich alone would leave the others hanging), with
 ``MPIEXEC_TIMEOUT`` as the last resort, and one thread pool per rank sized to the cores available:
 ``OMP_NUM_THREADS`` and XLA's CPU thread flags get ``cores // N`` threads each (oversubscribed ranks
-whose pools spin starve each other, facts.md). Each rank pins itself to its share of the cores before
+whose pools spin starve each other). Each rank pins itself to its share of the cores before
 JAX starts (``launch_env.bind_rank_cpus``, from ``jaxhybrid.cli.main``; a ``--script`` runs unpinned
 unless it calls that itself), so XLA sizes its own pool to that share; ``--no-bind`` leaves the ranks free.
 

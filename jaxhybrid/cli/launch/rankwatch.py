@@ -4,8 +4,7 @@ Each rank records ``rank -> pid`` in the directory given by ``JAXHYBRID_PID_DIR`
 made, holds the write end of its ``rank<r>.alive`` FIFO there until it ends, and leaves a ``rank<r>.exit``
 marker when its interpreter exits normally (see :mod:`jaxhybrid.parallel.pipeline.topology`). A rank killed by a signal
 (the OOM killer, ``kill -9``) leaves no Python message, and hydra's report is no help: it names the PID of
-whichever process it saw end, often a bystander that MPI aborted once its peer vanished (measured: a
-2 x 2 job whose rank 3 was killed was reported by the PID of rank 0, in another run of rank 1).
+whichever process it saw end, often a bystander that MPI aborted once its peer vanished.
 :class:`RankWatch` watches the ranks while the job runs and keeps the order in which they ended, so the
 launcher can name the first rank that ended without its exit marker and without mpich's report that it
 aborted on a peer's failure (:func:`bystanders`); all of them when several end before the watcher wakes.
@@ -73,9 +72,8 @@ class RankWatch(threading.Thread):
     - its FIFO hung up (:func:`alive_fifo`, made here before the job starts; the rank opens the write end
       when its topology is made). The kernel closes a dying process's files, its pipes to hydra's proxy
       among them, before it reports the exit that a pidfd waits for; a thread still freeing the address
-      space can delay that report past the end of a bystander that hydra killed meanwhile (measured, a
-      2 x 2 job whose rank 3 was killed: by pidfds alone rank 1 was named in 3 of 31 runs; with the FIFOs,
-      rank 3 in 40 of 40);
+      space can delay that report past the end of a bystander that hydra killed meanwhile, so pidfds
+      alone sometimes name the wrong rank;
     - its PID ended: a pidfd (Linux 5.3) or, without one, a ``period_s`` polling loop. This catches a
       rank that ended before it opened its FIFO.
     PID files are read until all ``n`` ranks appeared. Hydra needs milliseconds to stop the others, so
@@ -192,8 +190,7 @@ def bystanders(output_lines: list[str]) -> set[int]:
 def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     """The launcher's one line on a failed job, from the best evidence there is:
     1. the first rank that reported its own failure (an exception, the watchdog). It aborted the job, and
-       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end (measured: a hung
-       rank 1 of 2 whose watchdog fired ended after rank 0);
+       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end;
     2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
     3. hydra's ``PID n`` lines, named from the PID files (:func:`name_hydra_pids`), when the watcher saw
        no rank end abnormally;

@@ -2,7 +2,7 @@
 
 After the pipeline phase every rank ``(stage i, replica j)`` holds the gradients of its stage for its
 batch shard; the ranks of one column (same stage, all replicas) sum them. Every reduction is a cached
-jitted ``mpi4jax.allreduce`` (never eager: an eager mpi4jax call recompiles every time, facts.md).
+jitted ``mpi4jax.allreduce`` (never eager: an eager mpi4jax call recompiles every time).
 
 MPI cannot reduce bfloat16/float16 ("Unknown MPI type"), so by default half-precision vectors travel and
 are summed in float32, then cast back (``optim.allreduce_dtype: float32``). With ``compute`` they travel
@@ -15,11 +15,10 @@ Two entry points, for two kinds of caller:
 * :func:`allreduce_tree` (the pipeline x data step) needs the whole reduced pytree before anything can
   use it, so it is ONE jitted program per gradient structure: flatten, upcast, one all-reduce of the
   whole vector, downcast (or, with ``half_wire``, the half-precision reduce-scatter and all-gather),
-  scale, unflatten. Chunking it bought nothing: a jitted mpi4jax call blocks the
-  Python thread until its reduction is done, so on CPU chunk k + 1 never overlapped chunk k, and each
-  chunk cost a dispatch and a slice copy, plus a pad and a concatenation of the whole vector (a 32 MiB
-  vector: 325 ms in 128 chunks, 116 ms in 8, 58 ms whole). The eager ``ravel_pytree`` and its unravel
-  dispatched once per leaf (53 for gpt-tiny).
+  scale, unflatten. Chunking it buys nothing: a jitted mpi4jax call blocks the Python thread until its
+  reduction is done, so chunk k + 1 never overlaps chunk k, and each chunk costs a dispatch and a slice
+  copy, plus a pad and a concatenation of the whole vector. An eager ``ravel_pytree`` and its unravel
+  would dispatch once per leaf.
 * :func:`iter_reduced_chunks` (the offloaded optimizer, V-C) consumes chunks as they finish, so it keeps
   the chunks of ``chunk_elems``: its seam for overlapping bucket updates with the next reduction.
 """

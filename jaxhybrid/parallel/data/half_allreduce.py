@@ -1,7 +1,7 @@
 """An all-reduce that moves half-precision gradients as half precision (Myelin Sec. IV-B).
 
 Myelin all-reduces "half-precision parameter gradients ... to reduce communication times" (NCCL). MPI
-has no bfloat16/float16 type (facts.md), so :func:`jaxhybrid.parallel.data.allreduce._sum` upcasts to float32
+has no bfloat16/float16 type, so :func:`jaxhybrid.parallel.data.allreduce._sum` upcasts to float32
 and lets ``MPI_Allreduce`` move twice the bytes. Here the same sum is a reduce-scatter and an all-gather
 of ``mpi4jax.sendrecv`` calls in one traced program, the vector cut into ``p`` chunks of ``n / p``:
 

@@ -2,26 +2,22 @@
 
 Unsynced (``pipeline.dispatch`` async, or auto off the CPU: :func:`synced_dispatch` says why not on it), a
 task's kernel is only dispatched; JAX queues it behind the kernels before it and the loop goes on to the
-next task (:mod:`~jaxhybrid.parallel.pipeline.event_loop`), so the device does not idle while the host dispatches (on an H100 a jit call took 0.5 ms to dispatch and
-0.6 ms to return synchronously, README "Known limits": 0.6-1.1 ms of idle device per task for a loop
-that waited for each). The loop waits only where it must: a send needs its payload on the host (the
-transports wait for it, :mod:`~jaxhybrid.parallel.pipeline.mpi_transport`), and message-driven 2BP fills only idle
-device time with a weight pass, one at a time (:mod:`~jaxhybrid.parallel.pipeline.message_driven`). Receives stay
-safe: over mpi4jax one still starts only once its sender, its payload computed, is in ``MPI_Send`` (the
-mpi4py transport's are posted ahead and complete whenever their ``Isend`` arrives); the collectives
-after the phase (tied sum, all-reduce) wait for queued kernels, but ``run`` returns only once every
-message of the step is received and sent (``flush``), so those kernels need nothing from a peer. The
-``progress`` heartbeat marks dispatches: a step's last beat can precede the kernels still queued (on a
-one-stage rank, the whole step's) within the watchdog's deadline. With ``synced`` every task waits for its
-kernel instead, so the recorder holds kernel times: the step whose trace is written
-(``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record dispatch
-spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute; :attr:`EventLoop.order` is
-the order of the tasks run, in either mode.
+next task (:mod:`~jaxhybrid.parallel.pipeline.event_loop`), so the device does not idle while the host
+dispatches (a synchronous jit call leaves a GPU idle for its whole host-side cost). The loop waits only
+where it must: a send needs its payload on the host (:mod:`~jaxhybrid.parallel.pipeline.mpi_transport`), and
+message-driven 2BP fills only idle device time with a weight pass, one at a time
+(:mod:`~jaxhybrid.parallel.pipeline.message_driven`). Receives stay safe: over mpi4jax one starts only once
+its sender is in ``MPI_Send``; the mpi4py transport's are posted ahead. ``run`` returns only once every
+message of the step is received and sent (``flush``), so the collectives after the phase (tied sum,
+all-reduce) wait on kernels that need nothing from a peer. The ``progress`` heartbeat marks dispatches:
+a step's last beat can precede kernels still queued, within the watchdog's deadline.
 
-The loop still needs to know one thing about the device: whether it has drained its queue, because
-Myelin's message-driven 2BP fills only *idle* time with a weight pass
-(:mod:`~jaxhybrid.parallel.pipeline.message_driven`). :class:`InFlight` answers that without blocking, from
-``jax.Array.is_ready``.
+With ``synced`` every task waits for its kernel, so the recorder holds kernel times: the step whose trace
+is written (``PipelineEngine.time_tasks``) and ``jaxhybrid bench pipeline`` run so. Unsynced steps record
+dispatch spans (kind ``"dispatch"``) that no trace or bubble ratio counts as compute;
+:attr:`EventLoop.order` is the order of the tasks run, in either mode. :class:`InFlight` tells, without
+blocking (``jax.Array.is_ready``), whether the device has drained its queue, which the message-driven
+gap fill needs.
 """
 from __future__ import annotations
 
@@ -47,10 +43,9 @@ def synced_dispatch(setting: str, platform: str) -> bool:
 
     auto waits on CPU. There the device is the rank's own core: a kernel queued behind the running one
     gains nothing (no second processor to run it), and while kernels run, the loop's polling for messages
-    wakes on that core every 0.2 ms at most. Measured on this 2-core machine (session 31, ``jaxhybrid bench
-    pipeline``, 2 ranks pinned, Myelin's schedule, M = 4): the asynchronous step took 1.04-1.13x the synced
-    one, and 0.98-1.01x with the polling back-off raised to 2 ms (which would cost message latency where the
-    host does not share the device's cores). On a GPU the polling costs the device nothing.
+    wakes on that core every 0.2 ms at most, so an asynchronous step runs slower than a synced one (a
+    longer polling back-off would win that back at the cost of message latency where the host does not
+    share the device's cores). On a GPU the polling costs the device nothing.
     """
     if setting not in ("auto", "async", "sync"):
         raise ValueError(f"pipeline.dispatch={setting!r}; choose auto, async or sync")

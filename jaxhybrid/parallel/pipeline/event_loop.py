@@ -251,7 +251,7 @@ class EventLoop(MessageDriven):
             return acc
         if s not in self._zeros:
             # One program with the params' shardings (a tensor rank's leaves are sharded), not an eager
-            # zeros_like per leaf: 1.5 ms for a 48-leaf stage, more than the adds it replaces save.
+            # zeros_like per leaf: a dispatch per leaf, more than the adds it replaces save.
             shardings = jax.tree.map(lambda a: a.sharding, self.params[s])
             self._zeros[s] = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=shardings)
         return self._zeros[s](self.params[s])

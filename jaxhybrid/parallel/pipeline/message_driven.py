@@ -74,7 +74,7 @@ class MessageDriven:
                     # host dispatches; polling hears it at once and queues its task behind the one pass.
                     if nap == NAP:
                         self.waiting("waiting for the device to idle (a weight pass) or for a message")
-                    time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU (facts.md)
+                    time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU
                     nap = min(2 * nap, MAX_NAP)
                     continue
                 self._receive_into_mailbox(block=True)

@@ -1,41 +1,28 @@
 """MPI transports for the pipeline event loop (see :mod:`jaxhybrid.parallel.pipeline.transport`).
 
-Both send bfloat16/float16 payloads as uint16 bit patterns (MPI has no such types, facts.md) and rebuild
-them bit-exactly on arrival. Every message of one step has the shape and dtype of ``template`` (the
+Both send bfloat16/float16 payloads as uint16 bit patterns (MPI has no such types) and rebuild them
+bit-exactly on arrival. Every message of one step has the shape and dtype of ``template`` (the
 activation between stages: ``[mb, seq, d_model]`` in the compute dtype).
 
-:class:`Mpi4jaxTransport` receives through ``mpi4jax.recv`` inside cached ``jax.jit`` functions
-(eager mpi4jax recompiles on every call), into a device buffer: the main loop ``Iprobe``s a header
-communicator (a 3-int envelope sent just before the payload) and only then calls the jitted receive, so
-it never waits for a message that has not been sent. A sender thread sends each payload from a host
-buffer with a blocking ``MPI_Send``, header first. ``Mpi4pyTransport``
-(:mod:`jaxhybrid.parallel.pipeline.mpi4py_transport`) stages both ways through host numpy buffers with ``Isend``
-and receives posted ahead of the messages (Myelin Sec. IV-A's preemptive ``MPI_Irecv``).
+:class:`Mpi4jaxTransport` receives into a device buffer with ``mpi4jax.recv`` inside cached ``jax.jit``
+functions (eager mpi4jax recompiles on every call), and only once ``Iprobe`` has seen the 3-int header
+sent just before the payload, so it never waits for a message not yet sent. mpi4jax has no non-blocking
+receive, so it cannot post receives ahead as Myelin Sec. IV-A does; ``Mpi4pyTransport``
+(:mod:`jaxhybrid.parallel.pipeline.mpi4py_transport`) does, through host numpy buffers and ``Isend``.
 
-Where pre-posting applies: only to the mpi4py transport. mpi4jax has no non-blocking receive (facts.md),
-and a receive posted as a jitted ``mpi4jax.recv`` would block the rank's main thread (or, under its
-ordered effect, every MPI program of the rank behind it) until a message arrives, so this transport
-receives only what its header says has been sent, when the loop asks for it; a message sent earlier
-waits in MPI's queue (or, above the eager limit, in its sender's ``MPI_Send``) until then.
+Sends leave from a host buffer on a sender thread with a blocking ``MPI_Send``, header first, not with
+``mpi4jax.send``. Why: mpi4jax's calls carry an ordered effect (JAX runs a rank's MPI programs in dispatch
+order) and mpi4jax has no non-blocking send, so two neighbours sending to each other above MPI's eager
+limit each queue their receive behind their own blocked send and the pipeline hangs; on XLA:CPU a rank
+pinned to one core also runs such programs on its one worker thread, which a blocked call stalls. With
+the payload on the host before its header leaves, every receive a rank starts has its sender already in
+``MPI_Send``, so receives always complete; the receive program holds the MPI call alone (the half-float
+bitcast runs apart), so it runs inline on the main thread.
 
-Why the mpi4jax transport does not send with ``mpi4jax.send`` (it did until session 22): mpi4jax's calls
-carry an ordered effect, so JAX runs a process's MPI programs one after another in dispatch order, and
-mpi4jax has no non-blocking send. A send above MPI's eager limit blocks until the peer's receive starts,
-and two neighbours sending to each other (activations forward, gradients back) each order their receive
-behind their own blocked send. On XLA:CPU a program of 1000 flops or more (HloCostAnalysis), or one whose
-inputs are not ready yet, also runs on the client's worker pool, one thread on a rank pinned to one core
-(``jaxhybrid launch``), where a blocked MPI call stalls every program of the rank. Measured on bfloat16
-jobs with ranks pinned: 2 stages hung on their third microbatch (the bitcast gave the send program flops),
-and with the bitcast moved out, 8 stages of the message-driven schedule still hung. Sending from a host
-buffer that is ready before its header leaves means that every receive a rank starts has a sender
-already inside ``MPI_Send`` for exactly that message, so the receives always complete. The receive holds
-the MPI call alone (the half-float bitcast runs apart), so it runs inline on the main thread.
-
-Hybrid pipeline x tensor (AxoNN-4D item 5): a stage's activations are sharded over the rank's local
-tensor mesh, and mpi4jax refuses multi-device arrays. Given the activation ``sharding``, the mpi4py
-transport stages through host memory (``np.asarray`` gathers the shards), the mpi4jax one sends so too
-and receives on the mesh's first device, and both lay a received payload out with that sharding before
-the next stage's kernels read it.
+With tensor parallelism (AxoNN 4D) a stage's activations are sharded over the rank's local mesh and
+mpi4jax refuses multi-device arrays: given the activation ``sharding``, both transports stage through
+host memory (the mpi4jax one receives on the mesh's first device) and lay a received payload out with
+that sharding before the next stage's kernels read it.
 """
 from __future__ import annotations
 

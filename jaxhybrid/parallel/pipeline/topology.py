@@ -4,7 +4,7 @@ Rank ``r`` of a ``G_inter x G_data`` job runs stage ``i = r % G_inter`` of repli
 so one pipeline row occupies consecutive ranks (activations stay on a node when ranks are packed by
 node) and a data column is strided by ``G_inter``. The pure part (:class:`Grid`, :func:`partition_blocks`)
 needs no MPI; :class:`Topology` adds the communicators, made collectively on every rank at start-up
-(mpi4jax's lazy default communicator hangs if only some ranks create it, facts.md):
+(mpi4jax's lazy default communicator hangs if only some ranks create it):
 
 - ``row``: the pipeline row (this replica's stages), used for control collectives such as the global
   gradient norm over stages;

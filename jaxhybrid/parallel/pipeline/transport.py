@@ -1,19 +1,19 @@
 """Moving activations and activation-gradients between pipeline stages (Myelin Alg. 2 SEND/RECEIVE).
 
 A :class:`Transport` gives the event loop three things: a ``send`` that never blocks the loop (1F1B's
-steady state has neighbours sending to each other at once, which deadlocks two blocking sends,
-facts.md), a non-blocking ``poll`` that returns the next arrived message whole, and ``flush`` at the
+steady state has neighbours sending to each other at once, which deadlocks two blocking sends above
+MPI's eager limit), a non-blocking ``poll`` that returns the next arrived message whole, and ``flush`` at the
 end of a step. The message's envelope (kind, microbatch, destination stage) is what Myelin's
 message-driven dispatch reads (Alg. 2 lines 13 and 21).
 
 Implementations:
 
 - :class:`InProcessTransport` (threads and queues): the same event loop in unit tests, no MPI.
-- ``jaxhybrid.parallel.pipeline.mpi_transport.Mpi4jaxTransport``: payloads move with ``mpi4jax`` inside cached
-  jitted send/recv; a sender thread makes sends non-blocking; a small mpi4py header on a dedicated
-  communicator is what ``Iprobe`` sees, so dispatch needs no per-tag compilation.
+- ``jaxhybrid.parallel.pipeline.mpi_transport.Mpi4jaxTransport``: payloads arrive through a cached jitted
+  ``mpi4jax.recv``; a sender thread sends from host buffers, so sends never block the loop; a small
+  header on a dedicated communicator is what ``Iprobe`` sees, so dispatch needs no per-tag compilation.
 - ``jaxhybrid.parallel.pipeline.mpi4py_transport.Mpi4pyTransport``: host-staged numpy buffers, ``Isend`` and
-  receives posted ahead (Myelin Sec. IV-A; measured faster on CPU; ``pipeline.transport=mpi4py``).
+  receives posted ahead (Myelin Sec. IV-A; the faster one on CPU; ``pipeline.transport=mpi4py``).
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class Journal:
 
 
 # Polling back-off, first and longest nap in seconds: sleeping yields the core to other ranks on
-# oversubscribed machines, where spinning starves them (facts.md). Also the message-driven gap fill's.
+# oversubscribed machines, where spinning starves them. Also the message-driven gap fill's.
 NAP, MAX_NAP = 5e-6, 2e-4
 
 

@@ -2,7 +2,7 @@
 
 - :func:`install_abort_on_exception`: an uncaught exception on any thread of any rank prints
   ``jaxhybrid: rank R (stage i, replica j) failed: ...`` and calls ``MPI_Abort`` (mpich does not end a
-  job when one rank raises: the others hang in their receives, facts.md).
+  job when one rank raises: the others hang in their receives).
 - :class:`Watchdog`: a daemon thread; while armed, if the rank reports no progress for ``deadline_s``
   seconds it prints what the rank was doing and its last sends and receives, then aborts the job.
   A killed rank is detected by the launcher (hydra ends the job and names the rank).
@@ -18,9 +18,8 @@ import traceback
 from typing import Any, Callable
 
 # Seconds between writing a failure's report and MPI_Abort. Why: the abort makes mpiexec's proxies kill
-# every process and stop, and a report still in the pipe to this rank's proxy was then lost now and then
-# (about 1 run in 20 of test_a_trainer_failing_on_one_process_ends_the_job[distributed-raises]: the
-# job ended, but no line named the failing process and the launcher saw no rank end first).
+# every process and stop, and a report still in the pipe to this rank's proxy could be lost (the job
+# ended, but no line named the failing process).
 ABORT_GRACE_S = 0.25
 
 

@@ -5,7 +5,7 @@ Read first: ``linear.py`` (Algorithm 1 with consistent axis names, the 2BP split
 each parameter lives, divisibility rules), ``jaxhybrid.runtime.engines.tensor`` (the GradEngine), ``hlo.py`` (collective bytes
 from compiled HLO against eqs. 4-8 of ``jaxhybrid.planner.comm_model``).
 
-Multi-process launch (item 6). The mesh is built from ``jax.devices()``, which after
+Multi-process launch. The mesh is built from ``jax.devices()``, which after
 ``jax.distributed.initialize`` lists the devices of every process, so the same engine spans nodes.
 ``jaxhybrid train --distributed`` starts the runtime (``distributed.py`` finds the peers from srun, from
 mpirun / ``jaxhybrid launch``, or from ``--coordinator --num-processes --process-id``)::

@@ -42,7 +42,7 @@ synchronous (no ``*-start``/``*-done`` pairs, so nothing can overlap) and the ba
 scheduling: a 2-block GPT on (1, 2, 2, 2) with recomputation compiles to the same sequence of 64
 collectives with B, C, D on or off, and XLA's CSE merges the recomputed all-gathers of unchanged weights,
 so E holds on CPU even when switched off (the lowered program shows the switch: fewer all-gathers with
-E). The overlap itself is a GPU-backend property, measured there with :func:`hlo.async_overlap`.
+E). The overlap itself is a GPU-backend property, which :func:`hlo.async_overlap` reports.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one pipeline rank: hybrid pipeline x tensor x data (AxoNN-4D Sec. V, item 5).
+"""Tensor parallelism inside one pipeline rank: hybrid pipeline x tensor x data (AxoNN-4D Sec. V).
 
 In the hybrid layout the Myelin grid ``G_inter x G_data`` is MPI ranks (stages and data replicas exchange
 activations and all-reduce gradients over MPI), and every rank drives a local mesh ``(1, G_d, G_r, G_c)`` of

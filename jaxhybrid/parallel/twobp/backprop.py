@@ -128,7 +128,6 @@ class Tape:
         Why not replay through autodiff as :meth:`site` does: the transpose of ``einsum(x, W)`` w.r.t. W
         is ``dot(dy, x)`` followed by a transpose, which XLA:CPU lowers to a generic (Eigen) matmul on
         a transposed copy of dy; ``dot(x, dy)`` over the token dims maps to its fast (YNNPACK) matmul.
-        Measured on gpt-small-cpu, 4 blocks, 4 x 128 tokens: weight pass 7.0 -> 4.0 ms (issue 3).
         """
         b = None if bias is None else self.per_sample(x, (bias,))[0]
         if self.mode != "replay":
@@ -142,11 +141,10 @@ class Tape:
         elif r.shape[-1] > c.shape[-1] and not self.cots_in_program:
             # The token dims lead in both operands, so one of them is transposed for the matmul: transpose
             # the narrower one (dy of mlp.down, not its 4x wider input) and the small [out, in] result.
-            # The barrier stops XLA from folding the transpose back into the dot (measured: -0.3 to -1 ms).
+            # The barrier stops XLA from folding the transpose back into the dot (the folded form runs slower).
             # Not in the fused backward: there dy of mlp.down is the residual stream's gradient, made in
             # the same program, and XLA wrote its transpose from inside the norm backward producing it,
-            # repeating that fusion (gpt-small-cpu 1:5, one core: 1.7 ms of such copies; transposing
-            # the input instead, 1.1 ms, and fused backward 15.0-15.2 -> 14.3 ms).
+            # repeating that fusion, so transposing the input there costs less.
             dw = jax.lax.optimization_barrier(jnp.tensordot(cr, r, axes=(lead, lead))).T
         else:
             dw = jnp.tensordot(r, cr, axes=(lead, lead))

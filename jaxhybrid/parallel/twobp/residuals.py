@@ -78,11 +78,9 @@ def remat_save_policy(remat: str, also_save: tuple[str, ...] = ()):
     ``also_save``: the ops object's :attr:`~jaxhybrid.model.layers.Ops.saved_names` (a tensor-parallel
     stage's gathered weights: AxoNN optimization E, so the input pass does not gather them again).
 
-    Why not a save-everything policy: plain ``jax.vjp`` keeps the same arrays, but XLA builds a leaner
-    forward of it (XLA's count of bytes accessed, 4-block stages at 4 x 128 tokens, float32:
-    llama-small-cpu 215 -> 151 MB, gpt-small-cpu 208 -> 187 MB, llama-tiny 62 -> 49 MB; forward time
-    0.89-0.98 of the checkpointed one). Such a policy was once needed to keep casts of the float32
-    masters out of the residuals; the forward now differentiates their cast copy (``Model.cast_matrices``)."""
+    Why not a save-everything policy: plain ``jax.vjp`` keeps the same arrays, but XLA builds a leaner and
+    faster forward of it (fewer bytes accessed). Casts of the float32 masters stay out of the residuals
+    without one: the forward differentiates their cast copy (``Model.cast_matrices``)."""
     if remat == "none":
         return None
     if remat == "dots":
@@ -107,7 +105,7 @@ def pack_partials(parts: list) -> dict:
     """Per-sample weight gradients (``[mb, 1.., d]`` each, in per_sample order) as one ``[mb, sum d]``
     array per dtype. Why: a stage has dozens of these small vectors (8 per GPT-2 block); one buffer per
     dtype instead of one each saves an output of the input pass, an input of the weight pass and a
-    reduction kernel in it, per vector (on an H100 each jitted call pays a few us per buffer and kernel)."""
+    reduction kernel in it, per vector (a jitted call pays a fixed host cost per buffer and kernel)."""
     groups: dict[str, list] = {}
     for g in parts:
         groups.setdefault(jnp.dtype(g.dtype).name, []).append(g.reshape(g.shape[0], -1))

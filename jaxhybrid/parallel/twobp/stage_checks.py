@@ -24,7 +24,7 @@ class StageChecks:
         """Params are the stage's slice, all float32 masters or all in the compute dtype (the offloaded
         optimizer keeps the masters on host and hands the stage its compute copy, Myelin V-B)."""
         # Fast path for a structure already accepted (the hot per-microbatch calls): a flatten and a dtype
-        # compare per leaf instead of the key paths that only the error message needs (~12 vs ~33 us).
+        # compare per leaf instead of the key paths that only the error message needs.
         leaves, treedef = jax.tree.flatten(params)
         dtypes = {getattr(v, "dtype", None) for v in leaves}
         if treedef == self._params_treedef and len(dtypes) == 1 and dtypes <= self._param_dtypes:

@@ -4,14 +4,12 @@
 work and the weight pass only the ``dW = x^T dy`` matmuls (plus the batch sums of per-sample norm and
 bias gradients). :func:`kernel_costs` reads that off the compiled programs themselves, free of timing
 noise. On the CPU backend: ``backward_input + backward_weight`` flops match the fused
-``backward``'s up to the cheap elementwise work XLA duplicates into several consumer fusions (0.992-1.000
-on ``scripts/bench_2bp.sh``'s stages; the fused pass duplicates more), and a weight pass that recomputed
-any of the forward would show up as extra flops.
+``backward``'s up to the cheap elementwise work XLA duplicates into several consumer fusions (the fused
+pass duplicates more), and a weight pass that recomputed any of the forward would show up as extra flops.
 The bytes are XLA's count at fusion boundaries (operands read plus results written, per fusion): equal
 bytes with unequal times point at cache locality or scheduling, not at extra traffic.
-On a GPU, XLA's count leaves out library calls (cuBLAS matmuls, cuDNN attention), and not evenly: on an
-H100 a bf16 GPT-2-small stage's weight pass counted 34 MFLOP for about 460 GFLOP of matmuls, and a 1.3B
-stage's split 1.6x the fused pass's flops. :func:`split_ratios` gives no ratio there.
+On a GPU, XLA's count leaves out library calls (cuBLAS matmuls, cuDNN attention), and not evenly across
+passes, so :func:`split_ratios` gives no ratio there.
 """
 from __future__ import annotations
 

@@ -30,9 +30,8 @@ from jaxhybrid.parallel.twobp.stage_checks import StageChecks
 
 def _plus(acc, grads):
     """``acc + grads`` inside a kernel (``acc`` None: grads). Why: a pipeline sums a stage's gradients
-    over microbatches, and a separate add program per microbatch cost more than the add inside the kernel
-    (4-block gpt-small-cpu stage, 48 leaves, 3.2 MB, on one core as a pipeline rank runs: fused backward
-    16.4-16.9 -> 16.0-16.5 ms, weight pass 6.5-6.8 -> 6.2 ms; about even on two cores)."""
+    over microbatches, and a separate add program per microbatch costs more than the add inside the
+    kernel on a one-core pipeline rank."""
     return grads if acc is None else jax.tree.map(jnp.add, acc, grads)
 
 
@@ -139,9 +138,7 @@ class StagePasses(StageChecks):
         """backward-p2 of K microbatches in one program: the sum of their K weight passes (plus ``acc``,
         the sum of earlier chunks), each reading its own residuals where they lie. Why not only the
         concatenation of 2BP Fig. 2 (one larger matmul per site): it first copies every record and
-        cotangent of the K microbatches, which on a 2-core CPU cost more than the weight pass itself
-        (gpt-small-cpu, 4 blocks, 4 x 128 tokens, K=4: 2.9 ms per microbatch for this program against 5.6
-        for copy + concatenated pass, 3.6 for K calls)."""
+        cotangent of the K microbatches, which on a CPU can cost more than the weight pass itself."""
         self.trace_counts["backward_weight_sum"] += 1
         grads = [self._weight_grads(params, wr) for wr in wrs]
         return _plus(acc, jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *grads))

@@ -2,7 +2,7 @@
 
 Layout: ``<run.dir>/checkpoints/rank_<r>/<step>/`` written by an orbax ``CheckpointManager`` (it writes
 to a temporary directory and renames it on commit, so a crash mid-save leaves nothing that loads).
-Under mpirun each rank is its own single-process JAX (facts.md), so each rank owns its directory; the
+Under mpirun each rank is its own single-process JAX, so each rank owns its directory; the
 step to resume from is the newest one that *every* rank committed, agreed through the engine.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Both share one small interface: ``encode(str) -> list[int]``, ``decode(ids) -> s
 ``name``, plus ``encode_array`` (a NumPy fast path used on whole corpora). The BPE is byte-level
 (GPT-2 style pre-tokenizer over the 256 byte symbols), so every string round-trips exactly and no
 unknown token exists. It is trained with HF ``tokenizers`` from the text itself: nothing is downloaded
-(tiktoken fetches its encodings at run time, which fails offline; see shared/notes/facts.md).
+(tiktoken fetches its encodings at run time, which fails offline).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The objects a config chooses: the engine for its layout and the updater for its optimizer. The trainer
-builds them here once, so the step itself has no feature flags (ARCHITECTURE: choose by building different
+builds them here once, so the step itself has no feature flags (a choice is made by building different
 objects); and :func:`committed`, which places freshly built arrays where the step's jit expects them.
 """
 from __future__ import annotations

@@ -62,7 +62,7 @@ class PipelineEngine:
             install_abort_on_exception(self.who, topology.world)
         # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
         interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
-        # Hybrid pipeline x tensor (AxoNN-4D item 5): this rank's stage runs on its local tensor mesh, with
+        # Hybrid pipeline x tensor (AxoNN-4D Sec. V): this rank's stage runs on its local tensor mesh, with
         # the tensor ops injected into the (unchanged) model; checks the layout before any compile.
         self.local = None
         stage_model = model

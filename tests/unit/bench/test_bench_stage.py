@@ -1,4 +1,4 @@
-"""``jaxhybrid bench stage`` (issue 3): one JSON object with the timings side by side and the errors.
+"""``jaxhybrid bench stage``: one JSON object with the timings side by side and the errors.
 
 Timings are not asserted (shared, noisy machines); the JSON contract and the correctness figures are.
 """

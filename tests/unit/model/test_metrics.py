@@ -112,8 +112,8 @@ def test_load_hardware():
 
 
 def test_auto_hardware_follows_the_device(tmp_path):
-    """``metrics.hardware: auto``: the CPU file on a CPU, the file whose device_kinds names the GPU (an H100
-    run once reported mfu 423% against the CPU file), and no MFU for a device no file names."""
+    """``metrics.hardware: auto``: the CPU file on a CPU, the file whose device_kinds names the GPU (against
+    the CPU file a GPU run reports an MFU far over 100%), and no MFU for a device no file names."""
     from types import SimpleNamespace as Dev
 
     assert H.hardware_for_device(Dev(platform="cpu", device_kind="cpu"))["name"] == "cpu"

@@ -252,8 +252,8 @@ def test_streamed_norm_leaves_out_what_the_engines_norm_view_drops(clip):
 def test_trainer_path_holds_myelins_device_footprint():
     """``OffloadUpdater.apply`` called as ``Trainer.step`` calls it (the params and gradient pytrees the
     engine used) consumes both, and its device peak, probed after the gradients are flattened and after
-    every bucket, stays within Myelin's ``4 phi + 28 bsize`` (bf16; was 4 phi above it, 2.17 vs 1.27 MB
-    on gpt-tiny, with both pytrees kept alive next to the flat vectors)."""
+    every bucket, stays within Myelin's ``4 phi + 28 bsize`` (bf16; with both pytrees kept alive next to
+    the flat vectors it would be about 4 phi above it)."""
     from jaxhybrid.core.config.schema import Config, OptimConfig, PrecisionConfig
     from jaxhybrid.optim.memory_report import live_device_bytes
 

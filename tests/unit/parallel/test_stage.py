@@ -1,4 +1,4 @@
-"""2BP stage kernels against plain ``jax.vjp`` of the same slice (issue 3).
+"""2BP stage kernels against plain ``jax.vjp`` of the same slice.
 
 Tiny models (d_model 32, 3 blocks, microbatch 2 x 8 tokens) keep compile time low; every comparison goes
 through ``assert_tree_close`` so a failure names the pytree path.

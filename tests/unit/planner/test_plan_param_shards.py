@@ -45,8 +45,8 @@ def _trainer_entries(cfg, partition) -> list[dict]:
 @pytest.mark.parametrize("model,tied", MODELS)
 def test_planner_param_state_is_the_trainers_memory_report(model, tied, pipeline):
     """Exactly the bytes of memory.json's device_total: norm scales and biases are replicated over some
-    tensor axes (tensor/sharding.py), so phi / (G_c G_r G_d), the planner's count before, was 0.2% (LLaMA)
-    to 24% (tied GPT, 2 stages) low on these models; tied models' blocks also lost V d / L parameters each."""
+    tensor axes (tensor/sharding.py), so phi / (G_c G_r G_d) undercounts them, by 0.2% (LLaMA) to 24% (tied
+    GPT, 2 stages) on these models; a tied model's blocks would also lose V d / L parameters each."""
     machine = machine_from_hardware(load_hardware("h100-node"), 8, "bfloat16", 0.5)
     for mesh in MESHES if pipeline == 1 else MESHES[2:]:
         cfg = _run(model, tied, mesh, pipeline)

@@ -34,7 +34,7 @@ def _simulated(p, m, split, bi, bw, msg, limit):
 @pytest.mark.parametrize("split", [False, True])
 def test_makespan_is_the_simulators_for_the_limit(split):
     """Short schedules are simulated with the limit; long ones extrapolate from points a whole number of
-    limit-sized rounds apart (p apart missed by up to 1.2%, at limit 12)."""
+    limit-sized rounds apart (points p apart miss where the limit is not p)."""
     for limit in (1, 2, 3, 6):
         assert mk.pipeline_makespan("myelin", 4, 8, split, 1.5, 1.0, 0.2, limit)[0] == \
             pytest.approx(_simulated(4, 8, split, 1.5, 1.0, 0.2, limit)), limit

@@ -124,7 +124,7 @@ def test_microbatches_reduce_every_gradient_over_data_once_after_the_scan(microb
 def test_qkv_split_is_local_with_heads_over_column(model):
     """The fused qkv kernel's columns are grouped per key/value head (model.transformer.PARAM_LAYOUT), so
     the qkv layer's contiguous column blocks hold whole groups and splitting q, k and v moves nothing: no
-    collective-permute or all-to-all in the step (with [q | k | v] columns they were 34% of gpt-tiny's
+    collective-permute or all-to-all in the step (with [q | k | v] columns they were a third of gpt-tiny's
     tensor-parallel bytes on this mesh)."""
     shape = (2, 1, 2, 2)
     cfg = load_config(None, [f"model.name={model}", "model.n_layers=2", "train.global_batch=8", "data.seq_len=32",

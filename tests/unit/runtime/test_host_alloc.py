@@ -53,7 +53,7 @@ def test_tuned_malloc_keeps_a_large_temporary_mapped_between_calls():
     assert pages >= 16384, tuned  # the probe really has a 64 MiB temporary
     # glibc's defaults mmap it afresh per call: every page faults in every window. Tuned, it stays in the
     # heap: a settled window has no faults. Why the best window and not one long one: on a loaded machine
-    # the heap may still grow now and then (CI once measured 10%, then 25% of the pages over 20 calls).
+    # the heap may still grow now and then, faulting in part of the pages of a few calls.
     assert min(system["faults_per_call"]) > 0.9 * pages, system
     assert min(tuned["faults_per_call"]) < 0.05 * pages, tuned
     several = _probe(XLA_FLAGS="--xla_force_host_platform_device_count=4")["status"]
