@@ -1,11 +1,11 @@
 """The pipeline event loop: executes a :class:`~jaxhybrid.parallel.pipeline.tasks.Schedule` on one rank.
 
-The loop holds one of two policies, chosen when it is built (:func:`loop_policy`; schedules are data, the
-policy only decides the order of work, and only the message-driven one decides anything):
+The loop holds one of two policies, chosen when it is built (:func:`loop_policy`). Schedules are data; a
+policy decides only the order of work, and only the message-driven one decides anything:
 
-- :class:`FixedOrder` (schedules of policy ``static``): run this rank's row of tasks in order. A task whose input is a message (an activation
-  for ``F``, a gradient for ``B``/``BI``) waits for it; messages that arrive early wait in a mailbox, so
-  any valid schedule runs whatever the arrival order.
+- :class:`FixedOrder` (schedules of policy ``static``): run this rank's row of tasks in order. A task
+  whose input is a message (an activation for ``F``, a gradient for ``B``/``BI``) waits for it; messages
+  that arrive early wait in a mailbox, so any valid schedule runs whatever the arrival order.
 - :class:`~jaxhybrid.parallel.pipeline.message_driven.MessageDriven` (Myelin Alg. 2): each arriving message
   picks the work; with 2BP the weight passes fill the time no message is waiting.
 
