@@ -1,12 +1,16 @@
 """The pipeline event loop: executes a :class:`~jaxhybrid.parallel.pipeline.tasks.Schedule` on one rank.
 
-Two policies (schedules are data; the engine only decides order in the message-driven policy):
+The loop holds one of two policies, chosen when it is built (:func:`loop_policy`). Schedules are data; a
+policy decides only the order of work, and only the message-driven one decides anything:
 
-- ``static``: run this rank's row of tasks in order. A task whose input is a message (an activation
-  for ``F``, a gradient for ``B``/``BI``) waits for it; messages that arrive early wait in a mailbox, so
-  any valid schedule runs whatever the arrival order.
-- ``message-driven`` (Myelin Alg. 2, :mod:`~jaxhybrid.parallel.pipeline.message_driven`): each arriving message
+- :class:`FixedOrder` (schedules of policy ``static``): run this rank's row of tasks in order. A task
+  whose input is a message (an activation for ``F``, a gradient for ``B``/``BI``) waits for it; messages
+  that arrive early wait in a mailbox, so any valid schedule runs whatever the arrival order.
+- :class:`~jaxhybrid.parallel.pipeline.message_driven.MessageDriven` (Myelin Alg. 2): each arriving message
   picks the work; with 2BP the weight passes fill the time no message is waiting.
+
+A policy drives the loop through its task methods (:meth:`EventLoop.forward`, :meth:`EventLoop.backward`,
+:meth:`EventLoop.weight_pass`, :meth:`EventLoop.execute`), its mailbox and :meth:`EventLoop.receive`.
 
 Dispatch (Myelin Sec. IV-A): unsynced, a task's kernel is only dispatched and the loop goes on; with
 ``synced`` every task waits for its kernel and the recorder holds kernel times (traces, benchmarks). When
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,30 @@ from jaxhybrid.parallel.pipeline.trace import Recorder
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, Transport, wait_message
 
 
+class Policy(Protocol):
+    """What decides the order of a rank's work in one step; ``name`` is the schedules' ``policy`` it runs."""
+
+    name: str
+
+    def run(self, loop: EventLoop, schedule: Schedule) -> None: ...
+
+
+class FixedOrder:
+    """The static policy: this rank's row of the schedule, task by task (a task waits for its message)."""
+
+    name = "static"
+
+    def run(self, loop: EventLoop, schedule: Schedule) -> None:
+        for t in schedule.rows[loop.rank]:
+            loop.execute(t, schedule.split_backward)
+
+
+def loop_policy(schedule: Schedule, weight_budget: int = 0) -> Policy:
+    """The policy that runs ``schedule``: Myelin Alg. 2 for a message-driven schedule (``weight_budget``:
+    its 2BP bound, 0 = the number of stages), else the fixed order of its rows."""
+    return MessageDriven(weight_budget) if schedule.policy == MessageDriven.name else FixedOrder()
+
+
 @dataclass
 class StepResult:
     loss_sum: jax.Array | None  # sum of microbatch mean losses (last stage only)
@@ -40,38 +68,41 @@ class StepResult:
     wall_s: float  # first task to the end of the flush (unsynced: kernels may still be running then)
 
 
-class EventLoop(MessageDriven):
-    """Runs one training step's pipeline phase for the stages owned by ``rank``.
+class EventLoop:
+    """Runs one training step's pipeline phase for the stages owned by ``rank``, in the order its policy
+    decides.
 
     Args:
       stages: ``{stage index: Stage}`` for the stages this rank runs (jaxhybrid.parallel.twobp.stage.Stage API).
       stage_to_rank: row rank of every logical stage.
       rank: this process's rank in the pipeline row.
       transport: a :class:`~jaxhybrid.parallel.pipeline.transport.Transport`.
+      policy: what orders the work (:func:`loop_policy` of the schedules it will run); it runs only
+        schedules of its kind. The engine swaps it with the schedule (``PipelineEngine.set_schedule``).
       join: ``join(stage, parts)`` hands the weight residuals of several microbatches to one ``BW`` call
         (:func:`jaxhybrid.parallel.twobp.stage.weight_join`): the list (the default; the stage sums their weight
         passes in one program) or one batch (one larger matmul per site, 2BP Fig. 2).
       progress: called after every task and message (the watchdog's heartbeat).
       waiting: called with what the loop is about to wait for (named in the watchdog's report).
-      weight_budget: message-driven 2BP: most microbatches whose weight pass may wait.
       synced: wait for every task's kernel and record its time (traces, benchmarks); False (training):
         dispatch asynchronously and record dispatch spans (module docstring). May be changed between steps.
     """
 
     def __init__(self, stages: dict[int, Any], stage_to_rank: tuple[int, ...], rank: int, transport: Transport,
+                 policy: Policy | None = None,
                  join: Callable[[Any, list[Any]], Any] = lambda stage, parts: list(parts),
                  progress: Callable[[str], None] | None = None,
-                 weight_budget: int = 0, waiting: Callable[[str], None] | None = None,
+                 waiting: Callable[[str], None] | None = None,
                  peer_name: Callable[[int], str] | None = None, synced: bool = False):
         self.stages, self.stage_to_rank, self.rank = stages, tuple(stage_to_rank), rank
         self.num_stages = len(self.stage_to_rank)
         self.transport, self.join = transport, join
+        self.policy = policy or FixedOrder()
         self.progress = progress or (lambda what: None)
         self.waiting = waiting or (lambda what: None)
         # How waits, receives and the journal name a peer (by its rank in the pipeline row); the MPI runner
         # says its world rank, stage and replica, as every other message names a rank.
         self.peer_name = peer_name or (lambda r: f"pipeline rank {r}")
-        self.weight_budget = weight_budget or self.num_stages
         self.synced = synced
         self.recorder = Recorder(rank)
         self.order: list[Task] = []  # the last step's tasks in the order this rank dispatched them
@@ -87,6 +118,9 @@ class EventLoop(MessageDriven):
         if schedule.num_microbatches != tokens.shape[0]:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.num_microbatches} microbatches, "
                              f"the batch has {tokens.shape[0]}")
+        if schedule.policy != self.policy.name:
+            raise ValueError(f"schedule {schedule.name!r} is {schedule.policy}; this loop was built with the "
+                             f"{self.policy.name} policy (EventLoop(policy=loop_policy(schedule)))")
         # Host tokens: slicing numpy is free, slicing a device array is an eager op per microbatch.
         self.params, self.tokens = params, np.asarray(tokens)
         self.cot = jnp.float32(cotangent)
@@ -98,11 +132,7 @@ class EventLoop(MessageDriven):
         self.recorder = Recorder(self.rank, synced=self.synced)
         self.order, self.inflight = [], InFlight()
         start = time.perf_counter()
-        if schedule.policy == "message-driven":
-            self._message_driven(schedule)
-        else:
-            for t in schedule.rows[self.rank]:
-                self._execute(t, schedule.split_backward)
+        self.policy.run(self, schedule)
         t0 = time.perf_counter()
         self.transport.flush()
         self.recorder.add("flush", "wait", t0, time.perf_counter())
@@ -146,7 +176,8 @@ class EventLoop(MessageDriven):
         return total
 
     # -- messages ------------------------------------------------------------------------------------
-    def _receive_into_mailbox(self, block: bool) -> bool:
+    def receive(self, block: bool) -> bool:
+        """Move one message into the mailbox (waiting for it if ``block``); False if none had arrived."""
         t0 = time.perf_counter()
         msg = wait_message(self.transport) if block else self.transport.poll()
         if msg is None:
@@ -168,7 +199,7 @@ class EventLoop(MessageDriven):
             src = self.stage_to_rank[env.stage - 1 if env.kind is MsgKind.ACT else env.stage + 1]
             self.waiting(f"waiting for {env} from {self.peer_name(src)}")
         while env not in self.mailbox:
-            self._receive_into_mailbox(block=True)
+            self.receive(block=True)
         return self.mailbox.pop(env)
 
     def _send(self, x: Any, kind: MsgKind, mb: int, stage: int) -> None:
@@ -191,14 +222,15 @@ class EventLoop(MessageDriven):
         self.progress(f"{'ran' if self.synced else 'dispatched'} {name}")
         return out
 
-    def _execute(self, t: Task, split: bool) -> None:
+    def execute(self, t: Task, split: bool) -> None:
+        """Run one task of a schedule's row (its input message taken from the mailbox, waited for)."""
         s, mb = t.stage, t.microbatch
         if t.kind is Kind.F:
-            self._forward(s, mb)
+            self.forward(s, mb)
         elif t.kind in (Kind.B, Kind.BI):
-            self._backward(s, mb, split=t.kind is Kind.BI)
+            self.backward(s, mb, split=t.kind is Kind.BI)
         elif t.kind is Kind.BW:
-            self._weight(s, t.microbatches)
+            self.weight_pass(s, t.microbatches)
         else:
             raise ValueError(f"pipeline rank {self.rank}: unknown task {t}")
 
@@ -208,7 +240,8 @@ class EventLoop(MessageDriven):
         x = self.tokens[mb, :, :-1] if s == 0 else self._take(Envelope(MsgKind.ACT, mb, s))
         return x, self.tokens[mb, :, 1:] if s == self.num_stages - 1 else None
 
-    def _forward(self, s: int, mb: int) -> None:
+    def forward(self, s: int, mb: int) -> None:
+        """Stage ``s``'s forward of microbatch ``mb``; its activation goes on (the last stage keeps the loss)."""
         stage = self.stages[s]
         last = s == self.num_stages - 1
         x, targets = self._inputs(s, mb)
@@ -219,7 +252,9 @@ class EventLoop(MessageDriven):
         else:
             self._send(y, MsgKind.ACT, mb, s + 1)
 
-    def _backward(self, s: int, mb: int, split: bool) -> None:
+    def backward(self, s: int, mb: int, split: bool) -> None:
+        """Stage ``s``'s backward of ``mb``: with ``split`` 2BP's backward-p1 only (its weight residuals
+        kept for :meth:`weight_pass`), else the fused backward; the input gradient goes back."""
         stage = self.stages[s]
         dy = self.cot if s == self.num_stages - 1 else self._take(Envelope(MsgKind.GRAD, mb, s))
         res = self.residuals.pop((s, mb))
@@ -232,7 +267,8 @@ class EventLoop(MessageDriven):
         if s > 0:
             self._send(dx, MsgKind.GRAD, mb, s - 1)
 
-    def _weight(self, s: int, mbs: tuple[int, ...]) -> None:
+    def weight_pass(self, s: int, mbs: tuple[int, ...]) -> None:
+        """2BP backward-p2 of stage ``s`` over microbatches ``mbs`` in one call (Fig. 2)."""
         stage = self.stages[s]
         parts = [self.wres.pop((s, m)) for m in mbs]
         acc = self._grad_sum(s)

@@ -1,4 +1,4 @@
-"""Myelin Alg. 2, the message-driven policy of the pipeline event loop (see :mod:`.engine`).
+"""Myelin Alg. 2, the message-driven policy of the pipeline event loop (:mod:`.event_loop`).
 
 Stage 0 injects ``pipeline_limit`` forwards; then every arriving message picks the work: an activation
 from the previous stage runs a forward (on the last stage the backward at once), a gradient from the next
@@ -10,7 +10,7 @@ simulator's :class:`~jaxhybrid.parallel.pipeline.policies.MessageDrivenPolicy` m
 (``simulate(..., weight_budget=...)``); tests/unit/parallel/test_engine_vs_simulator.py holds the two to the same
 order and peak on :mod:`~jaxhybrid.parallel.pipeline.virtual_clock`. Change them together.
 
-With asynchronous dispatch (:mod:`.engine`) "no message is waiting" is not yet idle time: the kernels
+With asynchronous dispatch (:mod:`.dispatch`) "no message is waiting" is not yet idle time: the kernels
 already dispatched may still be running. A gap-filling weight pass is dispatched only once they have all
 finished, and the next one only once it has finished too, the loop polling for messages meanwhile; the
 budget's forced pass and the trailing joined pass are work that must run anyway and are only dispatched.
@@ -24,35 +24,45 @@ from jaxhybrid.parallel.pipeline.transport import MAX_NAP, NAP, MsgKind
 
 
 class MessageDriven:
-    """The policy as a mixin of :class:`~jaxhybrid.parallel.pipeline.event_loop.EventLoop`, whose task methods
-    (``_forward``, ``_backward``, ``_weight``) and mailbox it drives; the order of work is the only thing
-    it decides."""
+    """The policy a :class:`~jaxhybrid.parallel.pipeline.event_loop.EventLoop` holds for message-driven
+    schedules: it drives the loop's task methods (``forward``, ``backward``, ``weight_pass``) from the loop's
+    mailbox; the order of work is the only thing it decides.
 
-    def _message_driven(self, schedule: Schedule) -> None:
-        if len(self.stages) != 1:
-            raise ValueError(f"the message-driven policy runs one stage per rank; pipeline rank {self.rank} "
-                             f"owns stages {sorted(self.stages)}")
-        (s,) = self.stages
+    Args:
+      weight_budget: with 2BP, the most microbatches whose weight pass may wait (0: the number of stages).
+    """
+
+    name = "message-driven"
+
+    def __init__(self, weight_budget: int = 0):
+        self.weight_budget = weight_budget
+
+    def run(self, loop, schedule: Schedule) -> None:
+        if len(loop.stages) != 1:
+            raise ValueError(f"the message-driven policy runs one stage per rank; pipeline rank {loop.rank} "
+                             f"owns stages {sorted(loop.stages)}")
+        (s,) = loop.stages
         m = schedule.num_microbatches
-        limit = schedule.pipeline_limit or self.num_stages
+        limit = schedule.pipeline_limit or loop.num_stages
+        budget = self.weight_budget or loop.num_stages
         split = schedule.split_backward
-        last = s == self.num_stages - 1
+        last = s == loop.num_stages - 1
         pending_w: list[int] = []
         injected = backwards = 0
 
         def backward(mb: int) -> None:
             nonlocal backwards
-            self._backward(s, mb, split)
+            loop.backward(s, mb, split)
             backwards += 1
             if split:
                 pending_w.append(mb)
-                if len(pending_w) >= self.weight_budget:  # memory bound reached: pay the weight pass now
-                    self._weight(s, (pending_w.pop(0),))
+                if len(pending_w) >= budget:  # memory bound reached: pay the weight pass now
+                    loop.weight_pass(s, (pending_w.pop(0),))
 
         def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
             nonlocal injected
             while s == 0 and injected < m and injected - backwards < limit:
-                self._forward(s, injected)
+                loop.forward(s, injected)
                 injected += 1
                 if last:
                     backward(injected - 1)
@@ -60,9 +70,9 @@ class MessageDriven:
         inject()
         nap = NAP
         while backwards < m:
-            if not self.mailbox and not self._receive_into_mailbox(block=False):
-                if pending_w and self.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
-                    self._weight(s, (pending_w.pop(0),))
+            if not loop.mailbox and not loop.receive(block=False):
+                if pending_w and loop.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
+                    loop.weight_pass(s, (pending_w.pop(0),))
                     nap = NAP
                     continue
                 if pending_w:
@@ -73,19 +83,19 @@ class MessageDriven:
                     # keep that message unheard until the pass ends and then idle the device while the
                     # host dispatches; polling hears it at once and queues its task behind the one pass.
                     if nap == NAP:
-                        self.waiting("waiting for the device to idle (a weight pass) or for a message")
+                        loop.waiting("waiting for the device to idle (a weight pass) or for a message")
                     time.sleep(nap)  # yields the core to the kernels on an oversubscribed CPU
                     nap = min(2 * nap, MAX_NAP)
                     continue
-                self._receive_into_mailbox(block=True)
+                loop.receive(block=True)
             nap = NAP
-            env = next(iter(self.mailbox))
+            env = next(iter(loop.mailbox))
             if env.kind is MsgKind.ACT:
-                self._forward(s, env.microbatch)
+                loop.forward(s, env.microbatch)
                 if last:
                     backward(env.microbatch)
             else:
                 backward(env.microbatch)
                 inject()
         if pending_w:  # 2BP Sec. 3.2 / Fig. 2: the weight passes left after the last BI run as one
-            self._weight(s, tuple(pending_w))
+            loop.weight_pass(s, tuple(pending_w))

@@ -50,7 +50,8 @@ class SimResult:
 
 def run_order(schedule: Schedule, costs: Costs, weight_budget: int = 0) -> Core:
     """Executes ``schedule`` under ``costs``; raises ValueError naming the blocked tasks on deadlock.
-    ``weight_budget``: the engine's (``EventLoop(weight_budget=...)``, 0: stages) for message-driven 2BP."""
+    ``weight_budget``: the engine's for message-driven 2BP (the event loop's policy,
+    ``MessageDriven(weight_budget=...)``; 0: stages)."""
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"costs cover {costs.num_stages} stages, schedule {schedule.name!r} has "
                          f"{schedule.num_stages}")
@@ -123,7 +124,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, latency: float |
       costs: per-stage costs; default F = BI = BW = 1 (B = 2), unit activation bytes, free messages.
       latency, bandwidth: override ``costs.latency`` / ``costs.bandwidth``.
       weight_budget: message-driven 2BP: most microbatches whose weight pass may wait, as the engine's
-        ``EventLoop(weight_budget=...)`` (0: the number of stages, the engine's default).
+        event loop's policy ``MessageDriven(weight_budget=...)`` (0: the number of stages, the engine's default).
     """
     costs = costs or Costs.uniform(schedule.num_stages)
     if latency is not None or bandwidth is not None:

@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 from jaxhybrid.parallel.pipeline.costs import Costs
-from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
 from jaxhybrid.parallel.pipeline.transport import Envelope, Message, MsgKind
 
 
@@ -179,8 +179,8 @@ def run_engine(schedule, costs: Costs, stages: list[Any], params: list[Any], tok
                 peaks[r] = max(peaks[r], len(loop.residuals) + len(loop.wres) + k)
 
             stage = ClockedStage(clock, r, stages[r], probe)
-            loop = EventLoop({r: stage}, tuple(range(n)), r, ClockedTransport(clock, r), join=clocked_join(join),
-                             weight_budget=weight_budget, synced=synced)
+            loop = EventLoop({r: stage}, tuple(range(n)), r, ClockedTransport(clock, r),
+                             loop_policy(schedule, weight_budget), join=clocked_join(join), synced=synced)
             results[r] = loop.run(schedule, {r: params[r]}, tokens, cotangent)
             orders[r] = loop.order
         except BaseException as e:  # re-raised below, after every rank has stopped

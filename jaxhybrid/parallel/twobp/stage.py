@@ -16,8 +16,13 @@ the taps split of :mod:`jaxhybrid.parallel.twobp.backprop` (2BP Sec. 3):
 
 Tied embeddings: a last stage that is not also the first gets the token table as its own parameter
 ``TIED_KEY = "embed_wte_copy"`` (Megatron's copy); :func:`assemble_grads` adds its gradient to
-``embed.wte``. Kernel construction and the whole-model ``custom_vjp`` live in ``stage_kernels.py``, what the
-kernels compute in ``stage_passes.py``.
+``embed.wte``.
+
+A stage is built from its parts: its :class:`~jaxhybrid.parallel.twobp.layout.StageLayout` (blocks,
+segments, parameter names), the input checks (:mod:`~jaxhybrid.parallel.twobp.stage_checks`), the traced
+passes (:mod:`~jaxhybrid.parallel.twobp.stage_passes`) and the jitted kernels that run them
+(:mod:`~jaxhybrid.parallel.twobp.stage_kernels`). Each public kernel call checks its inputs, then runs
+the kernel.
 """
 from __future__ import annotations
 
@@ -27,16 +32,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhybrid.core.config.model import REMATS
-from jaxhybrid.model.remat import optimal_checkpoint_interval
 from jaxhybrid.model.transformer import TIED_KEY, Model, block_name
 from jaxhybrid.parallel.twobp import residuals as rs
+from jaxhybrid.parallel.twobp.layout import StageLayout
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
+from jaxhybrid.parallel.twobp.stage_checks import StageChecks
 from jaxhybrid.parallel.twobp.stage_kernels import StageKernels
+from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 from jaxhybrid.parallel.twobp.weight_join import auto_weight_join, concat_weight_residuals, weight_join
 
 
-class Stage(StageKernels):
+class Stage:
     """Blocks ``[first_block, last_block)`` of ``model`` (see module docstring).
 
     Args:
@@ -49,44 +55,87 @@ class Stage(StageKernels):
         of segments of ``ac`` blocks; backward_input recomputes each segment).
       checkpoint_interval: Myelin's ac (blocks per segment, Sec. V-A), only with ``remat="full"``;
         0 = ``optimal_checkpoint_interval(n_layers, num_stages_hint)`` or 1 (every block) without a hint.
+
+    Parts: ``layout`` (:class:`StageLayout`), ``checks`` (:class:`StageChecks`), ``passes``
+    (:class:`StagePasses`, whose ``trace_counts`` the stage shows) and ``kernels`` (:class:`StageKernels`).
     """
 
     def __init__(self, model: Model, first_block: int, last_block: int, *, num_stages_hint: int | None = None,
                  remat: str = "none", checkpoint_interval: int = 0):
-        n = model.cfg.n_layers
-        if not (isinstance(first_block, int) and isinstance(last_block, int)) or not 0 <= first_block < last_block <= n:
-            raise ValueError(f"stage block range [{first_block}, {last_block}) is empty or outside the model's "
-                             f"{n} blocks; need 0 <= first_block < last_block <= {n}")
-        if remat not in REMATS:
-            raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMATS)}")
-        if checkpoint_interval < 0 or (checkpoint_interval > 0 and remat != "full"):
-            raise ValueError(f"checkpoint_interval={checkpoint_interval} with remat={remat!r}: the interval must be "
-                             f">= 0 and is only used with remat='full'")
-        if num_stages_hint is not None and not 1 <= num_stages_hint <= n:
-            raise ValueError(f"num_stages_hint={num_stages_hint} must be in [1, n_layers={n}]")
-        self.model = model
-        self.cfg = model.cfg
-        self.first_block, self.last_block = first_block, last_block
-        self.is_first, self.is_last = first_block == 0, last_block == n
-        self.remat = remat
-        self.num_blocks = last_block - first_block
-        if remat == "full":
-            ac = checkpoint_interval or (optimal_checkpoint_interval(n, num_stages_hint) if num_stages_hint else 1)
-            self.checkpoint_interval = min(ac, self.num_blocks)
-            self.segments = [(lo, min(lo + ac, last_block)) for lo in range(first_block, last_block, ac)]
-        else:
-            self.checkpoint_interval = 0
-            self.segments = [(first_block, last_block)]
-        names = (["embed"] if self.is_first else []) + [block_name(i) for i in range(first_block, last_block)]
-        names += ["head"] if self.is_last else []
-        if self.is_last and self.cfg.tie_embeddings and not self.is_first:
-            names.append(TIED_KEY)
-        self.param_names: list[str] = names
-        super().__init__()
+        self.layout = lay = StageLayout.build(model, first_block, last_block, num_stages_hint=num_stages_hint,
+                                              remat=remat, checkpoint_interval=checkpoint_interval)
+        self.model, self.cfg = lay.model, lay.cfg
+        self.first_block, self.last_block = lay.first_block, lay.last_block
+        self.is_first, self.is_last = lay.is_first, lay.is_last
+        self.remat, self.num_blocks = lay.remat, lay.last_block - lay.first_block
+        self.checkpoint_interval, self.segments = lay.checkpoint_interval, lay.segments
+        self.param_names: list[str] = lay.param_names
+        self.checks = StageChecks(lay)
+        self.passes = StagePasses(lay)
+        self.kernels = StageKernels(self.passes)
+        self._fn = None  # as_function's custom_vjp, built once
 
     def __repr__(self) -> str:
-        return (f"Stage(blocks=[{self.first_block}, {self.last_block}), first={self.is_first}, last={self.is_last}, "
-                f"remat={self.remat!r}, ac={self.checkpoint_interval}, dtype={self.model.compute_dtype})")
+        return repr(self.layout)
+
+    @property
+    def trace_counts(self) -> dict[str, int]:
+        """Traces of each kernel so far (one per compiled input shape; see :class:`StagePasses`)."""
+        return self.passes.trace_counts
+
+    # ---- kernels ----------------------------------------------------------------------------------------
+    def forward(self, params, x, targets=None):
+        """Run the stage on one microbatch. First stage: ``x`` int32 tokens ``[mb, T]``; others:
+        activations ``[mb, T, d]`` in the compute dtype. Last stage: returns the mean loss (float32 scalar)
+        over the microbatch and needs ``targets`` int32 ``[mb, T]``. Returns ``(y, residuals)``."""
+        x, targets = self.checks.inputs(params, x, targets)
+        return self.kernels.forward(params, x, targets)
+
+    def evaluate(self, params, x, targets=None):
+        """Forward only, keeping no residuals (validation): inputs and output as in :meth:`forward`."""
+        x, targets = self.checks.inputs(params, x, targets)
+        return self.kernels.eval_program(params, x, targets)
+
+    def backward_input(self, residuals: Residuals, dy):
+        """2BP backward-p1: ``(dx, weight_residuals)``; ``dx`` is None on the first stage (tokens)."""
+        dy = self.checks.cotangent(residuals, dy)
+        return self.kernels.backward_input(residuals, dy)
+
+    def backward_weight(self, params, weight_residuals, acc=None):
+        """2BP backward-p2: the parameter gradients (the stage's param dict structure). Several
+        microbatches give the sum of their gradients, either as one batch concatenated with
+        ``concat_weight_residuals`` (one larger matmul per site, 2BP Fig. 2) or as a list or tuple of
+        their ``WeightResiduals`` (one program, no copy: :meth:`StagePasses.weight_sum`). ``acc``: a
+        running gradient sum to add them to, inside the kernel; it is donated (do not use it afterwards)."""
+        self.checks.params(params)
+        self.checks.acc(acc, params)
+        return self.kernels.backward_weight(params, self.checks.weight_residuals(weight_residuals), acc)
+
+    def backward(self, residuals: Residuals, dy, acc=None):
+        """Fused backward (input and weight gradients in one jit): ``(dx, dparams)``, or ``(dx, acc +
+        dparams)`` with a running gradient sum ``acc``, which is donated (do not use it afterwards)."""
+        dy = self.checks.cotangent(residuals, dy)
+        self.checks.acc(acc, residuals.params)
+        return self.kernels.fused_program(residuals, dy, acc)
+
+    def as_function(self):
+        """``f(params, x, targets) -> y`` as a ``jax.custom_vjp`` whose backward is backward_input then
+        backward_weight, so ``jax.grad`` through a chain of stages runs the pipeline's kernels."""
+        if self._fn is None:
+            @jax.custom_vjp
+            def f(params, x, targets):
+                return self.forward(params, x, targets)[0]
+
+            def f_fwd(params, x, targets):
+                return self.forward(params, x, targets)
+
+            def f_bwd(res, dy):
+                dx, wr = self.backward_input(res, dy)
+                return self.backward_weight(res.params, wr), dx, None
+
+            f.defvjp(f_fwd, f_bwd)
+            self._fn = f
+        return self._fn
 
     # ---- parameters -------------------------------------------------------------------------------------
     def slice_params(self, full_params: dict) -> dict:
@@ -123,9 +172,8 @@ class Stage(StageKernels):
         return tuple(k for k in self.param_names if k != TIED_KEY)
 
     def wte(self, params: dict):
-        if not self.cfg.tie_embeddings:
-            return None
-        return params["embed"]["wte"] if self.is_first else params[TIED_KEY]
+        """The token table the head ties to; None untied (:meth:`StageLayout.wte`)."""
+        return self.layout.wte(params)
 
     # ---- residual bookkeeping -----------------------------------------------------------------------------
     @staticmethod

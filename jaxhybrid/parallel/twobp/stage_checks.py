@@ -1,6 +1,7 @@
 """Input checks of a :class:`~jaxhybrid.parallel.twobp.stage.Stage`'s kernels, made before any compilation:
-parameters (the stage's slice, float32 masters or the compute copy), activations or tokens, targets, and
-the cotangent against the forward output it belongs to. Each error names the values.
+parameters (the stage's slice, float32 masters or the compute copy), activations or tokens, targets, the
+cotangent against the forward output it belongs to, and the weight residuals of 2BP's backward-p2. Each
+error names the values.
 """
 from __future__ import annotations
 
@@ -8,19 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.parallel.twobp.residuals import Residuals
+from jaxhybrid.parallel.twobp import residuals as rs
+from jaxhybrid.parallel.twobp.layout import StageLayout
+from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
 
 
 class StageChecks:
-    """Mixed into the stage kernels, which supply ``cfg``, ``model``, ``param_names``, ``is_first`` and
-    ``is_last``, and call :meth:`_init_checks` once."""
+    """The checks of one stage's inputs. It remembers the parameter structure and gradient-sum layouts
+    it accepted, so the per-microbatch calls of a pipeline pay a flatten and a compare, not the full check."""
 
-    def _init_checks(self) -> None:
-        self._params_treedef = jax.tree.structure(None)  # the param structure _check_params last accepted
-        self._param_dtypes = {np.dtype("float32"), np.dtype(self.model.dtype)}  # masters, compute copy
+    def __init__(self, layout: StageLayout):
+        self.layout = layout
+        self._params_treedef = jax.tree.structure(None)  # the param structure params() last accepted
+        self._param_dtypes = {np.dtype("float32"), np.dtype(layout.model.dtype)}  # masters, compute copy
         self._acc_layouts: set = set()  # (treedef, leaf shapes and dtypes) of gradient sums accepted
 
-    def _check_params(self, params):
+    def params(self, params) -> None:
         """Params are the stage's slice, all float32 masters or all in the compute dtype (the offloaded
         optimizer keeps the masters on host and hands the stage its compute copy, Myelin V-B)."""
         # Fast path for a structure already accepted (the hot per-microbatch calls): a flatten and a dtype
@@ -29,9 +33,10 @@ class StageChecks:
         dtypes = {getattr(v, "dtype", None) for v in leaves}
         if treedef == self._params_treedef and len(dtypes) == 1 and dtypes <= self._param_dtypes:
             return
-        if not isinstance(params, dict) or sorted(params) != sorted(self.param_names):
+        names = self.layout.param_names
+        if not isinstance(params, dict) or sorted(params) != sorted(names):
             got = sorted(params) if isinstance(params, dict) else type(params).__name__
-            raise ValueError(f"{self!r} expects params {sorted(self.param_names)}, got {got}; use slice_params")
+            raise ValueError(f"{self.layout!r} expects params {sorted(names)}, got {got}; use slice_params")
         found = {}
         for k, v in jax.tree_util.tree_flatten_with_path(params)[0]:
             found.setdefault(str(jnp.dtype(v.dtype)), []).append(jax.tree_util.keystr(k))
@@ -41,22 +46,25 @@ class StageChecks:
                              f"the offloaded optimizer); got " + "; ".join(f"{d}: {p[:3]}" for d, p in found.items()))
         self._params_treedef = treedef
 
-    def _check_inputs(self, params, x, targets):
-        self._check_params(params)
-        c, dt = self.cfg, jnp.dtype(self.model.dtype)
+    def inputs(self, params, x, targets):
+        """Params, then the stage's input (int tokens on the first stage, activations in the compute dtype
+        elsewhere) and the last stage's targets; returns ``(x, targets)`` as the kernels take them."""
+        self.params(params)
+        lay = self.layout
+        c, dt = lay.cfg, jnp.dtype(lay.model.dtype)
         x = jnp.asarray(x)
-        if self.is_first:
+        if lay.is_first:
             if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
                 raise ValueError(f"first stage takes int tokens [mb, T]; got {x.dtype} {tuple(x.shape)}")
             x = x.astype(jnp.int32)
         elif x.ndim != 3 or x.shape[-1] != c.d_model or x.dtype != dt:
-            raise ValueError(f"{self!r} takes activations [mb, T, {c.d_model}] {dt}; got {x.dtype} "
+            raise ValueError(f"{lay!r} takes activations [mb, T, {c.d_model}] {dt}; got {x.dtype} "
                              f"{tuple(x.shape)} (the stage was built for compute dtype {dt})")
         if x.shape[1] > c.max_seq_len:
             raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={c.max_seq_len}")
-        if self.is_last:
+        if lay.is_last:
             if targets is None:
-                raise ValueError(f"{self!r} is the last stage: forward needs targets int [mb, T]")
+                raise ValueError(f"{lay!r} is the last stage: forward needs targets int [mb, T]")
             targets = jnp.asarray(targets)
             if targets.shape != x.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
                 raise ValueError(f"targets {targets.dtype} {tuple(targets.shape)} must be int {tuple(x.shape[:2])}")
@@ -65,7 +73,7 @@ class StageChecks:
             targets = None
         return x, targets
 
-    def _check_acc(self, acc, params):
+    def acc(self, acc, params) -> None:
         """A running gradient sum has the params' structure, shapes and dtypes (a kernel adds to it).
         Per microbatch in a pipeline: one flatten of ``acc`` against the layouts already accepted."""
         if acc is None:
@@ -81,11 +89,24 @@ class StageChecks:
                              f"{[(tuple(y.shape), str(y.dtype)) for y in p_leaves[:3]]}...")
         self._acc_layouts.add(sig)
 
-    def _check_cotangent(self, res, dy):
+    def cotangent(self, res, dy):
+        """``dy`` matches the shape and dtype of the forward output whose ``Residuals`` come with it."""
         if not isinstance(res, Residuals):
             raise ValueError(f"expected the Residuals returned by forward, got {type(res).__name__}")
         dy = jnp.asarray(dy)
         if tuple(dy.shape) != res.out_shape or str(jnp.dtype(dy.dtype)) != res.out_dtype:
             raise ValueError(f"cotangent {dy.dtype} {tuple(dy.shape)} does not match the forward output "
-                             f"{res.out_dtype} {res.out_shape} of {self!r}")
+                             f"{res.out_dtype} {res.out_shape} of {self.layout!r}")
         return dy
+
+    @staticmethod
+    def weight_residuals(weight_residuals) -> list[WeightResiduals]:
+        """backward-p2's input as a non-empty list of ``WeightResiduals`` of one layout (one microbatch,
+        a concatenated batch, or a list or tuple of microbatches)."""
+        wrs = list(weight_residuals) if isinstance(weight_residuals, (list, tuple)) else [weight_residuals]
+        bad = sorted({type(w).__name__ for w in wrs if not isinstance(w, WeightResiduals)})
+        if bad or not wrs:
+            raise ValueError(f"backward_weight needs WeightResiduals or a non-empty list of them, got "
+                             f"{type(weight_residuals).__name__}{' of ' + ', '.join(bad) if bad else ''}")
+        rs.check_one_layout(wrs)
+        return wrs

@@ -53,9 +53,11 @@ def kernel_costs(stage, params, x, targets, res, dy, wr) -> dict[str, dict[str, 
     programs the stage's public methods call (with no gradient sum ``acc``), lowered on the caller's own
     ``forward`` residuals ``res``, cotangent ``dy`` and ``backward_input`` weight residuals ``wr``, so
     nothing is run again. ``x`` and ``targets`` are normalised as ``forward`` does."""
-    x, targets = stage._check_inputs(params, x, targets)
-    progs = {"forward": (stage._fwd, params, x, targets), "backward_input": (stage._bi, *stage._bi_args(res, dy)),
-             "backward_weight": (stage._bw, params, wr, None), "backward": (stage._fused, res, dy, None)}
+    x, targets = stage.checks.inputs(params, x, targets)
+    k = stage.kernels
+    progs = {"forward": (k.forward_program, params, x, targets),
+             "backward_input": (k.input_program, *k.input_args(res, dy)),
+             "backward_weight": (k.weight_program, params, wr, None), "backward": (k.fused_program, res, dy, None)}
     return {k: compiled_cost(fn, *a) for k, (fn, *a) in progs.items()}
 
 

@@ -25,7 +25,7 @@ from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunk
 from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
-from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
@@ -87,7 +87,7 @@ class PipelineEngine:
                                  compile_deadline_s=pl.watchdog_compile_s)
 
         self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
-                              self.transport, join=weight_join(pl.weight_join), progress=self.watchdog.beat,
+                              self.transport, loop_policy(self.schedule), join=weight_join(pl.weight_join), progress=self.watchdog.beat,
                               waiting=self.watchdog.note, peer_name=topology.name,  # row rank = stage
                               synced=synced_dispatch(pl.dispatch, jax.devices()[0].platform))
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
@@ -102,6 +102,7 @@ class PipelineEngine:
         m = self.microbatches if microbatches is None else microbatches
         self.schedule = make_schedule(name, self.num_stages, m, split_backward=split_backward,
                                       pipeline_limit=pipeline_limit)
+        self.loop.policy = loop_policy(self.schedule)  # the loop runs a schedule of its own policy's kind
         self.microbatches = m
 
     @property

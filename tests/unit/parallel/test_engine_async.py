@@ -15,6 +15,7 @@ from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.message_driven import MessageDriven
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
 from jaxhybrid.parallel.pipeline.topology import partition_blocks
 from jaxhybrid.parallel.pipeline.trace import Timeline
@@ -181,7 +182,7 @@ def test_message_driven_gap_fill_keeps_one_weight_pass_in_flight():
     sched = make_schedule("myelin", 2, M, split_backward=True)
 
     def rank(r):
-        loop = EventLoop({r: FakeStage(devs[r])}, (0, 1), r, WhenReady(hub.transport(r)), weight_budget=M + 1)
+        loop = EventLoop({r: FakeStage(devs[r])}, (0, 1), r, WhenReady(hub.transport(r)), MessageDriven(M + 1))
         return loop.run(sched, {r: jnp.zeros(())}, np.zeros((M, 1, 3), np.int32), 1.0)
 
     on_threads(2, rank)

@@ -8,7 +8,8 @@ import pytest
 from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
-from jaxhybrid.parallel.pipeline.event_loop import EventLoop
+from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
+from jaxhybrid.parallel.pipeline.message_driven import MessageDriven
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
 from jaxhybrid.parallel.pipeline.topology import partition_blocks
 from jaxhybrid.parallel.pipeline.transport import Envelope, InProcessHub, MsgKind, on_threads
@@ -38,8 +39,8 @@ def _run_pipeline(model, params, batch, p, name, split, limit=0, budget=0, loops
     mbs = jnp.asarray(split_batch(batch, 0, 1, M))
 
     def rank(r):
-        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), join=weight_join(join),
-                         weight_budget=budget)
+        loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), loop_policy(sched, budget),
+                         join=weight_join(join))
         if loops is not None:
             loops[r] = loop
         return loop.run(sched, {r: stages[r].slice_params(params)}, mbs, 1.0 / M)
@@ -231,3 +232,17 @@ def test_message_driven_2bp_joins_trailing_weight_passes(reference, p, budget):
         sim = simulate(make_schedule("myelin", 1, M, split_backward=True), weight_budget=budget)
         got = [(e.kind, e.microbatches) for e in loops[0].order]
         assert got == [(t.kind.value, t.microbatches) for t in sim.orders[0]]
+
+
+def test_loop_runs_only_schedules_of_its_policy():
+    """The policy is chosen when the loop is built: a message-driven schedule on a loop built with the
+    fixed order (or the reverse) is refused before any task, naming both."""
+    myelin, fixed = make_schedule("myelin", 2, M), make_schedule("1f1b", 2, M)
+    assert isinstance(loop_policy(myelin, 3), MessageDriven) and loop_policy(myelin, 3).weight_budget == 3
+    assert loop_policy(fixed).name == "static"
+    tokens = np.zeros((M, 1, 3), np.int32)
+    for sched, policy in ((myelin, None), (fixed, MessageDriven())):
+        loop = EventLoop({0: None}, (0, 1), 0, InProcessHub(2).transport(0), policy)
+        with pytest.raises(ValueError, match=f"is {sched.policy}; this loop was built with the {loop.policy.name}"):
+            loop.run(sched, {0: None}, tokens, 1.0)
+        assert loop.order == []

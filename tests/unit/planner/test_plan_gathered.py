@@ -59,7 +59,7 @@ def test_pipeline_stage_gathers_again_where_the_model_says(remat, letters):
     params = stage.init_params(jax.random.key(0), local.param_shardings)
     x = np.random.default_rng(0).standard_normal((4, 32, cfg.model.d_model)).astype(np.float32)
     _, res = stage.forward(params, x, None)
-    regathers = stage._bi.lower(*stage._bi_args(res, np.ones_like(x))).as_text().count(GATHER)
+    regathers = stage.kernels.input_program.lower(*stage.kernels.input_args(res, np.ones_like(x))).as_text().count(GATHER)
     g = gathered_weights(Layout(2, 1, 1, 1, 2, 4, 2, "1f1b", False, False, remat), letters)
     assert not g["cached_full"]
     assert regathers == (0 if g["kept"] else 2 * len(block_matmuls(cfg.model))), (remat, regathers)
