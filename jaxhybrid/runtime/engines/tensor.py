@@ -20,7 +20,7 @@ from jaxhybrid.model.remat import whole_model_interval
 from jaxhybrid.parallel.tensor.mesh import DATA, make_mesh, reduce_data_once
 from jaxhybrid.parallel.tensor.ops import TensorOps
 from jaxhybrid.parallel.tensor.sharding import batch_sharding, check_layout, param_shardings
-from jaxhybrid.runtime.engines.base import accumulated_step, mean_loss
+from jaxhybrid.runtime.engines.base import GradEngine, accumulated_step, mean_loss
 
 
 def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:
@@ -33,7 +33,7 @@ def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> n
     return np.ascontiguousarray(np.swapaxes(x, 0, 1).reshape(microbatches, replicas * per, *batch.shape[1:]))
 
 
-class TensorEngine:
+class TensorEngine(GradEngine):
     """AxoNN 4D step: data x (depth, row, col) tensor parallelism in one jitted program.
 
     Args:
