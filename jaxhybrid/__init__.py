@@ -2,6 +2,7 @@
 
 Public API (everything else is internal and may change):
   Config, ConfigError, load_config   -- typed run configuration
+  ParallelDims                       -- the parallel layout: sizes, device and rank counts, rank arithmetic
   ModelConfig, Model, Ops, PRESETS   -- single-device model code with injected ops
   GradEngine, LocalEngine            -- the trainer/parallelism seam and the reference engine
   Task, Kind, Schedule               -- pipeline schedules as data
@@ -12,6 +13,7 @@ import importlib
 
 _EXPORTS = {
     "Config": "jaxhybrid.core.config.schema", "ConfigError": "jaxhybrid.core.config.schema", "load_config": "jaxhybrid.core.config.schema",
+    "ParallelDims": "jaxhybrid.core.layout",
     "PRESETS": "jaxhybrid.core.config.model", "ModelConfig": "jaxhybrid.core.config.model",
     "Model": "jaxhybrid.model.transformer", "Ops": "jaxhybrid.model.layers",
     "GradEngine": "jaxhybrid.runtime.engines.base", "LocalEngine": "jaxhybrid.runtime.engines.base",

@@ -66,7 +66,7 @@ def _bytes_report(eng, cfg, shape, hlo_text):
     from jaxhybrid.parallel.tensor.sharding import dense_shapes
     from jaxhybrid.planner import hlo
 
-    sizes = eng.shape.sizes()
+    sizes = eng.dims.mesh_sizes()
     measured = hlo.collectives(hlo_text, shape)
     m_rows = cfg.train.global_batch * cfg.data.seq_len // sizes["data"]
     pred_tensor, pred_data, meas_dense = 0, 0, 0

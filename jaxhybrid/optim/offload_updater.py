@@ -10,23 +10,24 @@ import jax.numpy as jnp
 import optax
 
 from jaxhybrid.optim.offload import OffloadedOptimizer, OffloadState
-from jaxhybrid.optim.updater import _stats, decay_mask
+from jaxhybrid.optim.updater import Updater, decay_mask
 from jaxhybrid.parallel.data.flat import release
 
 
-class OffloadUpdater:
+class OffloadUpdater(Updater):
     """The trainer's updater interface (like ``DeviceUpdater``) over :class:`OffloadedOptimizer`.
 
     ``apply`` takes the params pytree the engine used and returns the new compute-precision pytree;
-    ``stats`` matches ``DeviceUpdater.stats`` so the norm and overflow are agreed the same way.
+    ``stats`` is ``DeviceUpdater``'s (:meth:`Updater.stats`), so the norm and overflow are agreed the same way.
     """
+
+    streams_chunks = True
 
     def __init__(self, transform: optax.GradientTransformation, cfg, backend: str | None = None):
         o = cfg.optim
         self.opt = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
                                       compute_dtype=cfg.precision.compute_dtype, backend=backend, name="adamw",
                                       decay=decay_mask(o))
-        self.stats = jax.jit(_stats)
 
     def init(self, params) -> OffloadState:
         return self.opt.init(params)

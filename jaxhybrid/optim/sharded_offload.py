@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from jaxhybrid.optim.hoststore import supports_memory
 from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
 from jaxhybrid.optim.shard_gather import OwnerGather, ShardLayout
 from jaxhybrid.optim.shard_owners import assign_owners, shard_key
-from jaxhybrid.optim.updater import _stats, decay_mask
+from jaxhybrid.optim.updater import Updater, decay_mask
 from jaxhybrid.parallel.data.flat import FlatSpec, release
 
 
@@ -47,7 +47,7 @@ class ShardedOffloadState:
     per_device: dict
 
 
-class ShardedOffloadUpdater:
+class ShardedOffloadUpdater(Updater):
     """``OffloadUpdater``'s trainer interface over sharded params: one :class:`OffloadedOptimizer` per
     device, on the shards it owns (see the module docstring). ``stats`` is jitted over the global
     gradients, so the norm and the overflow check see every element of every leaf once."""
@@ -55,7 +55,6 @@ class ShardedOffloadUpdater:
     def __init__(self, transform, cfg, backend: str | None = None):
         o = cfg.optim
         self.compute_dtype = DTYPES[cfg.precision.compute_dtype]
-        self.stats = jax.jit(_stats)
         self._make = lambda dev: OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
                                                     compute_dtype=cfg.precision.compute_dtype, backend=backend,
                                                     name="adamw", device=dev, decay=decay_mask(o))
@@ -190,14 +189,14 @@ class ShardedOffloadUpdater:
         return {"master": trees[0],
                 "state": {f"{j:03d}": next(per) if p else next(sh) for j, p in enumerate(split.per_param)}}
 
-    def restore_like(self, opt_state: ShardedOffloadState, saved: Any) -> dict:
-        """The restore target of a checkpoint whose optimizer state has the tree of metadata ``saved``, in
-        the format that wrote it, which :meth:`load_state_dict` reads either way: a checkpoint of one
+    def restore_like(self, opt_state: ShardedOffloadState, read_saved: Callable[[], Any]) -> dict:
+        """The restore target of a checkpoint whose optimizer state has the tree of metadata ``read_saved()``,
+        in the format that wrote it, which :meth:`load_state_dict` reads either way: a checkpoint of one
         process (flat vectors) resumed by ``--distributed`` processes, or theirs (pytrees of global
         arrays) resumed by one process on the same mesh. Without this the target had this process
         count's format and orbax stopped with a tree-structure mismatch."""
+        written_as_trees = isinstance(read_saved()["master"], dict)
         like = self.state_dict(opt_state)
-        written_as_trees = isinstance(saved["master"], dict)
         if written_as_trees == (jax.process_count() > 1):
             return like
         split = next(iter(self.opts.values())).split

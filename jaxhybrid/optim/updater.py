@@ -7,6 +7,7 @@ gradient before any update (Myelin's offload makes the same demand per bucket).
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable
 
 import jax
@@ -90,6 +91,7 @@ def place_like(like, saved):
     return jax.tree.map(put, like, saved)
 
 
+@jax.jit
 def _stats(grads):
     leaves = jax.tree.leaves(grads)
     sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)
@@ -97,14 +99,57 @@ def _stats(grads):
     return sq, nonfinite
 
 
-class DeviceUpdater:
+class Updater(abc.ABC):
+    """Every hook the trainer calls on its optimizer: on device (:class:`DeviceUpdater`) or host-offloaded
+    (``OffloadUpdater``, ``ShardedOffloadUpdater``). A base class for the same reason as the engines' (the
+    hooks only offload needs have one default here), so the trainer probes none of them."""
+
+    # Whether apply_streamed takes the all-reduce's reduced chunks (Myelin V-C); else the gradients come whole.
+    streams_chunks: bool = False
+
+    def stats(self, grads) -> tuple[jax.Array, jax.Array]:
+        """This process's squared gradient norm and overflow flag (1.0 if any is non-finite), which the
+        engine reduces over its ranks before :meth:`apply`: clipping must see every gradient first."""
+        return _stats(grads)
+
+    @abc.abstractmethod
+    def init(self, params) -> Any:
+        """The optimizer state of freshly initialised float32 ``params``."""
+
+    @abc.abstractmethod
+    def compute_params(self, params):
+        """The parameters the engine computes with (offload: a half-precision copy; on device: themselves)."""
+
+    @abc.abstractmethod
+    def apply(self, params, opt_state, grads, scale, sq, nonfinite):
+        """One step on the gradients of ``loss * scale``: ``(params, opt_state, grad_norm)``, the old ones
+        where ``nonfinite`` (the step is skipped)."""
+
+    @abc.abstractmethod
+    def state_dict(self, opt_state) -> Any:
+        """The state as a checkpoint holds it."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, like, saved) -> Any:
+        """The state of a checkpoint's :meth:`state_dict`, placed like ``like``."""
+
+    def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max, norm_view=None):
+        """The step fed by reduced gradient chunks; only where :attr:`streams_chunks`."""
+        raise ValueError(f"{type(self).__name__} takes whole gradients (streams_chunks is false): call apply")
+
+    def restore_like(self, opt_state, read_saved: Callable[[], Any]) -> Any:
+        """The restore target of a checkpoint; ``read_saved()`` reads its optimizer state's tree of metadata.
+        Default: this state's own :meth:`state_dict` (the one format this updater writes; nothing is read)."""
+        return self.state_dict(opt_state)
+
+
+class DeviceUpdater(Updater):
     """Optax on device. ``apply`` returns the old params and state unchanged when ``nonfinite``.
     ``decay``: which parameters the weight decay applies to (:func:`decay_mask`; None: all)."""
 
     def __init__(self, transform: optax.GradientTransformation, grad_clip: float, decay: DecayMask | None = None):
         self.transform = transform
         self.grad_clip = grad_clip
-        self.stats = jax.jit(_stats)
 
         def apply(params, opt_state, grads, scale, sq, nonfinite):
             factor, gnorm = clip_factor(scale, sq, grad_clip)

@@ -13,6 +13,7 @@ import itertools
 
 from jaxhybrid.core.config.model import REMATS, ModelConfig
 from jaxhybrid.core.config.schema import TensorConfig
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.parallel.tensor.sharding import run_layout_error
 from jaxhybrid.planner.step_model import Layout
 
@@ -74,7 +75,7 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         if (split and pipe == 1) or (sched == "zb-h1" and not split):
                             continue
                         for lim in myelin_limits(pipe, m, split) if sched == "myelin" else (0,):
-                            yield Layout(pipe, data, gc, gr, gd, b, m, sched, split, off, remat, lim)
+                            yield Layout(ParallelDims(pipe, data, gc, gr, gd), b, m, sched, split, off, remat, lim)
 
 
 def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: float, tensor: bool = True,

@@ -10,12 +10,12 @@ per device exceeds the hardware's are dropped. A plan file (``--out``) carries t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from jaxhybrid.core.config.model import ModelConfig, shape_settings
 from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
 from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.planner.costs import read_json
 from jaxhybrid.planner.layouts import divisors, search, tensor_fits
 from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (planner.plan's API)
@@ -61,7 +61,7 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
             smallest = (r["memory_per_device_bytes"], lay)
         if fits:
-            plans.append({**asdict(lay), **r})
+            plans.append({**lay.to_dict(), **r})
     if smallest is None:
         raise ValueError(f"no layout of {gpus} GPUs is valid for {cfg.name} (n_layers={cfg.n_layers}, "
                          f"global batch {global_batch}); use a GPU count that divides the batch and the layers")
@@ -89,8 +89,9 @@ def latency_notes(plans: list[dict]) -> list[str]:
 
 
 def _describe(lay: Layout) -> str:
-    return (f"pipeline={lay.pipeline} data={lay.data} tensor={lay.tensor_col}x{lay.tensor_row}x"
-            f"{lay.tensor_depth} microbatch={lay.microbatch_size} offload={lay.offload} remat={lay.remat}")
+    d = lay.dims
+    return (f"pipeline={d.pipeline} data={d.data} tensor={d.tensor_col}x{d.tensor_row}x"
+            f"{d.tensor_depth} microbatch={lay.microbatch_size} offload={lay.offload} remat={lay.remat}")
 
 
 def _larger_counts(gpus: int, gpus_per_node: int, limit: int):
@@ -118,7 +119,7 @@ def _smallest_gpus(cfg, gpus, machine, tensor, score) -> str:
                     d = rest // (c * r)  # depth splits the microbatch's rows: at least d of them
                     if rest > 1 and not tensor_fits(cfg, pipe, 1, d, r, c, d):
                         continue
-                    lay = Layout(pipe, 1, c, r, d, d, pipe, "1f1b", False, True, "full")
+                    lay = Layout(ParallelDims(pipe, 1, c, r, d), d, pipe, "1f1b", False, True, "full")
                     if score(lay)["memory_per_device_bytes"] <= machine.memory_bytes:
                         return (f"{g} GPUs would fit ({_describe(lay)}; recomputation on; "
                                 f"at least {pipe} microbatches per step)")
@@ -153,10 +154,9 @@ def config_layout(cfg) -> Layout:
     model can score a hand-written config beside the planner's own plans. The step model splits the blocks
     its own way (:func:`~jaxhybrid.planner.step_model.partition_blocks`), not by ``parallel.partition``.
     ``pipeline.pipeline_limit`` counts only under Myelin's message-driven schedule (the engine's rule)."""
-    p, pl = cfg.parallel, cfg.pipeline
-    return Layout(p.pipeline, p.data, p.tensor_col, p.tensor_row, p.tensor_depth, cfg.microbatch_size,
-                  pl.microbatches, pl.schedule, pl.split_backward and p.pipeline > 1, cfg.optim.offload,
-                  cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0)
+    dims, pl = cfg.layout, cfg.pipeline
+    return Layout(dims, cfg.microbatch_size, pl.microbatches, pl.schedule, pl.split_backward and dims.pipeline > 1,
+                  cfg.optim.offload, cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0)
 
 
 def score_config(cfg, machine: Machine, seq: int) -> dict:

@@ -11,10 +11,11 @@ with the activations the stage kernels keep (:func:`~jaxhybrid.planner.memory.bl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from jaxhybrid.core.config.model import ModelConfig, block_matmuls
 from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.model.flops import attention_core_flops, forward_flops
 from jaxhybrid.parallel.tensor.mesh import reduce_data_once
@@ -34,11 +35,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class Layout:
-    pipeline: int
-    data: int
-    tensor_col: int
-    tensor_row: int
-    tensor_depth: int
+    """One candidate of the search: the parallel sizes (``dims``) and how the step runs on them."""
+
+    dims: ParallelDims
     microbatch_size: int
     microbatches: int
     schedule: str
@@ -47,9 +46,17 @@ class Layout:
     remat: str
     pipeline_limit: int = 0  # Myelin's microbatches in flight (V-A); 0: stages, the engine's default
 
-    @property
-    def tensor(self) -> int:
-        return self.tensor_col * self.tensor_row * self.tensor_depth
+    def to_dict(self) -> dict:
+        """The flat record a plan (and ``jaxhybrid plan --json``) shows: the five sizes, then the rest."""
+        d = self.dims
+        return {"pipeline": d.pipeline, "data": d.data, "tensor_col": d.tensor_col, "tensor_row": d.tensor_row,
+                "tensor_depth": d.tensor_depth} | {f.name: getattr(self, f.name) for f in fields(self)[1:]}
+
+    @classmethod
+    def from_dict(cls, plan: dict) -> "Layout":
+        """The layout of a plan's record (:meth:`to_dict`; other keys are ignored)."""
+        dims = ParallelDims(*(plan[k] for k in ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")))
+        return cls(dims, *(plan[f.name] for f in fields(cls)[1:]))
 
 
 def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple[int, ...]:
@@ -80,13 +87,13 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
     ``tests/unit/parallel/test_hybrid_local.py`` holds this to a sharded stage's own bytes per device: equal where
     G_r = G_c, above them otherwise (a row- or column-only grid shards fewer arrays than the other).
     """
-    b = lay.microbatch_size
-    act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
+    b, dims = lay.microbatch_size, lay.dims
+    act_shard = dims.tensor_depth * min(dims.tensor_row, dims.tensor_col)
     none, wres = (v / act_shard for v in block_residual_bytes(cfg, seq, b, dtype_bytes, "none", flash))
     kept = block_residual_bytes(cfg, seq, b, dtype_bytes, "dots", flash)[0] / act_shard if lay.remat == "dots" \
         else none
-    gathered = sum(k * n for k, n, _ in block_matmuls(cfg)) * dtype_bytes / (lay.tensor_row * lay.tensor_col) \
-        if lay.tensor_depth > 1 else 0.0
+    gathered = sum(k * n for k, n, _ in block_matmuls(cfg)) * dtype_bytes / (dims.tensor_row * dims.tensor_col) \
+        if dims.tensor_depth > 1 else 0.0
     return {"none": none, "kept": kept, "weight_residuals": wres, "gathered_w": gathered}
 
 
@@ -98,8 +105,9 @@ def gathered_weights(lay: Layout, letters: str) -> dict:
     engine with E: every block's gathered W is saved through the recomputation; a pipeline stage's
     segments recompute everything, the all-gathers included."""
     e = "E" in letters
+    dims = lay.dims
     return {"kept": lay.remat == "none" or (lay.remat == "dots" and e),
-            "cached_full": lay.remat == "full" and lay.pipeline == 1 and e}
+            "cached_full": lay.remat == "full" and dims.pipeline == 1 and e}
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves. ``param_state_bytes``
     is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
     ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`)."""
-    b, ts, db = lay.microbatch_size, lay.tensor, machine.dtype_bytes
+    dims = lay.dims
+    b, ts, db = lay.microbatch_size, dims.tensor_size, machine.dtype_bytes
     tokens = b * seq
     d = cfg.d_model
     mm = block_matmuls(cfg)
@@ -142,17 +151,17 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
     o_f, o_b = machine.block_overhead_s  # per block and device, whatever the tensor split (each runs every kernel)
     # The head in blocks of a stage's whole work (forward + backward: 3 x the forward flops, + the overheads).
-    parts = partition_blocks(cfg.n_layers, lay.pipeline, f_head / (f_blk + (o_f + o_b) / 3))
-    bw_ = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row, lay.tensor_depth, lay.data)
+    parts = partition_blocks(cfg.n_layers, dims.pipeline, f_head / (f_blk + (o_f + o_b) / 3))
+    bw_ = group_bandwidths(machine.net, dims.tensor_col, dims.tensor_row, dims.tensor_depth, dims.data)
     # Ranks: tensor grid innermost, then pipeline stages, then data replicas (the launch order), so a data
     # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
-    bw_["data"] = group_bandwidths(machine.net, lay.tensor_col, lay.tensor_row,
-                                   lay.tensor_depth * lay.pipeline, lay.data)["data"]
-    times = [comm_time(layer_comm_volumes(tokens, k, n, lay.tensor_col, lay.tensor_row, lay.tensor_depth,
-                                          lay.data, tr), bw_, db) for k, n, tr in mm]  # per matmul, eq. 9
+    bw_["data"] = group_bandwidths(machine.net, dims.tensor_col, dims.tensor_row,
+                                   dims.tensor_depth * dims.pipeline, dims.data)["data"]
+    times = [comm_time(layer_comm_volumes(tokens, k, n, dims.tensor_col, dims.tensor_row, dims.tensor_depth,
+                                          dims.data, tr), bw_, db) for k, n, tr in mm]  # per matmul, eq. 9
     per_blk = {key: sum(t[key] for t in times) for key in times[0] if key != "total"}
-    head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, lay.tensor_col, lay.tensor_row,
-                                        lay.tensor_depth, lay.data), bw_, db)  # the vocabulary projection
+    head = comm_time(layer_comm_volumes(tokens, d, cfg.vocab_size, dims.tensor_col, dims.tensor_row,
+                                        dims.tensor_depth, dims.data), bw_, db)  # the vocabulary projection
     # The stage's attention kernel, by attention_kernel's own rule (a 2-byte dtype: bf16 or fp16).
     flash = machine.flash_attention and cfg.attention != "xla" and \
         not cudnn_unmet("bfloat16" if db == 2 else "float32", cfg.head_dim)
@@ -172,7 +181,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         comm = {"F": coll["all_gather"] + coll["all_reduce_fwd"], "BI": coll["all_reduce_bwd"],
                 "BW": coll["reduce_scatter"]}
         if lay.remat == "full":  # the backward runs the forward again: the whole model's blocks, a stage's head too
-            rh = h if lay.pipeline > 1 else 0.0
+            rh = h if dims.pipeline > 1 else 0.0
             comp["BI"] += n_ * (f_blk + o_f) + rh * f_head
             comm["BI"] += (0.0 if g["cached_full"] else n_ * per_blk["all_gather"] + rh * head["all_gather"]) + \
                 n_ * per_blk["all_reduce_fwd"] + rh * head["all_reduce_fwd"]
@@ -188,27 +197,27 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     comp, comm_ = loads[slow]
     F, BI, BW = (comp[k] + comm_[k] for k in ("F", "BI", "BW"))
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
-    msg_bytes = tokens * d * db / (lay.tensor_depth * lay.tensor_row)
+    msg_bytes = tokens * d * db / (dims.tensor_depth * dims.tensor_row)
     span = 2 * ts
     gpn = machine.net.gpus_per_node
     p2p_bw = machine.net.intra_bandwidth(span) if span <= gpn and gpn % span == 0 else \
         machine.net.inter_node / min(ts, gpn)
-    msg = msg_bytes / p2p_bw if lay.pipeline > 1 else 0.0
+    msg = msg_bytes / p2p_bw if dims.pipeline > 1 else 0.0
     # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
     # the thousands of layouts of a search with a few hundred simulations.
     # One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step: forward
     # and backward of each in turn, one microbatch's activations live) whatever the config's schedule;
     # GPipe's order would hold all M.
-    if lay.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
+    if dims.pipeline == 1:  # exact, no simulation: the ratios' rounding would hide e.g. dots' recompute
         makespan, states = lay.microbatches * (F + BI + BW), (((1, 0),),)
         floor = makespan
     else:
         ratios = sig2(BI / F), sig2(BW / F), sig2(msg / F)
-        make, states = pipeline_makespan(lay.schedule, lay.pipeline, lay.microbatches, lay.split_backward,
+        make, states = pipeline_makespan(lay.schedule, dims.pipeline, lay.microbatches, lay.split_backward,
                                          *ratios, lay.pipeline_limit)
-        makespan, floor = make * F, makespan_floor(lay.pipeline, lay.microbatches, lay.split_backward, *ratios) * F
+        makespan, floor = make * F, makespan_floor(dims.pipeline, lay.microbatches, lay.split_backward, *ratios) * F
     # Each leaf as the trainer shards it: vectors are not split over the whole grid (param_shards).
-    stage_phi = stage_params_per_device(cfg, parts, lay.tensor_col, lay.tensor_row, lay.tensor_depth, letters)
+    stage_phi = stage_params_per_device(cfg, parts, dims.tensor_col, dims.tensor_row, dims.tensor_depth, letters)
     # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
     data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
                   for s_, n_ in enumerate(parts))
@@ -217,9 +226,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # sendrecvs of optim/half_allreduce.py). The tensor engine reduces float32 where it accumulates each replica's float32
     # gradients over its scan and reduces them once after it (step.accumulated_step's replicas); else each
     # layer's backward of every microbatch reduces in the compute dtype (eq. 8 as is).
-    mpi = lay.pipeline > 1 or ts == 1
+    mpi = dims.pipeline > 1 or ts == 1
     f32 = (mpi and not (allreduce_dtype == "compute" and lay.offload)) or (
-        not mpi and reduce_data_once(lay.data, lay.microbatches, db))
+        not mpi and reduce_data_once(dims.data, lay.microbatches, db))
     ar_dtype = 4 / db if f32 else 1.0
     data_ar *= ar_dtype if f32 or mpi else lay.microbatches
     offload_s = 0.0
@@ -229,12 +238,12 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # is reduced before the first bucket updates, and only ``prefetch`` buckets are fetched meanwhile.
     step = makespan + data_ar + offload_s
     # remat full runs each forward's collectives again in the backward (phases' BI).
-    tensor_comm = (lay.microbatches + lay.pipeline - 1) * sum(comm_.values())
-    comm = tensor_comm + 2 * (lay.pipeline - 1) * msg + data_ar
+    tensor_comm = (lay.microbatches + dims.pipeline - 1) * sum(comm_.values())
+    comm = tensor_comm + 2 * (dims.pipeline - 1) * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
     blk = block_bytes_per_device(cfg, lay, seq, db, flash)
     blk_none, blk_kept, residual, blk_gathered = blk["none"], blk["kept"], blk["weight_residuals"], blk["gathered_w"]
-    act_shard = lay.tensor_depth * min(lay.tensor_row, lay.tensor_col)
+    act_shard = dims.tensor_depth * min(dims.tensor_row, dims.tensor_col)
     bnd = boundary_bytes(seq, b, d, db) / act_shard
     head_act, head_res = (v / act_shard for v in head_residual_bytes(cfg, seq, b, db))  # dots: as none
     mem = param_state = 0.0
@@ -243,7 +252,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
         param_state = max(param_state, state)
         if lay.remat == "full":  # a stage's head is in its last segment: recomputed with it
-            ac = optimal_checkpoint_interval(cfg.n_layers, lay.pipeline)
+            ac = optimal_checkpoint_interval(cfg.n_layers, dims.pipeline)
             if g["cached_full"]:  # E: every block's gathered W is saved from the forward to its backward
                 stash, transient = math.ceil(n_ / ac) * bnd + n_ * blk_gathered, min(ac, n_) * blk_none
             else:

@@ -72,9 +72,9 @@ class Trainer:
         # The updater's schedule, for the logged lr; jitted as the update computes it (eager optax pays a
         # dispatch per operation every step).
         self.lr = jax.jit(lr_schedule(cfg.optim, cfg.train.steps))
-        self.rank = int(getattr(self.engine, "rank", 0))
-        self.streamed = (cfg.optim.stream_allreduce and hasattr(self.updater, "apply_streamed")
-                         and getattr(self.engine, "streams_reduced_chunks", False))
+        self.rank = int(self.engine.rank)
+        self.streamed = (cfg.optim.stream_allreduce and self.updater.streams_chunks
+                         and self.engine.streams_reduced_chunks)
 
     def overlap_note(self) -> str | None:
         """Why Myelin V-C's overlap of the offloaded update with the all-reduce is partial or off for a
@@ -128,10 +128,9 @@ class Trainer:
         if step not in ckpt.steps():  # only where a rank deleted it (keep=1, or by hand)
             raise ConfigError(f"rank {self.rank} holds checkpoints {ckpt.steps()} in {ckpt.dir} but not step {step}, "
                               f"the newest that every rank saved: no step is common to all ranks")
-        if hasattr(self.updater, "restore_like"):  # a state format that depends on the writer's process count
-            opt_like = self.updater.restore_like(st.opt_state, ckpt.state_metadata(step)["opt_state"])
-        else:
-            opt_like = self.updater.state_dict(st.opt_state)
+        # The saved state's format may depend on the writer's process count (sharded offload); the tree is read
+        # only where it does: a step whose metadata cannot be read is named by the restore itself.
+        opt_like = self.updater.restore_like(st.opt_state, lambda: ckpt.state_metadata(step)["opt_state"])
         like = {"params": st.params, "opt_state": opt_like}
         state, meta = ckpt.restore(step, like)
         # Newer steps (a save the last run did not finish on every rank) go once this one has restored: the
@@ -156,14 +155,14 @@ class Trainer:
             scale = math.inf  # an injected overflow travels the real path: non-finite grads
         batch = self.sampler.batch(st.step)
         # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
-        norm_view = getattr(self.engine, "norm_view", None)
+        norm_view = self.engine.norm_view
         if self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
             loss, chunks = self.engine.loss_and_grad_chunks(st.params, batch, scale, self.updater.opt.flatten)
             params, opt_state, gnorm, nonfinite = self.updater.apply_streamed(
                 st.params, st.opt_state, chunks, scale, self.engine.global_sum, self.engine.global_max, norm_view)
         else:
             loss, grads = self.engine.loss_and_grads(st.params, batch, scale)
-            sq, nonfinite = self.updater.stats(norm_view(grads) if norm_view else grads)
+            sq, nonfinite = self.updater.stats(norm_view(grads))
             sq, nonfinite = self.engine.global_sum(sq), self.engine.global_max(nonfinite)
             params, opt_state, gnorm = self.updater.apply(st.params, st.opt_state, grads, scale, sq, nonfinite)
         finite = not bool(nonfinite)
@@ -211,7 +210,7 @@ class Trainer:
         try:
             with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/runtime/stop.py)
                 while st.step < cfg.train.steps:
-                    if cfg.metrics.trace and st.step + 1 == cfg.train.steps and hasattr(self.engine, "time_tasks"):
+                    if cfg.metrics.trace and st.step + 1 == cfg.train.steps:
                         # The trace written below is this step's: kernel times, synced. Where the others were
                         # dispatched asynchronously its time is not theirs: the summary leaves it out.
                         traced_apart = not self.engine.tasks_timed
@@ -248,16 +247,14 @@ class Trainer:
                         raise KeyboardInterrupt(stop.requested)
                 if cfg.checkpoint.at_end:
                     self.save(ckpt, st)
-                if cfg.metrics.trace and hasattr(self.engine, "write_trace"):
+                if cfg.metrics.trace:
                     self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)
         # Every rank reaches here after the same last step (an interrupt or a failure aborts the job instead):
         # a pipeline rank cancels its posted receives, frees its communicators and stops its watchdog.
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
         self.final_state = st
         # Steady state (Myelin VI-D averages the last 10 of 11 batches): the steps after the first, which compiles.
         return {"steps": st.step, "first_loss": losses[0] if losses else None,

@@ -79,8 +79,7 @@ def train(engine, cfg, data):
     for b in data:
         loss, grads = engine.loss_and_grads(params, b, 1.0)
         first = jax.tree.map(np.asarray, grads) if first is None else first
-        view = getattr(engine, "norm_view", None)  # as Trainer.step: tied copies counted once
-        sq, nonfinite = updater.stats(view(grads) if view else grads)
+        sq, nonfinite = updater.stats(engine.norm_view(grads))  # as Trainer.step: tied copies counted once
         sq, nonfinite = engine.global_sum(sq), engine.global_max(nonfinite)
         params, state, _ = updater.apply(params, state, grads, 1.0, sq, nonfinite)
         losses.append(float(loss))
@@ -149,7 +148,7 @@ def bf16_round_trip(topo):
             peer = 1 - topo.stage
             t.send(x, peer, Envelope(MsgKind.ACT if topo.stage == 0 else MsgKind.GRAD, 3, peer))
             msg = wait_message(t)
-            want = jax.random.normal(jax.random.key(topo.grid.rank(peer, topo.replica)), template.shape, jnp.bfloat16)
+            want = jax.random.normal(jax.random.key(topo.dims.rank(peer, topo.replica)), template.shape, jnp.bfloat16)
             assert msg.payload.dtype == jnp.bfloat16, msg.payload.dtype
             assert np.array_equal(np.asarray(msg.payload).view(np.uint16), np.asarray(want).view(np.uint16)), name
             assert msg.envelope.microbatch == 3 and msg.envelope.stage == topo.stage, msg.envelope

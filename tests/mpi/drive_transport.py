@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model.transformer import TIED_KEY
 from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
-from jaxhybrid.parallel.pipeline.topology import Grid, Topology
+from jaxhybrid.parallel.pipeline.topology import Topology
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 
 WORLD = MPI.COMM_WORLD
@@ -140,7 +141,7 @@ def depth0(topo: Topology) -> None:
 
 
 def main() -> None:
-    topo = Topology(Grid(2, 1), [(0, 2), (2, 4)])
+    topo = Topology(ParallelDims(pipeline=2, data=1), [(0, 2), (2, 4)])
     for name, case in (("landed depth=2", lambda: landed(topo, 2)), ("landed depth=4", lambda: landed(topo, 4)),
                        ("foreign", lambda: foreign(topo)), ("depth0", lambda: depth0(topo))):
         case()

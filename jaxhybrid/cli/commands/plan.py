@@ -94,7 +94,7 @@ def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
     """The config's own layout scored by the same step model, and where it would rank among all feasible
     ``plans`` (0: none predicted faster)."""
     lay = config_layout(cfg)
-    r = {**asdict(lay), **score_config(cfg, machine, seq)}
+    r = {**lay.to_dict(), **score_config(cfg, machine, seq)}
     r["fits"] = r["memory_per_device_bytes"] <= machine.memory_bytes
     r["rank"] = sum(p["predicted_step_s"] < r["predicted_step_s"] for p in plans)
     return r

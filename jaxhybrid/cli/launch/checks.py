@@ -48,7 +48,7 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
     """On CPU, the devices each of the ``n`` ranks will see (``env``'s count: ``per_rank`` as the launcher
     sets it, unless the user set one) against those its mesh needs, by the ranks' own checks: a hybrid
     rank's local mesh (:func:`~jaxhybrid.parallel.tensor.local.rank_devices`; node-local rank 0 needs the fewest),
-    or one tensor-mode mesh over the ``n`` processes (:meth:`~jaxhybrid.parallel.tensor.mesh.MeshShape.check`).
+    or one tensor-mode mesh over the ``n`` processes (:meth:`~jaxhybrid.core.layout.ParallelDims.check_devices`).
     Skipped where the ranks will compute on an accelerator (:func:`~jaxhybrid.runtime.host_alloc.accelerator_backend`):
     the count only shapes the CPU platform."""
     from types import SimpleNamespace
@@ -62,9 +62,7 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
 
             rank_devices(cfg.tensor_size, [SimpleNamespace(platform="cpu")] * count, node_rank=0)
         else:
-            from jaxhybrid.parallel.tensor.mesh import MeshShape
-
-            MeshShape.from_config(cfg).check(count * n)
+            cfg.layout.check_devices(count * n)
     except ValueError as e:
         yours = [f"JAX_NUM_CPU_DEVICES={env['JAX_NUM_CPU_DEVICES']}"] if env.get("JAX_NUM_CPU_DEVICES") else []
         yours += re.findall(DEVICE_COUNT_FLAG + r"=\d+", env.get("XLA_FLAGS", ""))

@@ -15,6 +15,7 @@ import yaml
 
 from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.core.config.parse import to_plain
+from jaxhybrid.core.layout import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -160,34 +161,35 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
+    def layout(self) -> ParallelDims:
+        """The parallel layout ``parallel.*`` describes (sizes, derived counts, rank arithmetic)."""
+        p = self.parallel
+        return ParallelDims(p.pipeline, p.data, p.tensor_col, p.tensor_row, p.tensor_depth, p.mesh_data)
+
+    @property
     def microbatch_size(self) -> int:
         """Sequences per microbatch: global_batch / (data x microbatches)."""
-        return self.train.global_batch // (self.parallel.data * self.pipeline.microbatches)
+        return self.train.global_batch // (self.layout.data * self.pipeline.microbatches)
 
     @property
     def on_mesh(self) -> bool:
-        """Tensor mode: one pipeline stage whose (data, depth, row, col) grid is one JAX mesh, because a
-        tensor axis is > 1 or ``parallel.mesh_data`` puts the data replicas there."""
-        p = self.parallel
-        return p.pipeline == 1 and (self.tensor_size > 1 or p.mesh_data)
+        """Tensor mode (:attr:`ParallelDims.on_mesh`)."""
+        return self.layout.on_mesh
 
     @property
     def world_size(self) -> int:
-        """MPI ranks: G_inter x G_data. In tensor mode (:attr:`on_mesh`) the data axis is a mesh axis of
-        one process (or of JAX's distributed runtime), not MPI ranks."""
-        p = self.parallel
-        return 1 if self.on_mesh else p.pipeline * p.data
+        """MPI ranks (:attr:`ParallelDims.world_size`)."""
+        return self.layout.world_size
 
     @property
     def num_devices(self) -> int:
-        """Devices of the whole job: G_inter x G_data x G_d x G_r x G_c."""
-        p = self.parallel
-        return p.pipeline * p.data * self.tensor_size
+        """Devices of the whole job (:attr:`ParallelDims.num_devices`)."""
+        return self.layout.num_devices
 
     @property
     def tensor_size(self) -> int:
-        p = self.parallel
-        return p.tensor_col * p.tensor_row * p.tensor_depth
+        """G_d x G_r x G_c (:attr:`ParallelDims.tensor_size`)."""
+        return self.layout.tensor_size
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(dataclasses.asdict(self))

@@ -1,8 +1,7 @@
 """The process grid: MPI world -> (stage, replica) coordinates and the communicators of Myelin Fig. 2.
 
-Rank ``r`` of a ``G_inter x G_data`` job runs stage ``i = r % G_inter`` of replica ``j = r // G_inter``,
-so one pipeline row occupies consecutive ranks (activations stay on a node when ranks are packed by
-node) and a data column is strided by ``G_inter``. The pure part (:class:`Grid`, :func:`partition_blocks`)
+Ranks map to ``(stage, replica)`` by :class:`~jaxhybrid.core.layout.ParallelDims` (a pipeline row on
+consecutive ranks, a data column strided by ``G_inter``). The pure part (that and :func:`partition_blocks`)
 needs no MPI; :class:`Topology` adds the communicators, made collectively on every rank at start-up
 (mpi4jax's lazy default communicator hangs if only some ranks create it):
 
@@ -14,50 +13,11 @@ needs no MPI; :class:`Topology` adds the communicators, made collectively on eve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.core.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Grid:
-    """``G_inter x G_data`` coordinates. Pure: no MPI."""
-
-    pipeline: int
-    data: int
-
-    def __post_init__(self):
-        if self.pipeline < 1 or self.data < 1:
-            raise ConfigError(f"grid pipeline={self.pipeline} x data={self.data}: both must be >= 1")
-
-    @property
-    def size(self) -> int:
-        return self.pipeline * self.data
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """``(stage, replica)`` of a world rank."""
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} outside a {self.pipeline} x {self.data} grid of {self.size} ranks")
-        return rank % self.pipeline, rank // self.pipeline
-
-    def rank(self, stage: int, replica: int) -> int:
-        """World rank of ``(stage, replica)``: the one conversion between coordinates and ranks."""
-        if not (0 <= stage < self.pipeline and 0 <= replica < self.data):
-            raise ValueError(f"(stage {stage}, replica {replica}) outside a {self.pipeline} x {self.data} grid")
-        return replica * self.pipeline + stage
-
-    def row(self, replica: int) -> list[int]:
-        return [self.rank(s, replica) for s in range(self.pipeline)]
-
-    def column(self, stage: int) -> list[int]:
-        return [self.rank(stage, j) for j in range(self.data)]
-
-    def check_world(self, world_size: int) -> None:
-        if world_size != self.size:
-            raise ConfigError(f"parallel.pipeline({self.pipeline}) x parallel.data({self.data}) = {self.size} "
-                              f"!= world size {world_size}; launch with -n {self.size} or change the grid")
+from jaxhybrid.core.layout import ParallelDims
 
 
 def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | list[int] = ()
@@ -100,22 +60,22 @@ class Topology:
     """This rank's place in the grid and its communicators (collective construction on all ranks).
 
     Attributes:
-      grid: the :class:`Grid`.
+      dims: the layout (:class:`~jaxhybrid.core.layout.ParallelDims`) whose grid this rank belongs to.
       rank, stage, replica: coordinates of this process.
       blocks: ``(first, last)`` blocks of this rank's stage.
       world, row, p2p, column: mpi4py communicators (see module docstring).
     """
 
-    def __init__(self, grid: Grid, blocks: list[tuple[int, int]], comm: Any = None):
+    def __init__(self, dims: ParallelDims, blocks: list[tuple[int, int]], comm: Any = None):
         from mpi4py import MPI
 
         base = comm if comm is not None else MPI.COMM_WORLD
-        grid.check_world(base.Get_size())
-        self.grid = grid
+        dims.check_world(base.Get_size())
+        self.dims = dims
         self.all_blocks = list(blocks)
         self.world = base.Dup()
         self.rank = self.world.Get_rank()
-        self.stage, self.replica = grid.coords(self.rank)
+        self.stage, self.replica = dims.coords(self.rank)
         self.blocks = self.all_blocks[self.stage]
         # Split is collective over world: every rank makes every split, in the same order.
         self.row = self.world.Split(color=self.replica, key=self.stage)
@@ -149,10 +109,10 @@ class Topology:
         from mpi4py import MPI
 
         base = comm if comm is not None else MPI.COMM_WORLD
-        grid = Grid(cfg.parallel.pipeline, cfg.parallel.data)
-        grid.check_world(base.Get_size())
-        blocks = partition_blocks(cfg.model.n_layers, grid.pipeline, cfg.parallel.partition)
-        return cls(grid, blocks, base)
+        dims = cfg.layout
+        dims.check_world(base.Get_size())
+        blocks = partition_blocks(cfg.model.n_layers, dims.pipeline, cfg.parallel.partition)
+        return cls(dims, blocks, base)
 
     @property
     def who(self) -> str:
@@ -162,15 +122,15 @@ class Topology:
     def name(self, stage: int, replica: int | None = None) -> str:
         """How messages name the rank of ``stage`` in ``replica`` (default: this rank's replica)."""
         replica = self.replica if replica is None else replica
-        return f"rank {self.grid.rank(stage, replica)} (stage {stage}, replica {replica})"
+        return f"rank {self.dims.rank(stage, replica)} (stage {stage}, replica {replica})"
 
     @property
     def num_stages(self) -> int:
-        return self.grid.pipeline
+        return self.dims.pipeline
 
     @property
     def num_replicas(self) -> int:
-        return self.grid.data
+        return self.dims.data
 
     def free(self) -> None:
         for c in (self.p2p, self.row, self.column, self.world):

@@ -21,10 +21,10 @@ inside a node, which is the hierarchy of AxoNN Sec. V. ``tests/mpi/test_mpi_resu
 (2, 1, 2, 2) mesh over two CPU processes against the one-process run and resumes it.
 """
 from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Layout, Linear3D, Switches
-from jaxhybrid.parallel.tensor.mesh import AXES, MeshShape, factorizations, make_mesh
+from jaxhybrid.parallel.tensor.mesh import AXES, factorizations, make_mesh
 from jaxhybrid.parallel.tensor.ops import TensorOps
 from jaxhybrid.parallel.tensor.sharding import check_layout, param_shardings, param_spec
 
 __all__ = ["NORMAL", "TRANSPOSED", "Layout", "Linear3D",
-           "Switches", "AXES", "MeshShape", "factorizations", "make_mesh", "TensorOps", "check_layout",
+           "Switches", "AXES", "factorizations", "make_mesh", "TensorOps", "check_layout",
            "param_shardings", "param_spec"]

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.launch_env import local_rank
-from jaxhybrid.parallel.tensor.mesh import BATCH, MeshShape, make_mesh
+from jaxhybrid.core.layout import ParallelDims
+from jaxhybrid.parallel.tensor.mesh import BATCH, make_mesh
 from jaxhybrid.parallel.tensor.ops import STREAM, TensorOps
 from jaxhybrid.parallel.tensor.sharding import check_layout, param_shardings
 
@@ -80,10 +81,11 @@ class LocalTensor:
     @classmethod
     def from_config(cls, cfg, devices: list | None = None) -> "LocalTensor":
         """Checks every divisibility rule (names the values) before building anything."""
-        p, m = cfg.parallel, cfg.model
-        shape = MeshShape(1, p.tensor_depth, p.tensor_row, p.tensor_col)
-        check_layout(m, shape, cfg.microbatch_size, cfg.tensor.optimizations)
-        mesh = make_mesh(shape, rank_devices(shape.tensor, devices))
+        m, lay = cfg.model, cfg.layout
+        # This rank's stage: its own mesh, without the data replicas (other ranks).
+        dims = ParallelDims.from_mesh_shape((1, lay.tensor_depth, lay.tensor_row, lay.tensor_col))
+        check_layout(m, dims, cfg.microbatch_size, cfg.tensor.optimizations)
+        mesh = make_mesh(dims, rank_devices(dims.tensor_size, devices))
         return cls(mesh, TensorOps.build(mesh, m.n_heads, m.kv_heads, cfg.tensor.optimizations))
 
     def param_shardings(self, params: Any) -> Any:

@@ -10,68 +10,31 @@ the head counts do not divide the axis that carries it and the heads are replica
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA, DEPTH, ROW, COL = "data", "depth", "row", "col"
-AXES = (DATA, DEPTH, ROW, COL)
+from jaxhybrid.core.layout import MESH_AXES, ParallelDims
+
+AXES = MESH_AXES
+DATA, DEPTH, ROW, COL = AXES
 BATCH = (DATA, DEPTH)  # the rows m of X (batch) are split over data replicas and depth (Alg. 1 line 8)
 # The same rows inside ``jax.vmap`` over the data replicas (TensorEngine with microbatches: eq. 8 once per
 # step); vmap's ``spmd_axis_name`` puts data on the replica dimension.
 REPLICA_BATCH = (DEPTH,)
 
 
-@dataclass(frozen=True)
-class MeshShape:
-    """Sizes of the four mesh axes: ``G_data x G_d x G_r x G_c``."""
-
-    data: int = 1
-    depth: int = 1
-    row: int = 1
-    col: int = 1
-
-    @property
-    def tensor(self) -> int:
-        """G_tensor = G_d x G_r x G_c (devices that share one model replica)."""
-        return self.depth * self.row * self.col
-
-    @property
-    def size(self) -> int:
-        return self.data * self.tensor
-
-    def sizes(self) -> dict[str, int]:
-        return {DATA: self.data, DEPTH: self.depth, ROW: self.row, COL: self.col}
-
-    def check(self, n_devices: int) -> None:
-        """Raise ValueError unless every size is >= 1 and the product equals ``n_devices``."""
-        bad = {k: v for k, v in self.sizes().items() if not (isinstance(v, int) and v >= 1)}
-        if bad:
-            raise ValueError(f"mesh axis sizes must be integers >= 1, got {bad}")
-        if self.size != n_devices:
-            raise ValueError(
-                f"mesh data({self.data}) x depth({self.depth}) x row({self.row}) x col({self.col}) = "
-                f"{self.size} != {n_devices} devices; the product of the four axis sizes must equal the "
-                f"device count (on CPU, {self.size} fake devices: XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={self.size}, set before JAX starts)")
-
-    @classmethod
-    def from_config(cls, cfg) -> "MeshShape":
-        p = cfg.parallel
-        return cls(p.data, p.tensor_depth, p.tensor_row, p.tensor_col)
-
-
-def make_mesh(shape: MeshShape, devices=None) -> Mesh:
-    """A ``Mesh`` with axes ``(data, depth, row, col)`` and explicit ``AxisType.Auto`` axis types.
+def make_mesh(dims: ParallelDims, devices=None) -> Mesh:
+    """A ``Mesh`` of one stage's grid (:attr:`~jaxhybrid.core.layout.ParallelDims.mesh_shape`) with axes
+    ``(data, depth, row, col)`` and explicit ``AxisType.Auto`` axis types.
 
     Devices are laid out row-major, so ``col`` neighbours are adjacent device ids (innermost, Sec. V).
     """
     devs = list(jax.devices() if devices is None else devices)
-    shape.check(len(devs))
-    arr = np.asarray(devs, dtype=object).reshape(shape.data, shape.depth, shape.row, shape.col)
+    dims.check_devices(len(devs))
+    arr = np.asarray(devs, dtype=object).reshape(dims.mesh_shape)
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 4)
 
 

@@ -17,9 +17,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.config.model import ModelConfig
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model.transformer import TIED_KEY
 from jaxhybrid.parallel.tensor.linear import NORMAL, Layout
-from jaxhybrid.parallel.tensor.mesh import BATCH, COL, ROW, MeshShape
+from jaxhybrid.parallel.tensor.mesh import BATCH, COL, ROW
 from jaxhybrid.parallel.tensor.ops import EMBED_SPEC, STREAM, TensorOps
 
 MODULE_SITE = {"qkv": "attn.qkv", "attn_out": "attn.out", "mlp_up": "mlp.up", "mlp_gate": "mlp.gate",
@@ -41,26 +42,27 @@ def layout_of(site: str, letters: str) -> Layout:
     return TensorOps(letters=letters).layout(site)
 
 
-def check_layout(c: ModelConfig, shape: MeshShape, batch_rows: int, letters: str = "ABCDE") -> None:
+def check_layout(c: ModelConfig, dims: ParallelDims, batch_rows: int, letters: str = "ABCDE") -> None:
     """Raise ValueError naming every size that the mesh cannot split evenly (before any compile).
 
     Args:
       c: the model.
-      shape: mesh sizes.
+      dims: the layout; its mesh (:attr:`~jaxhybrid.core.layout.ParallelDims.mesh_shape`) is checked.
       batch_rows: sequences per microbatch over all replicas (split over data x depth).
       letters: optimizations (A changes which axis splits which dim).
     """
-    s = shape.sizes()
+    s = dims.mesh_sizes()
     errs = []
-    if batch_rows % (shape.data * shape.depth):
-        errs.append(f"batch of {batch_rows} sequences per microbatch is not divisible by data({shape.data}) x "
-                    f"depth({shape.depth}) = {shape.data * shape.depth} (X's rows are split over both)")
+    data, depth = dims.data, dims.tensor_depth
+    if batch_rows % (data * depth):
+        errs.append(f"batch of {batch_rows} sequences per microbatch is not divisible by data({data}) x "
+                    f"depth({depth}) = {data * depth} (X's rows are split over both)")
     for site, (k, n) in dense_shapes(c).items():
         lay = NORMAL if site == "head.logits" else layout_of(site, letters)
-        gk = s[lay.in_ax] * shape.depth
+        gk = s[lay.in_ax] * depth
         if k % gk:
             errs.append(f"layer {site}: input features k={k} not divisible by {lay.in_ax}({s[lay.in_ax]}) x "
-                        f"depth({shape.depth}) = {gk} (W's rows are split over both)")
+                        f"depth({depth}) = {gk} (W's rows are split over both)")
         if n % s[lay.out_ax]:
             errs.append(f"layer {site}: output features n={n} not divisible by {lay.out_ax}({s[lay.out_ax]})")
         if "A" not in letters and site != "head.logits" and n % s[STREAM]:
@@ -84,7 +86,7 @@ def run_layout_error(c: ModelConfig, pipeline: int, data: int, depth: int, row: 
     (1, depth, row, col) mesh over its own microbatch (``microbatch``: sequences per replica)."""
     mesh_data = data if pipeline == 1 else 1
     try:
-        check_layout(c, MeshShape(mesh_data, depth, row, col), microbatch * mesh_data, letters)
+        check_layout(c, ParallelDims.from_mesh_shape((mesh_data, depth, row, col)), microbatch * mesh_data, letters)
     except ValueError as e:
         return str(e)
     return None

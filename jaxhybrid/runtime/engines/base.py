@@ -6,7 +6,8 @@ single-device reference every other engine (pipeline, tensor, hybrid) is compare
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+import abc
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,37 +18,80 @@ from jaxhybrid.model import Model, remat_policy
 Params = dict[str, Any]
 
 
-class GradEngine(Protocol):
-    """How one process computes its share of a training step.
+class GradEngine(abc.ABC):
+    """How one process computes its share of a training step: every hook the trainer calls.
 
     ``batch`` is the whole global batch, ``int32 [global_batch, seq_len + 1]`` (inputs are
     ``batch[:, :-1]``, targets ``batch[:, 1:]``), identical on every rank; an engine slices out its
     data replica and microbatches. ``loss_and_grads`` returns the mean loss over the global batch (the
     same value on every rank) and the gradients of ``loss * loss_scale`` with respect to this process's
     float32 parameters, already reduced over data replicas.
+
+    A base class, not a Protocol: the hooks only some layouts need (streamed all-reduce, the norm's view of
+    tied copies, the trace, shutdown) have one no-op default here that every engine inherits, so the
+    trainer calls each hook unconditionally; the abstract methods fail at construction, not mid-run.
     """
 
+    rank: int = 0  # this process's MPI rank (checkpoint folder, messages); one-process layouts: 0
+
+    @abc.abstractmethod
     def init_params(self, rng: jax.Array) -> Params: ...
 
+    @abc.abstractmethod
     def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float) -> tuple[jax.Array, Params]: ...
 
+    @abc.abstractmethod
     def eval_loss(self, params: Params, batch: np.ndarray) -> jax.Array:
         """Mean loss over a global batch laid out as for ``loss_and_grads``, forward only (validation);
         the same value on every rank."""
-        ...
 
+    @abc.abstractmethod
     def global_sum(self, x: jax.Array) -> jax.Array:
         """Sum a scalar over the model-parallel group (stages), e.g. for the global gradient norm."""
-        ...
 
+    @abc.abstractmethod
     def global_max(self, x: jax.Array) -> jax.Array:
         """Max of a scalar over all ranks (overflow agreement)."""
-        ...
 
     @property
+    @abc.abstractmethod
     def is_writer(self) -> bool:
         """True on the one process that writes metrics and run-level files."""
-        ...
+
+    # -- hooks with a default: what a layout without the feature does ------------------------------------
+    @property
+    def streams_reduced_chunks(self) -> bool:
+        """Whether :meth:`loss_and_grad_chunks` applies (Myelin V-C: data replicas reduced chunk by chunk
+        into the offloaded update). Default: no; the gradients come whole from :meth:`loss_and_grads`."""
+        return False
+
+    def loss_and_grad_chunks(self, params: Params, batch: np.ndarray, loss_scale: float, flatten):
+        """``(loss, chunks)`` of the reduced flat gradients; only where :attr:`streams_reduced_chunks`."""
+        raise ValueError(f"{type(self).__name__} does not stream reduced gradient chunks "
+                         f"(streams_reduced_chunks is false): call loss_and_grads")
+
+    def norm_view(self, grads: Params) -> Params:
+        """The gradients this process contributes to the global norm. Default: all of them (no leaf is
+        held twice)."""
+        return grads
+
+    @property
+    def tasks_timed(self) -> bool:
+        """Whether a step's recorded task times are kernel times. Default: true, one program per step whose
+        time the trainer measures itself, and nothing to record apart."""
+        return True
+
+    def time_tasks(self, on: bool = True) -> None:
+        """From the next step on, wait for each task's kernel so a trace records kernel times. Default:
+        nothing to time apart."""
+
+    def write_trace(self, run_dir: str) -> dict | None:
+        """Write the last step's trace into ``run_dir`` (collective where ranks gather events); returns its
+        summary on the writer. Default: no per-task events, no trace (``metrics.trace`` is noted as unused)."""
+        return None
+
+    def close(self) -> None:
+        """Release communicators, transports and watchdogs once every rank has finished. Default: nothing held."""
 
 
 def split_batch(batch: np.ndarray, replica: int, replicas: int, microbatches: int) -> np.ndarray:
@@ -106,7 +150,7 @@ def accumulated_step(loss_fn, replicas: int = 1, axis: str | None = None):
     return step
 
 
-class LocalEngine:
+class LocalEngine(GradEngine):
     """Single device, whole model; microbatches accumulate in one jitted step (gradient accumulation).
 
     With ``microbatches == 1`` this is exactly ``jax.value_and_grad`` of the model loss.

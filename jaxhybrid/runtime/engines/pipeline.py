@@ -34,10 +34,10 @@ from jaxhybrid.parallel.pipeline.transport import InProcessHub
 from jaxhybrid.parallel.pipeline.watchdog import Watchdog, install_abort_on_exception
 from jaxhybrid.parallel.tensor.local import LocalTensor
 from jaxhybrid.parallel.twobp.stage import Stage, weight_join
-from jaxhybrid.runtime.engines.base import split_batch
+from jaxhybrid.runtime.engines.base import GradEngine, split_batch
 
 
-class PipelineEngine:
+class PipelineEngine(GradEngine):
     """One rank of a ``G_inter x G_data`` pipeline (``mpirun -n G_inter*G_data jaxhybrid train``).
 
     Args:

@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid.core.config.model import ModelConfig
 from jaxhybrid.model import Model, remat_policy
 from jaxhybrid.model.remat import whole_model_interval
-from jaxhybrid.parallel.tensor.mesh import DATA, MeshShape, make_mesh, reduce_data_once
+from jaxhybrid.parallel.tensor.mesh import DATA, make_mesh, reduce_data_once
 from jaxhybrid.parallel.tensor.ops import TensorOps
 from jaxhybrid.parallel.tensor.sharding import batch_sharding, check_layout, param_shardings
-from jaxhybrid.runtime.engines.base import accumulated_step, mean_loss
+from jaxhybrid.runtime.engines.base import GradEngine, accumulated_step, mean_loss
 
 
 def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:
@@ -33,7 +33,7 @@ def order_microbatches(batch: np.ndarray, replicas: int, microbatches: int) -> n
     return np.ascontiguousarray(np.swapaxes(x, 0, 1).reshape(microbatches, replicas * per, *batch.shape[1:]))
 
 
-class TensorEngine:
+class TensorEngine(GradEngine):
     """AxoNN 4D step: data x (depth, row, col) tensor parallelism in one jitted program.
 
     Args:
@@ -47,12 +47,12 @@ class TensorEngine:
 
     def __init__(self, model_cfg: ModelConfig, cfg, devices=None, compiler_options: dict | None = None):
         devs = list(jax.devices() if devices is None else devices)
-        self.shape = MeshShape.from_config(cfg)
-        self.shape.check(len(devs))
+        self.dims = cfg.layout
+        self.dims.check_devices(len(devs))
         letters = cfg.tensor.optimizations
         self.microbatches = cfg.pipeline.microbatches
-        check_layout(model_cfg, self.shape, cfg.train.global_batch // self.microbatches, letters)
-        self.mesh = make_mesh(self.shape, devs)
+        check_layout(model_cfg, self.dims, cfg.train.global_batch // self.microbatches, letters)
+        self.mesh = make_mesh(self.dims, devs)
         self.ops = TensorOps.build(self.mesh, model_cfg.n_heads, model_cfg.kv_heads, letters)
         self.model = Model(model_cfg, self.ops, cfg.precision.compute_dtype)
         self.reference = Model(model_cfg, compute_dtype=cfg.precision.compute_dtype)
@@ -66,8 +66,8 @@ class TensorEngine:
         # Per layer, eq. 8 runs in its backward and may overlap the layers below (AxoNN); with enough
         # microbatches per-replica gradients accumulate over the scan instead and are reduced once after it
         # (accumulated_step's replicas), where that moves fewer bytes.
-        once = reduce_data_once(self.shape.data, self.microbatches, jnp.dtype(cfg.precision.compute_dtype).itemsize)
-        replicas = self.shape.data if once else 1
+        once = reduce_data_once(self.dims.data, self.microbatches, jnp.dtype(cfg.precision.compute_dtype).itemsize)
+        replicas = self.dims.data if once else 1
         train = Model(model_cfg, self.ops.per_replica(), cfg.precision.compute_dtype) if replicas > 1 else model
         step = accumulated_step(lambda p, mb: train.loss(p, mb[:, :-1], mb[:, 1:], remat=remat, interval=interval),
                                 replicas, DATA)
@@ -83,7 +83,7 @@ class TensorEngine:
         return self._init(rng)
 
     def device_batch(self, batch: np.ndarray) -> jax.Array:
-        mbs = order_microbatches(np.asarray(batch, np.int32), self.shape.data, self.microbatches)
+        mbs = order_microbatches(np.asarray(batch, np.int32), self.dims.data, self.microbatches)
         return jax.device_put(mbs, self._batch_sharding)
 
     def loss_and_grads(self, params, batch: np.ndarray, loss_scale: float):

@@ -119,6 +119,7 @@ def test_planner_block_bytes_match_a_sharded_stage(mesh):
     """The planner's per-device bytes of a block (step_model.block_bytes_per_device: activations and
     gathered weights) against a sharded stage's own forward residuals per device: equal where G_r = G_c
     (or both 1), an upper bound where one of them is alone or larger (within PLANNER_SLACK both)."""
+    from jaxhybrid.core.layout import ParallelDims
     from jaxhybrid.planner.step_model import Layout, block_bytes_per_device
 
     depth, row, col = mesh
@@ -130,7 +131,7 @@ def test_planner_block_bytes_match_a_sharded_stage(mesh):
     x = np.random.default_rng(0).standard_normal((4, 32, cfg.model.d_model)).astype(np.float32)
     _, res = stage.forward(params, x, None)
     measured = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((res.vjp, res.records)))
-    lay = Layout(2, 1, col, row, depth, 4, 2, "1f1b", False, False, "none")
+    lay = Layout(ParallelDims(2, 1, col, row, depth), 4, 2, "1f1b", False, False, "none")
     blk = block_bytes_per_device(cfg.model, lay, 32, 4, flash=False)
     predicted = blk["kept"] + blk["gathered_w"]
     if row == col:

@@ -1,26 +1,11 @@
-"""Grid coordinates and layer partitions (pure, no MPI), plus the launcher's command line."""
+"""Layer partitions (pure, no MPI), plus the launcher's command line."""
 from pathlib import Path
 
 import pytest
 
 from jaxhybrid.cli.commands.launch import build_command, rank_environment
 from jaxhybrid.core.errors import ConfigError
-from jaxhybrid.parallel.pipeline.topology import Grid, partition_blocks
-
-
-def test_grid_round_trips_and_rows_are_consecutive():
-    g = Grid(pipeline=4, data=3)
-    assert [g.coords(r) for r in range(4)] == [(0, 0), (1, 0), (2, 0), (3, 0)]
-    assert all(g.rank(*g.coords(r)) == r for r in range(g.size))
-    assert g.row(1) == [4, 5, 6, 7]
-    assert g.column(2) == [2, 6, 10]
-
-
-def test_grid_refuses_wrong_world_size_with_numbers():
-    with pytest.raises(ConfigError, match=r"parallel.pipeline\(2\) x parallel.data\(2\) = 4 != world size 3"):
-        Grid(2, 2).check_world(3)
-    with pytest.raises(ValueError, match="rank 8 outside"):
-        Grid(2, 4).coords(8)
+from jaxhybrid.parallel.pipeline.topology import partition_blocks
 
 
 @pytest.mark.parametrize("n,p,expected", [

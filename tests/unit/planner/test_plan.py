@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import (
     PLAN_KEYS,
@@ -47,14 +48,14 @@ def test_plans_respect_device_memory_and_are_ranked(memory):
 
 def test_offload_and_tensor_sharding_lower_memory_and_single_gpu_has_no_comm():
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
-    base = Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "none")
+    base = Layout(ParallelDims(1, 1, 1, 1, 1), 4, 8, "gpipe", False, False, "none")
     r0 = evaluate(cfg, base, m, 1024)
     assert r0["comm_s"] == 0
-    off = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, True, "none"), m, 1024)
+    off = evaluate(cfg, Layout(ParallelDims(1, 1, 1, 1, 1), 4, 8, "gpipe", False, True, "none"), m, 1024)
     assert off["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
-    tp = evaluate(cfg, Layout(1, 1, 2, 2, 2, 4, 8, "gpipe", False, False, "none"), m, 1024)
+    tp = evaluate(cfg, Layout(ParallelDims(1, 1, 2, 2, 2), 4, 8, "gpipe", False, False, "none"), m, 1024)
     assert tp["memory_per_device_bytes"] < r0["memory_per_device_bytes"] and tp["comm_s"] > 0
-    remat = evaluate(cfg, Layout(1, 1, 1, 1, 1, 4, 8, "gpipe", False, False, "full"), m, 1024)
+    remat = evaluate(cfg, Layout(ParallelDims(1, 1, 1, 1, 1), 4, 8, "gpipe", False, False, "full"), m, 1024)
     assert remat["memory_per_device_bytes"] < r0["memory_per_device_bytes"]
     assert remat["predicted_step_s"] > r0["predicted_step_s"]  # recomputation costs a forward
 
@@ -64,13 +65,13 @@ def test_step_is_pipeline_plus_data_allreduce_plus_offload_streaming():
     in and out over the host link; serial with the all-reduce, as the runtime is under global-norm
     clipping). Offload time grows with the largest stage's share, so tensor sharding divides it."""
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
-    on = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
-    off = evaluate(cfg, Layout(2, 2, 1, 1, 1, 4, 8, "1f1b", False, False, "none"), m, 1024)
+    on = evaluate(cfg, Layout(ParallelDims(2, 2, 1, 1, 1), 4, 8, "1f1b", False, True, "none"), m, 1024)
+    off = evaluate(cfg, Layout(ParallelDims(2, 2, 1, 1, 1), 4, 8, "1f1b", False, False, "none"), m, 1024)
     assert off["offload_s"] == 0 and on["offload_s"] > 0 and on["data_allreduce_s"] > 0
     for r in (on, off):
         assert r["predicted_step_s"] == pytest.approx(r["pipeline_s"] + r["data_allreduce_s"] + r["offload_s"])
     assert on["predicted_step_s"] - off["predicted_step_s"] == pytest.approx(on["offload_s"])
-    tp = evaluate(cfg, Layout(2, 2, 2, 1, 1, 4, 8, "1f1b", False, True, "none"), m, 1024)
+    tp = evaluate(cfg, Layout(ParallelDims(2, 2, 2, 1, 1), 4, 8, "1f1b", False, True, "none"), m, 1024)
     assert tp["offload_s"] < on["offload_s"]
 
 
@@ -79,7 +80,7 @@ def test_memory_follows_the_attention_kernel_and_remat_dots_trades_it_for_time()
     attention a 16-bit block keeps no [H, T, T] probabilities (model.attention xla, float32 or a file
     without flash_attention keep them); remat dots keeps neither and recomputes the attention core."""
     cfg, flash, plain = PRESETS["gpt2-1.3b"], _machine(), _machine("frontier", 8)
-    lay = {r: Layout(1, 8, 1, 1, 1, 8, 4, "1f1b", False, False, r) for r in ("none", "dots")}
+    lay = {r: Layout(ParallelDims(1, 8, 1, 1, 1), 8, 4, "1f1b", False, False, r) for r in ("none", "dots")}
     ev = {(r, name): evaluate(c, lay[r], mach, 1024) for r in lay for name, c, mach in (
         ("flash", cfg, flash), ("plain", cfg, plain), ("xla", dataclasses.replace(cfg, attention="xla"), flash))}
     probs = 24 * 8 * cfg.n_heads * 1024 * 1024 * 4  # float32, per block, 24 blocks
@@ -99,10 +100,10 @@ def test_single_stage_layouts_hold_one_microbatch_as_gradient_accumulation_does(
     """One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step), so its
     activations do not grow with their number, and the planner labels it so."""
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
-    mem = [evaluate(cfg, Layout(1, 2, 2, 2, 2, 8, k, "gpipe", False, False, "none"), m, 1024)
+    mem = [evaluate(cfg, Layout(ParallelDims(1, 2, 2, 2, 2), 8, k, "gpipe", False, False, "none"), m, 1024)
            ["memory_per_device_bytes"] for k in (1, 8, 32)]
     assert mem[0] == mem[1] == mem[2]
-    piped = [evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, k, "gpipe", False, False, "none"), m, 1024)
+    piped = [evaluate(cfg, Layout(ParallelDims(2, 1, 1, 1, 1), 8, k, "gpipe", False, False, "none"), m, 1024)
              ["memory_per_device_bytes"] for k in (2, 8)]
     assert piped[1] > piped[0]  # a real GPipe stashes every microbatch
     plans = rank_plans(cfg, 8, m, 64, 1024, top=10_000, tensor=False)
@@ -165,11 +166,11 @@ def test_the_slowest_stage_counts_the_head():
     from jaxhybrid.model.flops import forward_flops
 
     cfg, m = PRESETS["gpt2-small"], _machine()
-    ev = evaluate(cfg, Layout(8, 1, 1, 1, 1, 8, 8, "1f1b", False, False, "none"), m, 1024)
+    ev = evaluate(cfg, Layout(ParallelDims(8, 1, 1, 1, 1), 8, 8, "1f1b", False, False, "none"), m, 1024)
     assert ev["partition"] == [2, 2, 2, 2, 1, 1, 1, 1]
     last = (forward_flops(cfg, 8, 1024, 1, head=True)) / m.flops_per_s
     assert ev["compute_s"] >= 8 * 3 * last * 0.99
-    dp = evaluate(cfg, Layout(1, 8, 1, 1, 1, 8, 1, "1f1b", False, False, "none"), m, 1024)
+    dp = evaluate(cfg, Layout(ParallelDims(1, 8, 1, 1, 1), 8, 1, "1f1b", False, False, "none"), m, 1024)
     assert ev["predicted_step_s"] > 2 * dp["predicted_step_s"]  # a 5.5 : 2 imbalance no bubble-free DP has
 
 
@@ -182,7 +183,7 @@ def test_2bp_memory_peaks_where_activations_and_residuals_coexist():
     _, states = pipeline_makespan("gpipe", 2, 4, True, 1.0, 1.0, 0.0)
     assert states[0] == ((0, 4), (1, 3), (2, 2), (3, 1), (4, 0))
     cfg, m = PRESETS["gpt2-small"], _machine()
-    mem = {split: evaluate(cfg, Layout(2, 1, 1, 1, 1, 8, 8, "gpipe", split, False, "none"), m, 1024)
+    mem = {split: evaluate(cfg, Layout(ParallelDims(2, 1, 1, 1, 1), 8, 8, "gpipe", split, False, "none"), m, 1024)
            ["memory_per_device_bytes"] for split in (False, True)}
     assert mem[False] <= mem[True] < 1.1 * mem[False]  # activations (214.5 MB a block) >= residuals (201.5)
 
@@ -223,7 +224,8 @@ def test_myelin_2bp_memory_is_what_the_engine_holds():
 def test_full_recompute_repeats_the_forward_collectives():
     """remat full runs each forward's tensor collectives again in the backward: comm_s counts them."""
     cfg, m = PRESETS["gpt2-1.3b"], _machine()
-    ev = {r: evaluate(cfg, Layout(2, 1, 2, 2, 1, 4, 8, "1f1b", False, False, r), m, 1024) for r in ("none", "full")}
+    ev = {r: evaluate(cfg, Layout(ParallelDims(2, 1, 2, 2, 1), 4, 8, "1f1b", False, False, r), m, 1024)
+          for r in ("none", "full")}
     assert ev["full"]["comm_s"] > ev["none"]["comm_s"]
     assert ev["full"]["compute_s"] + ev["full"]["comm_s"] <= ev["full"]["predicted_step_s"] * 1.001
 
@@ -273,9 +275,9 @@ def test_data_allreduce_moves_float32_over_mpi_and_the_compute_dtype_on_a_mesh()
     h = load_hardware("h100-node")
     bf16, fp32 = (machine_from_hardware(h, 8, dt, 0.5) for dt in ("bfloat16", "float32"))
     cfg = PRESETS["gpt2-1.3b"]
-    pipe = Layout(2, 4, 1, 1, 1, 1, 8, "1f1b", False, False, "none")
+    pipe = Layout(ParallelDims(2, 4, 1, 1, 1), 1, 8, "1f1b", False, False, "none")
     ar = lambda lay, m: evaluate(cfg, lay, m, 1024)["data_allreduce_s"]  # noqa: E731
-    mesh = lambda mbs: Layout(1, 2, 2, 2, 1, 16 // mbs, mbs, "1f1b", False, False, "none")  # noqa: E731
+    mesh = lambda mbs: Layout(ParallelDims(1, 2, 2, 2, 1), 16 // mbs, mbs, "1f1b", False, False, "none")  # noqa: E731
     assert ar(pipe, bf16) == pytest.approx(ar(pipe, fp32)) and ar(pipe, bf16) > 0
     once = ar(mesh(1), fp32)
     assert ar(mesh(1), bf16) == pytest.approx(once / 2)  # one microbatch: per layer, bf16
@@ -291,7 +293,7 @@ def test_the_search_ranks_myelin_with_and_without_2bp_and_its_plan_file_loads(tm
     from jaxhybrid.runtime.config_load import load_config
 
     cfg = PRESETS["gpt2-small"]
-    searched = {(lay.schedule, lay.split_backward) for lay in layouts(cfg, 8, 16) if lay.pipeline > 1}
+    searched = {(lay.schedule, lay.split_backward) for lay in layouts(cfg, 8, 16) if lay.dims.pipeline > 1}
     assert {("myelin", False), ("myelin", True)} <= searched
     plans = rank_plans(cfg, 8, _machine(), global_batch=16, seq=1024, top=10_000)
     myelin = [p for p in plans if p["schedule"] == "myelin"]
@@ -394,7 +396,7 @@ def test_myelin_table_ii_grid_is_the_step_models_fastest(name, gpus, grid):
             continue
         r = evaluate(cfg, lay, m, 512, 16_000_000)
         if r["memory_per_device_bytes"] <= m.memory_bytes:
-            fastest[lay.pipeline, lay.data] = r["predicted_step_s"]
+            fastest[lay.dims.pipeline, lay.dims.data] = r["predicted_step_s"]
     assert min(fastest, key=fastest.get) == grid
     assert (grid[0] // 2, grid[1] * 2) not in fastest  # half the stages do not fit 16 GB
 

@@ -6,8 +6,9 @@ import re
 import pytest
 
 from jaxhybrid.core.config.model import PRESETS
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.planner.costs import load_hardware
-from jaxhybrid.planner.plan import machine_from_hardware, rank_plans
+from jaxhybrid.planner.plan import machine_from_hardware
 from jaxhybrid.planner.step_model import Layout, evaluate
 
 
@@ -51,7 +52,7 @@ def test_block_overheads_add_their_time_to_every_block_pass(remat, forwards):
     """One stage runs its M microbatches in turn, so the step's compute is M x (F + BI + BW) exactly; each
     block's forward (run again in the backward under remat full) and backward add their overheads."""
     cfg, h = PRESETS["gpt2-small"], load_hardware("h200-node")
-    lay = Layout(1, 8, 1, 1, 1, 2, 4, "1f1b", False, False, remat)
+    lay = Layout(ParallelDims(1, 8, 1, 1, 1), 2, 4, "1f1b", False, False, remat)
     plain = evaluate(cfg, lay, machine_from_hardware(h, 8, "bfloat16", 0.6, block_overhead_s=(0, 0)), 1024)
     o_f, o_b = 1e-4, 3e-4
     with_over = evaluate(cfg, lay, machine_from_hardware(h, 8, "bfloat16", 0.6, block_overhead_s=(o_f, o_b)), 1024)
@@ -64,7 +65,8 @@ def test_the_measured_curve_makes_larger_microbatches_pay_off():
     bubble) always won. With the H200's measured curve, a 7B model's 2-stage pipeline runs faster with 4
     sequences per microbatch than with 1 (``jaxhybrid plan`` then ranks mb 4 first: README)."""
     cfg, h = PRESETS["2bp-transformer-7b"], load_hardware("h200-node")
-    step = lambda m, mb: evaluate(cfg, Layout(2, 8, 1, 1, 1, mb, 32 // mb, "1f1b", True, False, "none"), m,  # noqa: E731
+    dims = ParallelDims(2, 8, 1, 1, 1)
+    step = lambda m, mb: evaluate(cfg, Layout(dims, mb, 32 // mb, "1f1b", True, False, "none"), m,  # noqa: E731
                                   1024)["predicted_step_s"]
     flat = machine_from_hardware(h, 8, "bfloat16", 0.5, block_overhead_s=(0.0, 0.0))
     curve = machine_from_hardware(h, 8, "bfloat16")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.core.config.model import PRESETS, block_matmuls
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.parallel.tensor.local import LocalTensor
@@ -43,7 +44,7 @@ def test_whole_model_engine_gathers_again_where_the_model_says(letters):
         lowered = eng.lower(eng.init_params(jax.random.key(0)), np.zeros((8, 9), np.int32))
         counts[remat] = lowered.as_text().count(GATHER)
     for remat in ("dots", "full"):
-        g = gathered_weights(Layout(1, 1, 1, 1, 2, 8, 1, "1f1b", False, False, remat), letters)
+        g = gathered_weights(Layout(ParallelDims(1, 1, 1, 1, 2), 8, 1, "1f1b", False, False, remat), letters)
         again = 0 if (g["kept"] or g["cached_full"]) else sites
         assert counts[remat] == counts["none"] + again, (remat, letters, counts)
 
@@ -60,7 +61,7 @@ def test_pipeline_stage_gathers_again_where_the_model_says(remat, letters):
     x = np.random.default_rng(0).standard_normal((4, 32, cfg.model.d_model)).astype(np.float32)
     _, res = stage.forward(params, x, None)
     regathers = stage.kernels.input_program.lower(*stage.kernels.input_args(res, np.ones_like(x))).as_text().count(GATHER)
-    g = gathered_weights(Layout(2, 1, 1, 1, 2, 4, 2, "1f1b", False, False, remat), letters)
+    g = gathered_weights(Layout(ParallelDims(2, 1, 1, 1, 2), 4, 2, "1f1b", False, False, remat), letters)
     assert not g["cached_full"]
     assert regathers == (0 if g["kept"] else 2 * len(block_matmuls(cfg.model))), (remat, regathers)
     ref = Stage(Model(cfg.model), 1, 3, remat=remat)
@@ -76,7 +77,7 @@ def test_optimization_e_saves_the_regather_and_keeps_every_gathered_weight():
     """remat full on a whole-model mesh: E removes the backward's all-gathers (M x blocks x eq. 4) and keeps
     all n blocks' gathered W through the step instead of the ac of one recomputed segment."""
     cfg, m, seq = PRESETS["gpt2-1.3b"], _machine(), 1024
-    lay = Layout(1, 1, 1, 2, 4, 4, 8, "1f1b", False, False, "full")
+    lay = Layout(ParallelDims(1, 1, 1, 2, 4), 4, 8, "1f1b", False, False, "full")
     on, off = (evaluate(cfg, lay, m, seq, letters=lt) for lt in ("ABCDE", "ABCD"))
     bw = group_bandwidths(m.net, 1, 2, 4, 1)
     ag = sum(comm_time(layer_comm_volumes(4 * seq, k, n, 1, 2, 4, 1, tr), bw, 2)["all_gather"]
@@ -102,11 +103,11 @@ def test_head_collectives_and_data_allreduce_once_per_step_are_counted():
         t = comm_time(layer_comm_volumes(2 * seq, k, n, 2, 2, 1, 2, tr), bw, 2)
         tensor += t["all_gather"] + t["all_reduce_fwd"] + t["all_reduce_bwd"] + t["reduce_scatter"]
         data += t["all_reduce_data"]
-    one = evaluate(cfg, Layout(1, 2, 2, 2, 1, 2, 8, "1f1b", False, False, "none"), m, seq)
+    one = evaluate(cfg, Layout(ParallelDims(1, 2, 2, 2, 1), 2, 8, "1f1b", False, False, "none"), m, seq)
     assert one["data_allreduce_s"] == pytest.approx(2 * data, rel=1e-9)
     assert one["comm_s"] == pytest.approx(8 * tensor + 2 * data, rel=1e-9)
-    assert evaluate(cfg, Layout(1, 2, 2, 2, 1, 16, 1, "1f1b", False, False, "none"), m, seq)["data_allreduce_s"] == \
-        pytest.approx(data, rel=1e-9)
-    piped = [evaluate(cfg, Layout(2, 2, 1, 1, 1, 2, k, "1f1b", False, False, "none"), m, seq)["data_allreduce_s"]
-             for k in (1, 8)]
+    once = evaluate(cfg, Layout(ParallelDims(1, 2, 2, 2, 1), 16, 1, "1f1b", False, False, "none"), m, seq)
+    assert once["data_allreduce_s"] == pytest.approx(data, rel=1e-9)
+    piped = [evaluate(cfg, Layout(ParallelDims(2, 2, 1, 1, 1), 2, k, "1f1b", False, False, "none"), m,
+                      seq)["data_allreduce_s"] for k in (1, 8)]
     assert piped[0] == piped[1] > 0

@@ -92,8 +92,8 @@ def test_the_search_tries_the_candidate_limits_for_myelin_only():
         groups.setdefault(dataclasses.replace(lay, pipeline_limit=0), []).append(lay.pipeline_limit)
     assert any(len(v) == 3 for v in groups.values()) and any(len(v) == 2 for v in groups.values())
     for base, limits in groups.items():
-        want = myelin_limits(base.pipeline, base.microbatches, base.split_backward) \
-            if base.schedule == "myelin" and base.pipeline > 1 else (0,)
+        want = myelin_limits(base.dims.pipeline, base.microbatches, base.split_backward) \
+            if base.schedule == "myelin" and base.dims.pipeline > 1 else (0,)
         assert tuple(limits) == want, base
 
 
@@ -120,16 +120,17 @@ def test_ample_memory_ranks_the_faster_limit_and_tight_memory_one_that_fits():
     keeps the default, and nothing listed exceeds the memory."""
     cfg, ample = PRESETS["gpt-small-cpu"], _machine()
     best = _best_myelin(rank_plans(cfg, 8, ample, 64, 256, 1 << 30, tensor=False))
-    lay = Layout(*(best[f.name] for f in dataclasses.fields(Layout)))
-    assert lay.pipeline_limit == 3 * lay.pipeline // 2
+    lay = Layout.from_dict(best)
+    assert lay.pipeline_limit == 3 * lay.dims.pipeline // 2
     default = step_model.evaluate(cfg, dataclasses.replace(lay, pipeline_limit=0), ample, 256)
     assert best["pipeline_s"] < default["pipeline_s"]
     assert best["memory_per_device_bytes"] > default["memory_per_device_bytes"]
     tight = _machine((best["memory_per_device_bytes"] + default["memory_per_device_bytes"]) / 2)
     plans = rank_plans(cfg, 8, tight, 64, 256, 1 << 30, tensor=False)
     assert all(p["memory_per_device_bytes"] <= tight.memory_bytes for p in plans)
-    same = [p for p in plans if Layout(*(p[f.name] for f in dataclasses.fields(Layout))) in
-            {dataclasses.replace(lay, pipeline_limit=k) for k in myelin_limits(lay.pipeline, lay.microbatches, True)}]
+    same = [p for p in plans if Layout.from_dict(p) in
+            {dataclasses.replace(lay, pipeline_limit=k)
+             for k in myelin_limits(lay.dims.pipeline, lay.microbatches, True)}]
     assert [p["pipeline_limit"] for p in same] == [0]
 
 

@@ -22,7 +22,8 @@ def _costs(p, bi, bw, msg):
 
 def test_zb_h1_is_searched_only_with_its_split_backward_and_enough_microbatches():
     zb = [lay for lay in layouts(PRESETS["gpt2-small"], 8, 16) if lay.schedule == "zb-h1"]
-    assert zb and all(lay.split_backward and lay.pipeline > 1 and lay.microbatches >= lay.pipeline for lay in zb)
+    assert zb and all(lay.split_backward and lay.dims.pipeline > 1 and lay.microbatches >= lay.dims.pipeline
+                      for lay in zb)
 
 
 def test_zb_h1_makespan_and_memory_are_the_simulators():

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
-from jaxhybrid.parallel.tensor.mesh import MeshShape, factorizations, make_mesh
+from jaxhybrid.parallel.tensor.mesh import factorizations, make_mesh
 from jaxhybrid.parallel.tensor.sharding import dense_shapes
 from jaxhybrid.planner import hlo
 from jaxhybrid.runtime.config_load import load_config
@@ -23,7 +24,7 @@ B, T, K, N = 8, 4, 32, 64
 
 
 def _layer_hlo(shape, lay):
-    mesh = make_mesh(MeshShape(*shape))
+    mesh = make_mesh(ParallelDims.from_mesh_shape(shape))
     layer = Linear3D(mesh, lay, Switches())
     x = jax.ShapeDtypeStruct((B, T, K), jnp.float32, sharding=NamedSharding(mesh, lay.x_spec()))
     w = jax.ShapeDtypeStruct((K, N), jnp.float32, sharding=NamedSharding(mesh, lay.w_spec))
@@ -38,7 +39,7 @@ def _layer_hlo(shape, lay):
 @pytest.mark.parametrize("lay", [NORMAL, TRANSPOSED], ids=["normal", "transposed"])
 @pytest.mark.parametrize("shape", factorizations(8), ids=lambda s: "x".join(map(str, s)))
 def test_layer_collective_bytes_equal_eqs_4_to_8(shape, lay):
-    sizes = MeshShape(*shape).sizes()
+    sizes = ParallelDims.from_mesh_shape(shape).mesh_sizes()
     measured = hlo.totals(hlo.collectives(_layer_hlo(shape, lay), shape))
     predicted = hlo.predicted_layer(B * T // sizes["data"], K, N, sizes, lay.transposed)
     assert measured == predicted
@@ -58,7 +59,7 @@ def test_model_dense_sites_match_eqs_4_to_7_and_data_total():
     eng = TensorEngine(cfg.model, cfg, compiler_options={"xla_backend_optimization_level": 0})
     text = eng.lower(eng.init_params(jax.random.key(0)), np.zeros((8, 9), np.int32)).compile().as_text()
     measured = hlo.collectives(text, shape)
-    sizes = MeshShape(*shape).sizes()
+    sizes = ParallelDims.from_mesh_shape(shape).mesh_sizes()
     for site, (k, n) in dense_shapes(cfg.model).items():
         transposed = site != "head.logits" and eng.ops.layout(site).transposed
         got = hlo.totals(measured, f"axonn_{site}/")
@@ -86,7 +87,7 @@ def test_combined_allreduce_in_mesh_form_is_read(spec):
     gradient reductions the combiner merges were missing from every byte count."""
     from jax.sharding import PartitionSpec as P
 
-    mesh = make_mesh(MeshShape(2, 2, 1, 2))
+    mesh = make_mesh(ParallelDims.from_mesh_shape((2, 2, 1, 2)))
     split = NamedSharding(mesh, P(*spec))
     f = jax.jit(lambda a, b: (a.sum(0), b.sum(0)), in_shardings=(split, split),
                 out_shardings=NamedSharding(mesh, P()))

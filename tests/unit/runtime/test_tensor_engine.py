@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
-from jaxhybrid.parallel.tensor.mesh import MeshShape, make_mesh
+from jaxhybrid.parallel.tensor.mesh import make_mesh
 from jaxhybrid.parallel.tensor.sharding import check_layout, is_fully_sharded
 from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.runtime.engines.base import LocalEngine, split_batch
@@ -29,7 +30,7 @@ def _cfg(shape, *extra, check=True):
 
 def test_mesh_product_must_equal_device_count():
     with pytest.raises(ValueError, match=r"data\(1\) x depth\(2\) x row\(2\) x col\(1\) = 4 != 8 devices"):
-        make_mesh(MeshShape(1, 2, 2, 1))
+        make_mesh(ParallelDims.from_mesh_shape((1, 2, 2, 1)))
     cfg = _cfg((1, 2, 2, 1))
     with pytest.raises(ValueError, match="= 4 != 8 devices.*xla_force_host_platform_device_count=4"):
         TensorEngine(cfg.model, cfg)
@@ -42,10 +43,10 @@ def test_indivisible_sizes_name_values_and_rule():
         TensorEngine(cfg.model, cfg)
     with pytest.raises(ValueError, match=r"batch of 4 sequences per microbatch is not divisible by data\(2\) x "
                                          r"depth\(4\) = 8"):
-        check_layout(cfg.model.__class__(), MeshShape(2, 4, 1, 1), 4)
+        check_layout(cfg.model.__class__(), ParallelDims.from_mesh_shape((2, 4, 1, 1)), 4)
     with pytest.raises(ValueError, match=r"layer mlp.down: input features k=256 not divisible by col\(1\) x "
                                          r"depth\(512\)"):
-        check_layout(cfg.model.__class__(), MeshShape(1, 512, 1, 1), 512)
+        check_layout(cfg.model.__class__(), ParallelDims.from_mesh_shape((1, 512, 1, 1)), 512)
     with pytest.raises(ValueError, match="unknown letters"):
         TensorEngine(cfg.model, _cfg((1, 2, 2, 2), "tensor.optimizations=ABX"))
 
@@ -56,7 +57,7 @@ def test_per_device_bytes_of_weights_and_adam_state(shape):
     eng = TensorEngine(cfg.model, cfg)
     params = eng.init_params(jax.random.key(0))
     state = DeviceUpdater(build_transform(cfg.optim, 10), 1.0).init(params)
-    g_tensor = eng.shape.tensor
+    g_tensor = eng.dims.tensor_size
     mu, nu = state[0].mu, state[0].nu
     for tree in (params, mu, nu):
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -105,7 +106,7 @@ def test_microbatches_and_data_parallel_accumulate_like_single_device():
 @pytest.mark.parametrize("lay", [NORMAL, TRANSPOSED], ids=["normal", "transposed"])
 def test_split_backward_islands_equal_autodiff(lay):
     """2BP: input_grad and weight_grad run as separate islands give the single-device vjp."""
-    mesh = make_mesh(MeshShape(2, 2, 1, 2))
+    mesh = make_mesh(ParallelDims.from_mesh_shape((2, 2, 1, 2)))
     layer = Linear3D(mesh, lay, Switches())
     k = jax.random.split(jax.random.key(0), 4)
     x, w = jax.random.normal(k[0], (8, 4, 16)), jax.random.normal(k[1], (16, 8))
@@ -178,7 +179,7 @@ def test_tensor_norms_match_reference_and_reduce_nothing_again(kind, row_psums):
     from jaxhybrid.model.layers import Ops
     from jaxhybrid.parallel.tensor.ops import TensorOps
 
-    mesh = make_mesh(MeshShape(1, 2, 2, 2))
+    mesh = make_mesh(ParallelDims.from_mesh_shape((1, 2, 2, 2)))
     tops = TensorOps.build(mesh, n_heads=4, kv_heads=4)
     k = jax.random.split(jax.random.key(0), 4)
     x, dy = jax.random.normal(k[0], (4, 8, 16)), jax.random.normal(k[1], (4, 8, 16))

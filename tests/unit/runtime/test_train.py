@@ -212,7 +212,6 @@ def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tm
     run's). config.yaml records run.resume false, so it starts a fresh run as it is; a resume that changed
     settings lists them and keeps the config the earlier steps trained with as config.step<N>.yaml."""
     from jaxhybrid.runtime.checkpoint.store import committed_steps
-    from jaxhybrid.runtime.run_dir import saved_config
 
     run = tmp_path / "run"
     Trainer(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3")).run()
@@ -503,7 +502,7 @@ def test_data_parallel_on_one_mesh_matches_one_device(tmp_path, extra):
     Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", name="one")).run()
     mesh = Trainer(_cfg(tmp_path, "train.steps=3", "train.global_batch=8", "parallel.data=8", "parallel.mesh_data=true",
                         *extra, name="mesh"))  # the 8 fake devices of the test process
-    assert isinstance(mesh.engine, TensorEngine) and mesh.engine.shape.sizes()["data"] == 8
+    assert isinstance(mesh.engine, TensorEngine) and mesh.engine.dims.data == 8
     mesh.run()
     rec = lambda d: [(r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open())]  # noqa: E731
     assert_tree_close(np.array(rec("mesh")), np.array(rec("one")), "fp32_parity", "loss and grad norm per step ")
