@@ -60,6 +60,17 @@ class RunLock:
         except (OSError, ValueError):
             return {}  # being written, or damaged: treated as held by an unknown job
 
+    def _taken_over(self, holder: dict) -> bool:
+        """Whether a lock held by ``holder`` may be taken: its holder is a process of this host that is gone."""
+        return holder.get("host") == self.me["host"] and not _alive(holder)
+
+    def check_free(self) -> None:
+        """Raise the refusal :meth:`acquire` would raise now, taking nothing (``jaxhybrid launch``'s check
+        before mpiexec: one line instead of one aborted rank per rank)."""
+        holder = self._holder()
+        if holder is not None and not self._taken_over(holder):
+            raise ConfigError(self._refusal(holder))
+
     def acquire(self) -> RunLock:
         """Take the lock, or raise a ConfigError naming the job that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +81,7 @@ class RunLock:
             holder = self._holder()
             if holder is None:  # released meanwhile
                 return self.acquire()
-            if not (holder.get("host") == self.me["host"] and not _alive(holder)):
+            if not self._taken_over(holder):
                 raise ConfigError(self._refusal(holder)) from None
             # A dead holder: replace its file in one rename, then check that this job's landed (two jobs that
             # found it dead at once both rename; the later one wins, the other is refused).
