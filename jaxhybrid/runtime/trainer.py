@@ -288,7 +288,7 @@ class Trainer:
                     # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
                     if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
                         if st.step > (ckpt.latest() or 0):
-                            self.save(ckpt, st)
+                            self.save(ckpt, st, finite=not guard.streak)
                         print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
                               f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
                         # Under `python -m mpi4py` the first rank to exit with status 130 aborts the job: every
