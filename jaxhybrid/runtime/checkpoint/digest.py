@@ -27,8 +27,9 @@ def leaf_name(path) -> str:
 
 
 def _crc(x) -> str:
-    a = np.ascontiguousarray(x)
-    return f"{zlib.crc32(memoryview(a.reshape(-1)).cast('B')) if a.size else 0:08x}"
+    # As bytes through a uint8 view: a buffer of ml_dtypes' bfloat16 or float8 has no format memoryview takes.
+    a = np.ascontiguousarray(x).reshape(-1)
+    return f"{zlib.crc32(a.view(np.uint8)) if a.size else 0:08x}"
 
 
 def _entry(x) -> dict:
