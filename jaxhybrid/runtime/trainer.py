@@ -32,12 +32,14 @@ from jaxhybrid.optim.memory_report import gather_entries, rank_entry, report_ove
 from jaxhybrid.optim.updater import place_like
 from jaxhybrid.runtime import data as data_lib
 from jaxhybrid.runtime.checkpoint.export import check_init_from, params_for, read_meta
-from jaxhybrid.runtime.checkpoint.store import Checkpointer
+from jaxhybrid.runtime.checkpoint.store import Checkpointer, DamagedStep, UnreadableCheckpoint
 from jaxhybrid.runtime.config_checks import validate
 from jaxhybrid.runtime.data.splits import open_dataset, validation_batches
 from jaxhybrid.runtime.engines.build import build_engine, build_updater, committed
 from jaxhybrid.runtime.metrics.writer import MetricsWriter
+from jaxhybrid.runtime.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxhybrid.runtime.run_dir import check_run_dir, write_run_config
+from jaxhybrid.runtime.run_lock import RunLock
 from jaxhybrid.runtime.stop import StopOnSignal
 
 
@@ -60,6 +62,7 @@ class Trainer:
         validate(cfg, world_size)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        self.writes_run_dir = writes_run_dir
         if writes_run_dir:
             check_run_dir(cfg)  # writable, and no earlier run's checkpoints unless resuming (same layout)
         check_init_from(cfg)  # an export with this model's shapes, before anything is built
@@ -113,26 +116,54 @@ class Trainer:
     def _checkpointer(self) -> Checkpointer:
         return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
 
-    def save(self, ckpt: Checkpointer, st: TrainState) -> None:
+    def save(self, ckpt: Checkpointer, st: TrainState, finite: bool = True) -> None:
         meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(), "param_layout": PARAM_LAYOUT,
                 "sampler": self.sampler.state_dict(st.step), "seed": self.cfg.train.seed, "updates": st.updates}
-        ckpt.save(st.step, {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}, meta)
+        ckpt.save(st.step, {"params": st.params, "opt_state": self.updater.state_dict(st.opt_state)}, meta, finite)
 
-    def restore(self, ckpt: Checkpointer, st: TrainState) -> TrainState:
-        mine = ckpt.latest()
-        mine = -1 if mine is None else mine
-        # The newest step every rank has: ranks that crashed mid-save must not be ahead of the rest.
+    def _common_step(self, ckpt: Checkpointer, below: float = math.inf) -> int:
+        """The newest step below ``below`` that every rank holds (-1: none): ranks that crashed mid-save must
+        not be ahead of the rest."""
+        mine = max((s for s in ckpt.steps() if s < below), default=-1)
         step = int(-self.engine.global_max(jnp.float32(-mine)))
-        if step < 0:
-            raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
-        if step not in ckpt.steps():  # only where a rank deleted it (keep=1, or by hand)
+        if step >= 0 and step not in ckpt.steps():  # only where a rank deleted it (keep=1, or by hand)
             raise ConfigError(f"rank {self.rank} holds checkpoints {ckpt.steps()} in {ckpt.dir} but not step {step}, "
                               f"the newest that every rank saved: no step is common to all ranks")
-        # The saved state's format may depend on the writer's process count (sharded offload); the tree is read
-        # only where it does: a step whose metadata cannot be read is named by the restore itself.
-        opt_like = self.updater.restore_like(st.opt_state, lambda: ckpt.state_metadata(step)["opt_state"])
-        like = {"params": st.params, "opt_state": opt_like}
-        state, meta = ckpt.restore(step, like)
+        return step
+
+    def _restore_step(self, ckpt: Checkpointer, st: TrainState, step: int) -> tuple[Any, dict]:
+        def read_saved():  # only an updater whose format depends on the writer's process count reads it
+            try:
+                return ckpt.state_metadata(step)["opt_state"]
+            except UnreadableCheckpoint as e:
+                raise DamagedStep(step, f"{ckpt.dir / str(step)} cannot be read ({e.reason})") from None
+
+        opt_like = self.updater.restore_like(st.opt_state, read_saved)
+        return ckpt.restore(step, {"params": st.params, "opt_state": opt_like})
+
+    def restore(self, ckpt: Checkpointer, st: TrainState) -> TrainState:
+        step = self._common_step(ckpt)
+        if step < 0:
+            raise ConfigError(f"run.resume=true but no checkpoint was found in {ckpt.dir}")
+        while True:  # a step that is damaged on any rank: every rank falls back to the previous common step
+            try:
+                state, meta = self._restore_step(ckpt, st, step)
+                damaged = None
+            except DamagedStep as e:
+                damaged = e
+            if not float(self.engine.global_max(float(damaged is not None))):
+                break
+            earlier = self._common_step(ckpt, below=step)
+            if earlier < 0:
+                if damaged is not None:
+                    raise damaged
+                raise ConfigError(f"step {step} is damaged on another rank and rank {self.rank} holds no earlier step "
+                                  f"every rank saved ({ckpt.steps()} in {ckpt.dir}); start a new run")
+            if damaged is not None:
+                aside = ckpt.set_aside(step)
+                print(f"jaxhybrid: rank {self.rank}: {damaged}; moved it to {aside} and resumes from step {earlier}, "
+                      f"the previous step every rank saved", file=sys.stderr, flush=True)
+            step = earlier
         # Newer steps (a save the last run did not finish on every rank) go once this one has restored: the
         # run saves them again, and they stay for a look if the restore fails.
         dropped = ckpt.discard_after(step)
@@ -179,6 +210,22 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "eval_time_s": time.perf_counter() - t0}
 
     def run(self) -> dict:
+        """Train, holding run.dir's lock (:mod:`jaxhybrid.runtime.run_lock`) from before the resume reads it."""
+        lock, refused = None, None
+        if self.writes_run_dir and self.engine.is_writer:
+            try:
+                lock = RunLock(self.run_dir).acquire()
+            except ConfigError as e:
+                refused = e
+        if float(self.engine.global_max(float(refused is not None))):  # every rank stops, not the writer alone
+            raise refused or ConfigError(f"{self.run_dir} is in use by another job (the writer rank names it)")
+        try:
+            return self._train()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self) -> dict:
         cfg = self.cfg
         writer = self.engine.is_writer
         # Before any compilation: a named file's peak for the compute dtype, or the device's file (auto).
@@ -207,6 +254,7 @@ class Trainer:
         flops = metrics_lib.model_flops_per_step(cfg.model, batch, seq)
         hw_flops = metrics_lib.hardware_flops_per_step(cfg.model, batch, seq, cfg.train.remat)
         losses, times, last_val, traced_apart = [], [], None, False
+        guard, stop_line = NonFiniteGuard(cfg.train.max_nonfinite_steps), None
         try:
             with StopOnSignal() as stop:  # SIGINT/SIGTERM: stop after the step, saved (jaxhybrid/runtime/stop.py)
                 while st.step < cfg.train.steps:
@@ -215,7 +263,7 @@ class Trainer:
                         # dispatched asynchronously its time is not theirs: the summary leaves it out.
                         traced_apart = not self.engine.tasks_timed
                         self.engine.time_tasks()
-                    t0 = time.perf_counter()
+                    t0, scale = time.perf_counter(), st.loss_scale
                     st, info = self.step(st)
                     dt = time.perf_counter() - t0
                     losses.append(info["loss"])
@@ -230,13 +278,16 @@ class Trainer:
                         rec.update(self.evaluate(st.params))
                         last_val = rec["val_loss"]
                     mw.log(st.step, rec)
+                    stop_line = guard.observe(st.step, info, scale)  # the same on every rank: agreed flags
+                    if stop_line:
+                        break
                     every = cfg.checkpoint.every
                     if every and st.step % every == 0 and st.step < cfg.train.steps:
-                        self.save(ckpt, st)
+                        self.save(ckpt, st, finite=not guard.streak)
                     # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
                     if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
                         if st.step > (ckpt.latest() or 0):
-                            self.save(ckpt, st)
+                            self.save(ckpt, st, finite=not guard.streak)
                         print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
                               f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
                         # Under `python -m mpi4py` the first rank to exit with status 130 aborts the job: every
@@ -245,9 +296,9 @@ class Trainer:
                         mw.close(plot=cfg.metrics.plot)
                         self.engine.global_max(0.0)
                         raise KeyboardInterrupt(stop.requested)
-                if cfg.checkpoint.at_end:
-                    self.save(ckpt, st)
-                if cfg.metrics.trace:
+                if cfg.checkpoint.at_end and not stop_line:
+                    self.save(ckpt, st, finite=not guard.streak)
+                if cfg.metrics.trace and not stop_line:
                     self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
         finally:
             ckpt.close()
@@ -255,6 +306,8 @@ class Trainer:
         # Every rank reaches here after the same last step (an interrupt or a failure aborts the job instead):
         # a pipeline rank cancels its posted receives, frees its communicators and stops its watchdog.
         self.engine.close()
+        if stop_line:
+            raise NonFiniteStop(stop_line)
         self.final_state = st
         # Steady state (Myelin VI-D averages the last 10 of 11 batches): the steps after the first, which compiles.
         return {"steps": st.step, "first_loss": losses[0] if losses else None,

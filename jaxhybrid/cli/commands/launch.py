@@ -30,6 +30,7 @@ from pathlib import Path
 
 from jaxhybrid.cli.commands import train as train_cmd
 from jaxhybrid.cli.launch.checks import check_devices, check_job, check_script, find_mpiexec, train_config
+from jaxhybrid.cli.launch.parent_death import with_parent_death_signal
 from jaxhybrid.cli.launch.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
 from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.core.launch_env import RANK_CPUS_ENV, terminal_signals
@@ -165,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
         env[PID_DIR_ENV] = pid_dir
         watch = RankWatch(Path(pid_dir), args.n)
         watch.start()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
+        # The launcher's death (SIGKILL included) sends mpiexec SIGTERM, which stops the ranks after a saved step.
+        proc = subprocess.Popen(with_parent_death_signal(cmd), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
         # SIGTERM (Slurm's time limit, scancel, a supervisor) sent to the launcher alone: pass it on, so the
         # ranks stop after their step with it saved (jaxhybrid/runtime/stop.py), and keep relaying until they end.
         # Default handling would kill the launcher and leave the ranks to die with nothing saved.

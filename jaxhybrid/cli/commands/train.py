@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
             import jax
 
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
+    from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer
 
     enable_compilation_cache(cfg.run.compilation_cache)
@@ -205,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
         notes = [*repetition_notes(cfg), trainer.overlap_note(), *unread_settings_notes(cfg)]
         for line in filter(None, [plan_line(cfg, args.overrides), *(f"jaxhybrid: note: {n}" for n in notes if n)]):
             print(line, file=sys.stderr, flush=True)
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    except NonFiniteStop as e:  # every rank stops at the same step; the writer says why, once
+        if writer:
+            sys.stderr.write(f"jaxhybrid train: error: {e}\n")
+        return 1
     if writer:
         if line := nothing_to_train_line(cfg, summary):
             print(line, file=sys.stderr, flush=True)

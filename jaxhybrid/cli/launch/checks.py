@@ -19,6 +19,7 @@ from jaxhybrid.cli.commands.train import check_run
 from jaxhybrid.runtime.data.splits import check_data
 from jaxhybrid.runtime.distributed import devices_per_process
 from jaxhybrid.runtime.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
+from jaxhybrid.runtime.run_lock import RunLock
 
 
 def train_config(train_args: list[str]):
@@ -34,12 +35,13 @@ def train_config(train_args: list[str]):
 
 def check_job(ns, cfg, n: int) -> int:
     """The checks every rank would make alike, made once before any rank starts (train's own
-    :func:`~jaxhybrid.cli.commands.train.check_run`: the config against ``-n``, ``run.dir``; a given data
+    :func:`~jaxhybrid.cli.commands.train.check_run`: the config against ``-n``, ``run.dir`` and its lock; a given data
     path, :func:`~jaxhybrid.runtime.data.splits.check_data`), and with
     ``--distributed`` that the ``n`` processes split the mesh evenly. Returns the devices each rank needs
     (:func:`devices_per_rank`)."""
 
     check_run(cfg, ns, n)
+    RunLock(cfg.run.dir).check_free()  # another job training into run.dir
     check_data(cfg)
     return devices_per_rank(ns, cfg, n)
 

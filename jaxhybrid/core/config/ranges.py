@@ -49,6 +49,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.inject_overflow_step", lambda v: v == -1 or v >= 1,
      "must be -1 (off) or a step >= 1 (steps count from 1)"),
     ("train.eval_every", *_ge(0, " (0 turns evaluation off)")),
+    ("train.max_nonfinite_steps", *_ge(0, " (0 never stops on non-finite steps)")),
     ("train.checkpoint_interval", *_ge(0, " (0 = Myelin's optimal interval)")),
     ("optim.lr", *_in(0, 1, lo_open=True)),
     ("optim.beta1", *_in(0, 1)),

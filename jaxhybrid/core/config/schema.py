@@ -48,6 +48,9 @@ class TrainConfig:
     # 0 = the optimal one (Sec. V-A)
     checkpoint_interval: int = 0
     inject_overflow_step: int = -1  # test hook: make this step's gradients non-finite (as logged, from 1); -1: off
+    # Stop (non-zero status, nothing saved) after this many skipped non-finite steps in a row, or on a skip with
+    # the float16 loss scale at its floor; 25 covers the 15 halvings from 2^15 to 1 with margin. 0 = never stop
+    max_nonfinite_steps: int = 25
     eval_every: int = 0  # steps between validation losses on the held-out split (and at the end); 0 = off
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
     init_from: str = ""  # a `jaxhybrid export` folder: start from its weights (any layout), fresh optimizer

@@ -4,10 +4,16 @@ Layout: ``<run.dir>/checkpoints/rank_<r>/<step>/`` written by an orbax ``Checkpo
 to a temporary directory and renames it on commit, so a crash mid-save leaves nothing that loads).
 Under mpirun each rank is its own single-process JAX, so each rank owns its directory; the
 step to resume from is the newest one that *every* rank committed, agreed through the engine.
+
+Each step's ``meta`` records digests of its arrays and of itself (:mod:`.digest`), committed with the step;
+a restore checks them. Rotation keeps the newest ``keep`` steps and, beyond them, the newest step saved
+after a finite training step, so a run that went non-finite cannot rotate its last good state away.
 """
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +23,7 @@ import orbax.checkpoint as ocp
 
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.optim.updater import spans_processes
+from jaxhybrid.runtime.checkpoint import digest
 
 
 def _to_host(tree):
@@ -46,6 +53,15 @@ class UnreadableCheckpoint(ValueError):
         self.reason = reason
 
 
+class DamagedStep(ValueError):
+    """A step this rank cannot restore: unreadable, or its contents differ from the digests saved with it.
+    A resume falls back to an earlier step on it (:meth:`jaxhybrid.runtime.trainer.Trainer.restore`)."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
 def state_metadata(path: str | Path) -> Any:
     """The tree of shapes and dtypes of one saved ``state`` (``<rank dir>/<step>/state``), no array loaded."""
     # orbax looks for the step's metadata file in the item's own folder and logs a warning per read.
@@ -72,8 +88,7 @@ def tree_differences(saved: Any, like: Any) -> list[str]:
     dict keys, sequence indices and attribute names joined by dots; dtypes may differ, as a resume casts)."""
     def shapes(tree):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path):
-                tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for path, x in leaves}
+        return {digest.leaf_name(path): tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for path, x in leaves}
 
     old, new = shapes(saved), shapes(like)
     out = [f"{k}: saved {old[k]}, this run {new[k]}" for k in old if k in new and old[k] != new[k]]
@@ -98,8 +113,6 @@ def read_state(path: str | Path) -> Any:
 def saved_meta(run_dir: str | Path, rank: str, step: int) -> dict | None:
     """The ``meta`` item (step, loss scale, sampler) that :meth:`Checkpointer.save` wrote for ``rank``
     (``"rank_<r>"``) at ``step``, read as the JSON file orbax keeps it in, without orbax; None if unreadable."""
-    import json
-
     try:
         return json.loads((Path(run_dir) / "checkpoints" / rank / str(step) / "meta" / "metadata").read_text())
     except (OSError, ValueError):
@@ -118,14 +131,17 @@ def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
 
 
 class Checkpointer:
-    """Saves ``{"state": pytree, "meta": json}`` per step for this rank."""
+    """Saves ``{"state": pytree, "meta": json}`` per step for this rank, keeping ``keep`` steps (see
+    :meth:`rotate`)."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, keep: int = 2):
         self.dir = Path(run_dir).absolute() / "checkpoints" / f"rank_{rank}"
+        self.keep = keep
         # cleanup_tmp_directories: a save cut off mid-write (a killed job) leaves <step>.orbax-checkpoint-tmp-*;
         # kept, orbax's later deletion of that step removed the stale folder instead of the step saved again,
         # which then outlived checkpoint.keep. No save of this job is under way yet when the manager opens.
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+        # max_to_keep None: orbax would delete the oldest step whatever it held; :meth:`rotate` chooses instead.
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.dir, options=opts)
 
@@ -136,12 +152,48 @@ class Checkpointer:
         s = self.steps()
         return s[-1] if s else None
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict, finite: bool = True) -> None:
+        """Save ``step`` with the digests of its contents in its meta (one commit: the step folder is renamed
+        into place with both), then :meth:`rotate`. ``finite``: the step that produced this state updated the
+        parameters (not skipped as non-finite)."""
         # Host copies: offloaded optimizer state is numpy already; device arrays are fetched once here, except
         # those spanning other processes, which orbax writes shard by shard from every process.
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_to_host(state)),
+        host = _to_host(state)
+        meta = digest.record(host, {**meta, "finite": bool(finite)})
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
                                                          meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+        self.rotate()
+
+    def _finite(self, step: int) -> bool:
+        """Whether ``step`` was saved after a finite training step (steps saved before this was recorded: yes)."""
+        try:
+            return bool(json.loads((self.dir / str(step) / "meta" / "metadata").read_text()).get("finite", True))
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def rotate(self) -> list[int]:
+        """Delete all but the newest ``keep`` steps and the newest step saved after a finite training step,
+        returning the steps deleted. Why the latter: a run whose steps stay non-finite would otherwise rotate
+        the last good state away with saves of a state no resume can use."""
+        steps = self.steps()
+        kept = set(steps[-self.keep:])
+        kept.update(next(([s] for s in reversed(steps) if self._finite(s)), []))
+        old = [s for s in steps if s not in kept]
+        for s in old:
+            self.manager.delete(s)
+        return old
+
+    def set_aside(self, step: int) -> Path:
+        """Move a damaged ``step`` out of the manager's sight, to ``checkpoints/damaged/rank_<r>/<step>`` (kept
+        for a look; a resume neither reads nor rotates it, and the run may save that step again)."""
+        dest = self.dir.parent / "damaged" / self.dir.name / str(step)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.dir / str(step)), dest)
+        self.manager.reload()
+        return dest
 
     def discard_after(self, step: int) -> list[int]:
         """Delete this rank's checkpoints newer than ``step`` (the newest one every rank has), returning
@@ -162,17 +214,18 @@ class Checkpointer:
         processes come back as global arrays sharded like ``like``'s). The saved tree is compared with
         ``like`` first: orbax returns a numpy leaf in its saved shape whatever the target's, so another
         model's checkpoint (a run folder without the config.yaml that the layout check reads) failed
-        later, in flax. A step that cannot be read is named with its folder, not in orbax's words."""
+        later, in flax. A step that cannot be read, or whose contents differ from the digests saved with it,
+        is a :class:`DamagedStep` naming its folder (and the arrays that differ), not in orbax's words."""
 
         where = self.dir / str(step)
 
-        def unreadable(e: Exception | str) -> ValueError:
+        def unreadable(e: Exception | str) -> DamagedStep:
             # What to do depends on what the rank holds: deleting its only step leaves nothing to resume.
             why, older = " ".join(str(e).split()), [s for s in self.steps() if s < step]
             fix = (f"or delete it to resume from an earlier step (this rank also holds {older})" if older else
                    "or start a new run (this rank holds no earlier step)")
-            return ValueError(f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}); if it is "
-                              f"damaged or incomplete, restore the folder from a copy, {fix}")
+            return DamagedStep(step, f"{where} cannot be read ({why[:240]}{'...' if len(why) > 240 else ''}); if "
+                                     f"it is damaged or incomplete, restore the folder from a copy, {fix}")
 
         try:
             saved = self.state_metadata(step)
@@ -188,6 +241,10 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
         except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
             raise unreadable(e) from None
+        bad = digest.mismatches(out["state"], out["meta"])
+        if bad:
+            raise unreadable(f"its contents differ from the digests saved with it: {'; '.join(bad[:3])}"
+                             f"{f'; and {len(bad) - 3} more' if len(bad) > 3 else ''}")
         return out["state"], out["meta"]
 
     def close(self) -> None:

@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.runtime.data.prepare import FORMAT_VERSION, META, TOKENIZER_FILE
 from jaxhybrid.runtime.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
+SCAN_CHUNK = 1 << 24  # tokens per read of a scan: 32 MiB of uint16, a bounded slice of the memmap in memory
+_SCANNED: dict[tuple, int | None] = {}  # (bin path, size, mtime) -> its largest id: one scan per process
 
 
 def _resolve_dir(path: str | Path) -> Path:
@@ -94,6 +98,35 @@ class TokenDataset:
             raise ValueError(f"model.vocab_size={model_vocab} is smaller than the data's vocabulary "
                              f"{self.vocab_size} ({self.meta['tokenizer']} tokenizer, {self.dir}); set "
                              f"model.vocab_size >= {self.vocab_size} or prepare the data with a smaller vocabulary")
+
+    def max_id(self) -> int | None:
+        """The largest token id of this split (None: empty): as ``meta.json`` records it (``prepare-data``
+        writes ``max_id``), else scanned once per process, in chunks, with a progress bar past one chunk."""
+        recorded = self.meta.get("max_id")
+        if isinstance(recorded, dict) and self.split in recorded:
+            return recorded[self.split]
+        path = self.dir / f"{self.split}.bin"
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _SCANNED:
+            n, top = len(self), None
+            chunks = range(0, n, SCAN_CHUNK)
+            for i in tqdm(chunks, desc=f"jaxhybrid: largest token id in {path}", unit="chunk",
+                          disable=len(chunks) <= 1, leave=False):
+                m = int(self.tokens[i:i + SCAN_CHUNK].max())
+                top = m if top is None else max(top, m)
+            _SCANNED[key] = top
+        return _SCANNED[key]
+
+    def check_ids(self, model_vocab: int) -> None:
+        """Raise if this split holds a token id that a model with ``model_vocab`` embeddings cannot index (a
+        file written outside ``prepare-data``, or with another vocabulary than its meta says)."""
+        top = self.max_id()
+        if top is not None and top >= model_vocab:
+            raise ConfigError(f"{self.dir / (self.split + '.bin')} holds token id {top}, but model.vocab_size="
+                             f"{model_vocab} embeds ids 0..{model_vocab - 1} (meta.json says vocab_size "
+                             f"{self.vocab_size}); prepare the data again with its tokenizer, or set "
+                             f"model.vocab_size > {top}")
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the data was prepared with (to decode samples)."""

@@ -149,7 +149,9 @@ def prepare_data(out_dir: str | Path, inputs: Sequence[str | Path] | None = None
     meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
             "tokenizer": tok.name, "tokenizer_file": TOKENIZER_FILE if tok.name == "bpe" else None,
             "n_tokens": n, "splits": {"train": n - n_val, "val": n_val}, "val_fraction": val_fraction,
-            "source": source}
+            "source": source,
+            # The largest id per split (None: empty), which a run compares with model.vocab_size unscanned.
+            "max_id": {"train": int(ids[:n - n_val].max()), "val": int(ids[n - n_val:].max()) if n_val else None}}
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ def open_dataset(cfg, split: str = "train"):
         vocab_size=cfg.model.vocab_size if cfg.data.tokenizer == "bpe" else None)
     ds = TokenDataset(path, split=split)
     ds.check_vocab(cfg.model.vocab_size)
+    ds.check_ids(cfg.model.vocab_size)
     if cfg.data.path:
         check_prepared_settings(cfg, ds)
     return ds

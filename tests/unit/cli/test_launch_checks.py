@@ -1,6 +1,9 @@
 """`jaxhybrid launch` before mpiexec starts: the checks every rank would make alike are made once, with
 train's own functions; train's options parse with or without ``--``; and the launcher's last line on a
 job whose ranks failed with an error names that error. No MPI: nothing here starts a rank."""
+import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,18 @@ RUNS = Path(__file__).resolve().parents[3] / "configs" / "runs"
 def _job(run_dir, *sets: str, config: str = "pipeline_2x2.yaml", flags: tuple[str, ...] = ()):
     args = [*flags, "--config", str(RUNS / config), "--set", f"run.dir={run_dir}"]
     return train_config(args + [a for kv in sets for a in ("--set", kv)])
+
+
+def test_a_run_dir_another_job_holds_is_refused_before_the_ranks_start(tmp_path):
+    """Else every rank of the second job would refuse it on its own, each an aborted rank."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": None,
+                                              "started": "2026-01-01T00:00:00Z"}))
+    with pytest.raises(ConfigError, match=rf"{run} is in use by another job: pid {os.getpid()} on "):
+        check_job(*_job(run), 4)
+    (run / "run.lock").unlink()
+    assert check_job(*_job(run), 4) == 1
 
 
 def test_run_dir_is_checked_once_before_the_ranks_start(tmp_path):

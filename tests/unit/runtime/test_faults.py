@@ -1,0 +1,287 @@
+"""A fault suite: what used to lose data or train on silently is caught, named and stopped.
+
+Damaged checkpoint contents (orbax keeps no checksum), runs whose steps stay non-finite (float16 and
+float32), token ids beyond the model's vocabulary and two jobs on one run directory. One process, the tiny model, a few steps each.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhybrid.cli.main import main
+from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.runtime import run_lock
+from jaxhybrid.runtime.checkpoint.store import Checkpointer, DamagedStep
+from jaxhybrid.runtime.config_load import load_config
+from jaxhybrid.runtime.data.prepare import prepare_data
+from jaxhybrid.runtime.data.splits import open_dataset
+from jaxhybrid.runtime.nonfinite import NonFiniteStop
+from jaxhybrid.runtime.trainer import Trainer
+
+FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.global_batch=4",
+        "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]
+# bfloat16 too: its numpy buffer has no format memoryview takes, which the digest met in offloaded runs.
+STEP = {"a": np.arange(1000, dtype=np.float32), "b": {"c": np.ones((3, 4), np.int32), "h": np.ones(8, jnp.bfloat16)}}
+
+
+def _cfg(run, *extra):
+    return load_config(None, FAST + [f"run.dir={run}", *extra])
+
+
+def _train(tmp_path, *sets):
+    return main(["train"] + [a for kv in FAST + [f"run.dir={tmp_path / 'run'}", *sets] for a in ("--set", kv)])
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- checkpoint integrity ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-step run with steps 2 and 4 saved."""
+    root = tmp_path_factory.mktemp("saved") / "run"
+    Trainer(_cfg(root, "train.steps=4", "checkpoint.every=2")).run()
+    return root
+
+
+def _damage_largest(step):
+    """4 KiB of random bytes in the middle of the largest file of ``step``'s state: the size stays, orbax's
+    metadata too, so without a digest the arrays restored as whatever the bytes now say."""
+    big = max((f for f in (step / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(big.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = np.random.default_rng(0).bytes(len(data[mid:mid + 4096]))
+    big.write_bytes(bytes(data))
+    return big
+
+
+def test_damaged_contents_are_named_and_the_resume_falls_back(saved, tmp_path, capfd):
+    """The issue's case: the run resumed from the damaged step, skipped every step as non-finite, saved, and
+    checkpoint.keep deleted the last good step. Now the step is named, set aside, and step 2 resumes."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    _damage_largest(run / "checkpoints" / "rank_0" / "4")
+    Trainer(_cfg(run, "train.steps=5", "checkpoint.every=2", "run.resume=true")).run()
+    err = capfd.readouterr().err
+    assert f"{run / 'checkpoints' / 'rank_0' / '4'} cannot be read" in err
+    assert "resumes from step 2, the previous step every rank saved" in err
+    recs = _records(run)
+    assert [r["step"] for r in recs][-3:] == [3, 4, 5] and not any(r["skipped"] for r in recs)
+    assert (run / "checkpoints" / "damaged" / "rank_0" / "4" / "state").is_dir()
+    assert Checkpointer(run).steps() == [4, 5]  # step 4 saved again by the resumed run
+
+
+def test_a_digest_mismatch_names_the_step_and_the_leaf(tmp_path):
+    """Bytes that orbax reads without complaint (the array file's data, not its index) fail the digest."""
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(1, STEP, {"step": 1})
+    ck.save(2, STEP, {"step": 2})
+    ck.close()
+    # Change one value through orbax itself: the saved digests stay those of the original bytes.
+    meta = json.loads((tmp_path / "checkpoints" / "rank_0" / "2" / "meta" / "metadata").read_text())
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.manager.delete(2)
+    import orbax.checkpoint as ocp
+
+    changed = {"a": STEP["a"] + np.float32(1), "b": STEP["b"]}
+    ck.manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(changed), meta=ocp.args.JsonSave(meta)))
+    ck.manager.wait_until_finished()
+    with pytest.raises(DamagedStep, match=r"checkpoints/rank_0/2 cannot be read \(its contents differ from the "
+                                          r"digests saved with it: state/a \(1000,\) float32: crc32 ") as e:
+        ck.restore(2, STEP)
+    assert e.value.step == 2
+    state, got = ck.restore(1, STEP)  # the earlier step verifies
+    assert np.array_equal(state["a"], STEP["a"]) and got["step"] == 1
+    ck.close()
+
+
+def test_a_changed_host_state_fails_its_digest(tmp_path):
+    ck = Checkpointer(tmp_path)
+    ck.save(1, STEP, {"step": 1, "sampler": {"epoch": 0}})
+    f = tmp_path / "checkpoints" / "rank_0" / "1" / "meta" / "metadata"
+    f.write_text(f.read_text().replace('"epoch": 0', '"epoch": 7'))
+    with pytest.raises(DamagedStep, match=r"meta \(the step's host state"):
+        ck.restore(1, STEP)
+    ck.close()
+
+
+def test_rotation_keeps_the_newest_step_saved_after_finite_training(tmp_path):
+    ck = Checkpointer(tmp_path, keep=1)
+    ck.save(1, STEP, {"step": 1})
+    ck.save(2, STEP, {"step": 2}, finite=False)
+    ck.save(3, STEP, {"step": 3}, finite=False)
+    assert ck.steps() == [1, 3]  # orbax's max_to_keep=1 deleted step 1 here
+    ck.save(4, STEP, {"step": 4})
+    assert ck.steps() == [4]
+    ck.close()
+
+
+def test_a_damaged_step_on_its_own_is_refused_naming_it(saved, tmp_path):
+    """No earlier step to fall back to: one error naming the step, nothing deleted."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    shutil.rmtree(run / "checkpoints" / "rank_0" / "2")
+    _damage_largest(run / "checkpoints" / "rank_0" / "4")
+    with pytest.raises(DamagedStep, match=r"rank_0/4 cannot be read .*start a new run \(this rank holds no earlier"):
+        Trainer(_cfg(run, "train.steps=5", "run.resume=true")).run()
+    assert Checkpointer(run).steps() == [4]
+
+
+# -- non-finite runs --------------------------------------------------------------------------------
+
+def test_float16_run_that_stays_non_finite_stops(tmp_path, capfd):
+    """The issue's case: 78 of 80 steps skipped at loss scale 1.0, status 0 and a 'final' checkpoint. Now it
+    stops at the floor of the loss scale (15 halvings from 2^15), status 1, one line, nothing saved."""
+    rc = _train(tmp_path, "train.steps=60", "optim.lr=0.99", "optim.warmup_steps=0", "optim.grad_clip=0",
+                "precision.compute_dtype=float16")
+    err = capfd.readouterr().err
+    assert rc == 1
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "the loss scale is at its floor 1 and the step still overflowed" in lines[0]
+    assert "the last finite loss was" in lines[0] and "optim.lr" in lines[0]
+    recs = _records(tmp_path / "run")
+    assert recs[-1]["skipped"] and recs[-1]["loss_scale"] == 1.0 and len(recs) < 60
+    assert f"stopped at step {recs[-1]['step']}:" in lines[0]
+    assert not (tmp_path / "run" / "checkpoints" / "rank_0").exists() or not Checkpointer(tmp_path / "run").steps()
+
+
+def _poisoned(monkeypatch):
+    """Parameters that are NaN from the start: every step's gradients are non-finite through the real path."""
+    init = Trainer.init_state
+
+    def init_state(self):
+        st = init(self)
+        st.params = jax.tree.map(lambda x: x * jnp.nan, st.params)
+        return st
+
+    monkeypatch.setattr(Trainer, "init_state", init_state)
+
+
+def test_float32_run_that_stays_non_finite_stops_after_the_limit(tmp_path, monkeypatch):
+    """float32 has no loss scale to back off: the count of skipped steps alone stops it."""
+    _poisoned(monkeypatch)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteStop, match=r"stopped at step 3: train.max_nonfinite_steps=3 steps in a row had "
+                                            r"non-finite gradients \(3 skipped; no step of this run updated"):
+        Trainer(_cfg(run, "train.steps=10", "train.max_nonfinite_steps=3", "checkpoint.every=1")).run()
+    assert [r["step"] for r in _records(run)] == [1, 2, 3]
+    # Steps 1 and 2 were saved as checkpoint.every asks, marked as non-finite; step 3, the stop, was not.
+    assert Checkpointer(run).steps() == [1, 2]
+
+
+def test_the_guard_is_off_at_zero(tmp_path, monkeypatch):
+    _poisoned(monkeypatch)
+    Trainer(_cfg(tmp_path / "run", "train.steps=3", "train.max_nonfinite_steps=0")).run()
+    assert all(r["skipped"] for r in _records(tmp_path / "run"))
+
+
+def test_an_isolated_overflow_does_not_stop(tmp_path):
+    Trainer(_cfg(tmp_path / "run", "train.steps=3", "train.max_nonfinite_steps=2", "train.inject_overflow_step=2",
+                 "precision.compute_dtype=float16")).run()
+    assert [r["skipped"] for r in _records(tmp_path / "run")] == [False, True, False]
+
+
+# -- token ids --------------------------------------------------------------------------------------
+
+def test_prepare_data_records_the_largest_id_of_each_split(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("abc~" * 50)
+    meta = json.loads((prepare_data(tmp_path / "out", [src], val_fraction=0.1) / "meta.json").read_text())
+    assert meta["max_id"] == {"train": ord("~"), "val": ord("~")}
+
+
+def _out_of_vocab(tmp_path, recorded: bool):
+    """The issue's dataset: uint16 ids, a meta.json that passes every check, a train.bin of 65535s."""
+    src = tmp_path / "in.txt"
+    src.write_text("some text to tokenize\n" * 40)
+    out = prepare_data(tmp_path / "data", [src], val_fraction=0.1)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["dtype"] = "uint16"
+    n = meta["splits"]["train"]
+    np.full(n, 65535, np.uint16).tofile(out / "train.bin")
+    np.full(meta["splits"]["val"], 7, np.uint16).tofile(out / "val.bin")
+    if recorded:
+        meta["max_id"]["train"] = 65535
+    else:
+        del meta["max_id"]  # prepared before max_id was recorded: scanned
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "scanned"])
+def test_token_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path, recorded):
+    data = _out_of_vocab(tmp_path, recorded)
+    with pytest.raises(ConfigError, match=r"train.bin holds token id 65535, but model.vocab_size=512 embeds ids "
+                                          r"0..511 \(meta.json says vocab_size 256\)"):
+        Trainer(_cfg(tmp_path / "run", f"data.path={data}", "model.vocab_size=512", "train.steps=2"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_scan_reads_in_chunks(tmp_path, monkeypatch):
+    from jaxhybrid.runtime.data import dataset
+
+    monkeypatch.setattr(dataset, "SCAN_CHUNK", 7)
+    data = _out_of_vocab(tmp_path, recorded=False)
+    cfg = _cfg(tmp_path / "run", f"data.path={data}", "model.vocab_size=65536")
+    assert open_dataset(cfg).max_id() == 65535 and open_dataset(cfg, "val").max_id() == 7
+
+
+# -- one job per run directory ----------------------------------------------------------------------
+
+def _hold(run, pid, host=None):
+    run.mkdir(parents=True, exist_ok=True)
+    holder = {"host": host or socket.gethostname(), "pid": pid, "pid_start": run_lock._start_ticks(pid),
+              "started": "2026-01-01T00:00:00Z"}
+    (run / run_lock.LOCK).write_text(json.dumps(holder))
+
+
+def test_a_second_job_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
+    """Two jobs on one run dir interleaved their checkpoints and one lost its metrics."""
+    run = tmp_path / "run"
+    with subprocess.Popen(["sleep", "60"]) as other:
+        _hold(run, other.pid)
+        try:
+            with pytest.raises(ConfigError, match=rf"{run} is in use by another job: pid {other.pid} on "
+                                                  rf"{socket.gethostname()}, started 2026-01-01T00:00:00Z"):
+                Trainer(_cfg(run, "train.steps=1")).run()
+        finally:
+            other.kill()
+    assert not (run / "metrics.jsonl").exists() and (run / run_lock.LOCK).exists()
+
+
+def test_a_lock_on_another_host_is_named_with_the_file_to_delete(tmp_path):
+    run = tmp_path / "run"
+    _hold(run, 1, host="elsewhere.invalid")
+    with pytest.raises(ConfigError, match=r"pid 1 on elsewhere.invalid \(another host: it cannot be probed from "
+                                          rf"here\).*delete {run / run_lock.LOCK}"):
+        run_lock.RunLock(run).acquire()
+
+
+def test_a_dead_holders_lock_is_taken_over_and_released_at_the_end(tmp_path, capfd):
+    run = tmp_path / "run"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _hold(run, gone.pid)
+    Trainer(_cfg(run, "train.steps=1")).run()
+    assert f"took over {run / run_lock.LOCK} from pid {gone.pid}" in capfd.readouterr().err
+    assert len(_records(run)) == 1 and not (run / run_lock.LOCK).exists()
+
+
+def test_a_reused_pid_is_told_by_its_start_time(tmp_path):
+    run = tmp_path / "run"
+    _hold(run, os.getpid())
+    holder = json.loads((run / run_lock.LOCK).read_text())
+    holder["pid_start"] -= 1  # this PID, but a process started at another time held it
+    (run / run_lock.LOCK).write_text(json.dumps(holder))
+    lock = run_lock.RunLock(run).acquire()
+    assert json.loads((run / run_lock.LOCK).read_text())["pid_start"] == holder["pid_start"] + 1
+    lock.release()
+    assert not (run / run_lock.LOCK).exists()
