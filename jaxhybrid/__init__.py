@@ -11,8 +11,11 @@ Names resolve lazily so that device-free commands (simulate, plan, partition) do
 """
 import importlib
 
+from jaxhybrid.core import __version__
+
 _EXPORTS = {
-    "Config": "jaxhybrid.core.config.schema", "ConfigError": "jaxhybrid.core.config.schema", "load_config": "jaxhybrid.core.config.schema",
+    "Config": "jaxhybrid.core.config.schema", "ConfigError": "jaxhybrid.core.errors",
+    "load_config": "jaxhybrid.runtime.config_load",
     "ParallelDims": "jaxhybrid.core.layout",
     "PRESETS": "jaxhybrid.core.config.model", "ModelConfig": "jaxhybrid.core.config.model",
     "Model": "jaxhybrid.model.transformer", "Ops": "jaxhybrid.model.layers",
@@ -20,7 +23,6 @@ _EXPORTS = {
     "Task": "jaxhybrid.parallel.pipeline.tasks", "Kind": "jaxhybrid.parallel.pipeline.tasks", "Schedule": "jaxhybrid.parallel.pipeline.tasks",
 }
 __all__ = list(_EXPORTS)
-from jaxhybrid.core import __version__  # noqa: E402
 
 
 def __getattr__(name):

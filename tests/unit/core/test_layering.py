@@ -150,3 +150,10 @@ def test_local_imports_only_where_start_up_needs_them():
                 needless.append(f"{name} imports {targets[-1]} inside a function (line {node.lineno}): "
                                 "move it to the top")
     assert not needless, "\n".join(needless)
+
+
+def test_public_api_names_resolve():
+    import jaxhybrid
+
+    missing = [name for name in jaxhybrid.__all__ if not hasattr(jaxhybrid, name)]
+    assert not missing, f"jaxhybrid.__all__ names these, which do not resolve: {missing}"
