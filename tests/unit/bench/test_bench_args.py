@@ -11,6 +11,10 @@ import pytest
 from jaxhybrid.bench import step, tensor
 from jaxhybrid.cli.commands import bench
 
+# ``jaxhybrid bench NAME``'s counts are checked when parsed: 0 timed steps or rounds used to end in a
+# traceback after the compile (``bench tensor --steps 0``: UnboundLocalError; ``bench offload --steps 0``:
+# ZeroDivisionError; ``bench pipeline --rounds 0``: "min() arg is an empty sequence" from every MPI rank),
+# and ``bench partition --iterations 0`` ran where ``jaxhybrid partition`` refuses it.
 
 def _usage_error(capsys, name: str, *rest: str) -> str:
     """argparse's error line for the benchmark's flag (exit code 2, before JAX or MPI starts)."""

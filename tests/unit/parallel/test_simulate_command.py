@@ -10,6 +10,12 @@ import pytest
 from jaxhybrid.cli.main import build_parser, main
 from jaxhybrid.parallel.pipeline.costs import Costs
 
+# ``jaxhybrid simulate`` refuses costs, link times and periods that are not finite numbers. An infinite
+# ``--costs`` entry, ``--latency`` or ``--message-bytes``, or a NaN ``--latency``, printed ``makespan=inf``
+# (or a finite makespan) with ``bubble_ratio=nan`` and ``busy=nan`` and exited 0; a NaN or infinite 1F1B*
+# ``--period`` was taken as the default period. The checks live in :class:`Costs` and MadPipe's grouping,
+# which every caller (the simulator, the planner, the benchmarks) goes through.
+
 BASE = ("simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
 
 

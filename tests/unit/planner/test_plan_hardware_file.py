@@ -16,6 +16,13 @@ from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import machine_from_hardware
 from jaxhybrid.planner.step_model import Layout, evaluate
 
+# ``jaxhybrid plan --hardware FILE``: the planner's keys of a hardware file are checked when it is read,
+# each wrong value named with its file. Before, a negative ``memory_bytes`` ranked against "-9e-10 GB
+# usable", text where a number belongs ended in Python's bare "could not convert string to float",
+# ``gpus_per_node: 0`` was blamed on ``--gpus-per-node`` ("must be in [1, 0]"), ``2.5`` and negative
+# bandwidths were used as they were, and a zero or missing ``host_to_device`` crashed the offload model
+# with a ZeroDivisionError traceback.
+
 H100 = Path(__file__).resolve().parents[3] / "configs" / "hardware" / "h100-node.yaml"
 
 
