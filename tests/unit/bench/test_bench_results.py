@@ -16,6 +16,7 @@ ARGS = ["bench", "stage", "--model", "gpt-tiny", "--blocks", "2", "--microbatch-
         "--concat", "3", "--repeats", "2", "--json"]
 
 
+@pytest.mark.slow
 def test_bench_stage_prints_the_kernels_side_by_side(capsys):
     from jaxhybrid.cli.main import main
 
@@ -69,6 +70,7 @@ def test_bench_stage_bad_block_range_names_the_values(capsys):
     assert "--blocks 'a:b': give N (a stage of N blocks) or LO:HI" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_stage_set_changes_a_presets_width(capsys):
     """``--set`` overrides as train's (a preset at another width); with ``--model`` they would be lost."""
     from jaxhybrid.cli.main import main
@@ -116,6 +118,7 @@ ENTRY %main.2 (a.1: f32[4], b.1: f32[4]) -> (f32[4], f32[]) {
 # the update compiled again on its second call, inside the first timed round: with ``--rounds 1`` the
 # baseline read 0.69 s per step against 0.09, and the offload ratio 0.15 instead of about 1.2.
 
+@pytest.mark.slow
 def test_baseline_update_compiles_once():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")

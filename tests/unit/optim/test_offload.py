@@ -43,6 +43,7 @@ def _nparams(params):
     return sum(x.size for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,clip,scale,rule", [("numpy", 1e3, 1.0, "all"), ("pinned_host", 0.05, 8.0, "matrices"),
                                                      ("numpy", 1e3, 1.0, "matrices")])
 def test_fp32_five_steps_bit_exact_with_device_adamw(backend, clip, scale, rule):
@@ -72,6 +73,7 @@ def test_fp32_five_steps_bit_exact_with_device_adamw(backend, clip, scale, rule)
     assert_tree_close(opt.params_tree(flat), rp, "exact", "device params")
 
 
+@pytest.mark.slow
 def test_bf16_masters_match_mixed_precision_reference():
     """fp32 masters + bf16 compute copy built with plain optax: masters bit-identical after 5 steps."""
     _, params, batches, grad16 = _setup("bfloat16")
