@@ -37,6 +37,7 @@ def trained(tmp_path_factory):
     return root, t
 
 
+@pytest.mark.slow
 def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
     root, t = trained
     got = load_export(root / "w")
