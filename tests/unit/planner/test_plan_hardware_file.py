@@ -91,7 +91,6 @@ def test_the_hardware_files_compute_model_sets_the_efficiency_and_the_block_over
     assert m.flops_per_s == pytest.approx(989e12 * 0.61) and m.block_overhead_s == (0.0, 0.0)
     assert machine_from_hardware(h, 8, "bfloat16", 0.5, block_overhead_s=(1e-4, 2e-4)).block_overhead_s == (1e-4, 2e-4)
     # Numbers as YAML reads them: a float with no dot (``2e-05``, as json.dumps prints it) is a string.
-    import yaml
     h = {**h, **yaml.safe_load("compute_model: {bfloat16: {efficiency: 2e-01, block_overhead_s: [8e-05, 2e-04]}}")}
     m = machine_from_hardware(h, 8, "bfloat16")
     assert m.flops_per_s == pytest.approx(989e12 * 0.2) and m.block_overhead_s == (8e-5, 2e-4)
@@ -138,8 +137,6 @@ def test_the_measured_curve_makes_larger_microbatches_pay_off():
 
 
 def test_plan_cli_prints_the_curve_and_refuses_bad_overheads(capsys):
-    from jaxhybrid.cli.main import main
-
     base = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "8", "--hardware", "h200-node",
             "--top", "1", "--no-tensor", "--global-batch", "8", "--no-offload"]
     assert main(base) == 0
@@ -170,10 +167,6 @@ def test_the_fit_recovers_a_known_curve_and_needs_both_passes():
 def test_bench_curve_prints_a_line_the_planner_reads(capsys):
     """On the CPU the times are wall times (no device timeline); the fitted line, pasted into a hardware
     file, is a compute_model that ``jaxhybrid plan`` accepts."""
-    import yaml
-
-    from jaxhybrid.cli.main import main
-
     assert main(["bench", "curve", "--case", "gpt-tiny:1", "--case", "gpt-tiny:16", "--blocks", "1", "--seq-len",
                  "32", "--repeats", "1", "--peak-tflops", "1000"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
