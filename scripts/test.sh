@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install on first use (scripts/setup.sh), then run the whole test suite: unit, parity and MPI tests.
-# Extra arguments go to one pytest run, e.g. scripts/test.sh -k schedule (over tests/) or
-# scripts/test.sh tests/unit/runtime/test_data.py (that file only); scripts/test.sh --quick runs the unit tests
-# alone (no parity or MPI tests), on the same pytest-xdist workers
+#   scripts/test.sh --quick [pytest args]: the daily check, the unit tests without the MPI ones and without
+#     those marked slow (each over ~20 s on 2 cores: subprocess trainings, multi-device compiles), on the
+#     xdist workers as below; under 5 minutes on 2 cores. Extra arguments narrow it (-k plan, -x).
+# Other extra arguments go to one pytest run, e.g. scripts/test.sh -k schedule (over tests/) or
+# scripts/test.sh tests/unit/runtime/test_data.py (that file only)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -12,18 +14,21 @@ export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-300}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MPLBACKEND=Agg
 export JAXHYBRID_CACHE="${JAXHYBRID_CACHE:-$root/.cache}"
-if [ "${1:-}" = --quick ]; then
-  shift
-  exec .venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal "$@" tests/unit
-fi
-if [ "$#" -gt 0 ]; then  # a selection (-k, a file): one run, in order
-  # Over tests/ unless the arguments name test paths themselves (a file, a folder, file::test): appending
-  # tests/ to those would run the whole suite beside them.
+quick=
+if [ "${1:-}" = "--quick" ]; then shift; quick=1; fi
+if [ -n "$quick" ] || [ "$#" -gt 0 ]; then  # a selection (--quick, -k, a file): one run
+  # Over tests/ (--quick: tests/unit) unless the arguments name test paths themselves (a file, a folder,
+  # file::test): appending the folder to those would run the whole suite beside them.
   where=tests
+  [ -z "$quick" ] || where=tests/unit
   for a in "$@"; do
     case "$a" in -*) ;; *) if [ -e "${a%%::*}" ]; then where=; fi ;; esac
   done
-  exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" $where
+  if [ -n "$quick" ]; then
+    exec .venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal \
+      -m "not slow and not mpi" "$@" $where
+  fi
+  exec .venv/bin/python -m pytest -q -rs --durations=15 "$@" $where  # in order
 fi
 # The unit and parity tests on up to 4 cores, one pytest-xdist worker each (every worker its own JAX with 8
 # fake devices; the XLA cache is shared under its file lock); then the MPI tests alone: their ranks fill

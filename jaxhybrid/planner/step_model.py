@@ -99,7 +99,7 @@ def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes:
 
 def gathered_weights(lay: Layout, letters: str) -> dict:
     """Where a layer's all-gathered W (AxoNN Alg. 1 line 13) lives, as the engines keep it (measured in
-    their lowered programs: ``tests/unit/planner/test_plan_gathered.py``). ``kept``: stored with each block's
+    their lowered programs: ``tests/unit/planner/test_plan_vs_engines.py``). ``kept``: stored with each block's
     activations per microbatch, not gathered again: remat none, and dots with optimization E (Sec. IV-E,
     the ops' ``saved_names`` in either engine's save policy). ``cached_full``: remat full in the whole-model
     engine with E: every block's gathered W is saved through the recomputation; a pipeline stage's

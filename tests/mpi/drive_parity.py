@@ -1,15 +1,20 @@
 """MPI driver (run by tests/mpi/test_mpi_pipeline.py under ``mpirun -n P*D python -m mpi4py``).
 
-For one grid ``(G_inter, G_data)`` it loops over many (schedule x 2BP x transport) cases in one job,
-reusing each rank's compiled stage, and checks the trainer's step (engine -> global grad stats ->
-AdamW) for 3 steps against the single-device LocalEngine run on the same global batches: every step's
-loss and the parameters after 3 steps, leaf by leaf, within TOLERANCES["fp32_parity"]. With
-``--bad-input`` it first checks that bad layouts are refused with the same message on every rank.
-Rank 0 prints one ``CASE`` line per case and ``SUMMARY``; the exit code is 1 if any case failed.
+For each grid ``(G_inter, G_data)`` of its command line (several grids of the same world size run in
+sequence in one job, sharing each rank's start-up and the single-device references) it loops over the
+grid's (schedule x 2BP x transport) cases, reusing each rank's compiled stage, and checks the trainer's
+step (engine -> global grad stats -> AdamW) for 3 steps against the single-device LocalEngine run on the
+same global batches: every step's loss and the parameters after 3 steps, leaf by leaf, within
+TOLERANCES["fp32_parity"]. With ``--bad-input`` it first checks that bad layouts are refused with the same
+message on every rank.
+Rank 0 prints one ``CASE grid=PxD TOKEN: ok|FAIL ...`` line per case (TOKEN as given in ``--cases``) and a
+``SUMMARY`` per grid; the exit code is 1 if any case failed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -25,9 +30,10 @@ from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import device_updater
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.runtime.engines.base import LocalEngine
-from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+from jaxhybrid.runtime.engines.pipeline import PipelineEngine, make_transport
 
 # Every case uses microbatches of MB sequences, so all schedules share one set of compiled stage kernels
 # (1F1B-1's M = P then means a smaller global batch, with its own single-device reference).
@@ -123,8 +129,6 @@ def bad_input_checks(p, d):
     m2 = same_on_all_ranks(lambda: make_cfg(5, 1, "naive", 1, False))
     topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
     cfg = make_cfg(p, d, "1f1b", 1, True)  # valid for 1f1b; zb-h1 with 1 microbatch < p stages is not
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="zb-h1"))
     m3 = same_on_all_ranks(lambda: PipelineEngine(cfg, Model(cfg.model), topo, abort_on_error=False))
     for m, want in ((m1, f"!= world size {n}"), (m2, "exceed model.n_layers=4"), (m3, "zb-h1")):
@@ -137,9 +141,6 @@ def bad_input_checks(p, d):
 def bf16_round_trip(topo):
     """Both MPI transports move bfloat16 bit-exactly (as uint16) between the first two stages, and the
     mpi4jax transport's jitted receive holds no arithmetic (the bitcast runs apart)."""
-    from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
-    from jaxhybrid.runtime.engines.pipeline import make_transport
-
     template = jax.ShapeDtypeStruct((3, 5, 7), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(topo.rank), template.shape, jnp.bfloat16)
     for name in ("mpi4jax", "mpi4py"):
@@ -161,43 +162,52 @@ def bf16_round_trip(topo):
         print("BF16 ok: mpi4jax and mpi4py transports are bit-exact", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def parse_case(token: str) -> tuple:
+    """``schedule[:2bp][:mpi4py][:tied][:llama][:LETTERS]`` -> (schedule, 2bp, transport, tied, model kind,
+    tensor optimizations); the defaults are fused backward, mpi4jax, untied, GPT-2 and ABCDE."""
+    name, *opts = token.split(":")
+    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama") and not o.isupper()]
+    if bad or (name == "zb-h1" and "2bp" not in opts):  # zb-h1 always splits its backward
+        raise SystemExit(f"drive_parity.py: bad case {token!r}")
+    letters = next((o for o in opts if o.isupper()), "ABCDE")
+    return (name, "2bp" in opts, "mpi4py" if "mpi4py" in opts else "mpi4jax", "tied" in opts,
+            "llama" if "llama" in opts else "gpt2", letters)
+
+
+def grid_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="drive_parity.py", description="one grid's cases; grids are separated "
+                                 "by --then and run in order in the same job")
     ap.add_argument("--pipeline", type=int, required=True)
     ap.add_argument("--data", type=int, required=True)
-    ap.add_argument("--cases", default="naive,gpipe,1f1b-1,1f1b-2,zb-h1,myelin,1f1b")
-    ap.add_argument("--mpi4py-cases", default="", help="schedules also run over the mpi4py transport")
-    ap.add_argument("--tied", action="store_true", help="also a tied-embedding 1f1b case")
+    ap.add_argument("--cases", required=True, help="comma-separated schedule[:2bp][:mpi4py][:tied][:llama]"
+                    "[:LETTERS] (LETTERS: tensor.optimizations), e.g. naive,zb-h1:2bp,myelin:2bp:mpi4py")
     ap.add_argument("--tensor", default="", help="D,R,C: hybrid layout, every rank a local (depth, row, col) "
                     "mesh (the launcher gives each rank D*R*C devices)")
-    ap.add_argument("--hybrid-variants", action="store_true", help="with --tensor: also a llama case and a "
-                    "case without optimization A (tests/parity covers both on every mesh in one process)")
     ap.add_argument("--bad-input", action="store_true")
-    ap.add_argument("--trace", action="store_true", help="write and check a merged trace of one case")
-    a = ap.parse_args()
+    ap.add_argument("--trace", action="store_true", help="write and check a merged trace of the 1f1b:2bp case")
+    return ap
+
+
+def run_grid(a, refs: dict) -> int:
+    """One grid's cases on this job's ranks; ``refs`` (the single-device references) is shared by the
+    grids, whose global batches coincide. Returns the number of failed cases (on every rank)."""
     p, d = a.pipeline, a.data
-    # The session's persistent compilation cache (tests/conftest.py): the grids share programs.
-    enable_compilation_cache("auto")
+    TENSOR.clear()
     if a.tensor:
         dp, rw, cl = (int(v) for v in a.tensor.split(","))
         TENSOR.update({"parallel.tensor_depth": dp, "parallel.tensor_row": rw, "parallel.tensor_col": cl})
     if a.bad_input:
         bad_input_checks(p, d)
-    # (schedule, 2bp, transport, tied, model kind, tensor optimizations)
-    cases = [(n, s, "mpi4jax", False, "gpt2", "ABCDE") for n in a.cases.split(",") if n for s in (False, True)
-             if not (n == "zb-h1" and not s)]
-    cases += [(n, True, "mpi4py", False, "gpt2", "ABCDE") for n in a.mpi4py_cases.split(",") if n]
-    if a.tied:
-        cases.append(("1f1b", True, "mpi4jax", True, "gpt2", "ABCDE"))
-    if a.tensor and a.hybrid_variants:
-        cases += [("1f1b", True, "mpi4jax", False, "llama", "ABCDE"), ("1f1b", True, "mpi4py", False, "gpt2", "BCDE")]
+    tokens = [t for t in a.cases.split(",") if t]
+    cases = [parse_case(t) for t in tokens]
     topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
     if a.bad_input:
         bf16_round_trip(topo)
-    refs, engines, failures = {}, {}, 0
-    for name, split, transport, tied, kind, letters in cases:
+    engines, failures = {}, 0
+    for token, (name, split, transport, tied, kind, letters) in zip(tokens, cases):
         m = p if name == "1f1b-1" else 2 * p
         cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters})
+        traced = a.trace and name == "1f1b" and split
         status = "ok"
         t0 = time.perf_counter()
         try:
@@ -210,9 +220,9 @@ def main() -> int:
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
             engine.set_schedule(name, split, microbatches=m)
-            engine.time_tasks(a.trace and name == "1f1b" and split)  # the traced case: kernel times (synced)
+            engine.time_tasks(traced)  # the traced case: kernel times (synced)
             losses, grads, params, val = train(engine, cfg, batches(cfg))
-            what = f"[{name} 2bp={split} {transport} tied={tied} {kind} {letters} rank {topo.rank}]"
+            what = f"[{p}x{d} {token} rank {topo.rank}]"
             if a.tensor:  # the stage really runs sharded: every kernel is split over the whole local mesh
                 flat = jax.tree_util.tree_flatten_with_path(engine.init_params(jax.random.key(0)))[0]
                 kernels = [x for path, x in flat if "kernel" in jax.tree_util.keystr(path)]
@@ -224,16 +234,14 @@ def main() -> int:
             assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
             assert_tree_close(params, mine(ref_params), "fp32_parity", what + " params")
             assert_tree_close(np.float32(val), np.float32(ref_val), "fp32_parity", what + " eval loss")
-            if a.trace and name == "1f1b" and split:
+            if traced:
                 with tempfile.TemporaryDirectory() as tmp:
                     info = engine.write_trace(tmp)
                     if topo.rank == 0:
-                        import os
-
                         files = sorted(os.listdir(tmp))
                         assert files == ["trace.json", "trace.png"], files
-                        print(f"TRACE bubble_ratio={info['bubble_ratio']:.3f} makespan_s={info['makespan_s']:.4f}",
-                              flush=True)
+                        print(f"TRACE grid={p}x{d} bubble_ratio={info['bubble_ratio']:.3f} "
+                              f"makespan_s={info['makespan_s']:.4f}", flush=True)
         except Exception as e:  # noqa: BLE001 (reported per case, job continues)
             status = f"FAIL {type(e).__name__}: {e}"
             traceback.print_exc()
@@ -241,15 +249,38 @@ def main() -> int:
         bad = [s for s in (statuses or []) if s != "ok"]
         failures += bool(bad) if WORLD.rank == 0 else 0
         if WORLD.rank == 0:
-            print(f"CASE grid={p}x{d} {name} 2bp={split} {transport} tied={tied} {kind} opt={letters}: "
-                  f"{'ok' if not bad else bad[0]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(f"CASE grid={p}x{d} {token}: {'ok' if not bad else bad[0]} ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
     for e in engines.values():
         e.close()
     failures = WORLD.bcast(failures, root=0)
     if WORLD.rank == 0:
         print(f"SUMMARY grid={p}x{d} cases={len(cases)} failures={failures}", flush=True)
+    return failures
+
+
+def main(argv: list[str]) -> int:
+    """Every grid of the command line (groups of flags separated by ``--then``) in one job: one start-up
+    and JAX init per rank, one persistent-cache lookup per program, one reference per global batch."""
+    groups, cur = [], []
+    for tok in argv:
+        if tok == "--then":
+            groups.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    groups.append(cur)
+    grids = [grid_parser().parse_args(g) for g in groups]
+    # The session's persistent compilation cache (tests/conftest.py): the grids share programs.
+    enable_compilation_cache("auto")
+    refs, failures = {}, 0
+    for a in grids:
+        if a.pipeline * a.data != WORLD.size:
+            raise SystemExit(f"drive_parity.py: grid {a.pipeline}x{a.data} needs {a.pipeline * a.data} ranks, "
+                             f"the job has {WORLD.size}")
+        failures += run_grid(a, refs)
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

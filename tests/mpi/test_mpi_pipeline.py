@@ -1,7 +1,8 @@
-"""MPI tests of the pipeline engine: one ``mpirun`` per grid shape runs every (schedule x 2BP) case
-(tests/mpi/drive_parity.py), one the mpi4py transport's pre-posted receives (drive_transport.py), and
-fault jobs check that a failing, killed or stuck rank ends the job within 10 s with a message naming the
-rank (tests/mpi/drive_fault.py via ``jaxhybrid launch``; drive_train_fault.py for ``jaxhybrid train`` itself)."""
+"""MPI tests of the pipeline engine: one ``mpirun`` per world size and device count runs its grids'
+(schedule x 2BP x transport) parity cases in sequence (tests/mpi/drive_parity.py), each case a test of its
+own; one job checks the mpi4py transport's pre-posted receives (drive_transport.py), and fault jobs check
+that a failing, killed or stuck rank ends the job within 10 s with a message naming the rank
+(tests/mpi/drive_fault.py via ``jaxhybrid launch``; drive_train_fault.py for ``jaxhybrid train`` itself)."""
 import json
 import os
 import re
@@ -41,8 +42,11 @@ def _mpirun(n: int, script: str, *args: str, timeout: int = 400, devices: int = 
                           timeout=timeout + 30)
 
 
-def _expected_cases(schedules: list[str], extra: int) -> int:
-    return 2 * len(schedules) - ("zb-h1" in schedules) + extra  # zb-h1 always splits its backward
+def _cases(schedules: list[str], mpi4py: tuple[str, ...] = (), tied: bool = False) -> list[str]:
+    """drive_parity.py's case tokens: each schedule fused and with 2BP (zb-h1 always splits its backward),
+    then the ``mpi4py`` schedules over the mpi4py transport and a tied-embedding 1F1B case."""
+    return ([s + split for s in schedules for split in ("", ":2bp") if not (s == "zb-h1" and not split)]
+            + [f"{s}:2bp:mpi4py" for s in mpi4py] + (["1f1b:2bp:tied"] if tied else []))
 
 
 # Every schedule with and without 2BP on 4 stages. drive_parity.py runs 1f1b-1 with M = P and every other
@@ -52,32 +56,85 @@ def _expected_cases(schedules: list[str], extra: int) -> int:
 # mpi4py-transport cases) and the 2 x 2 grid (pipeline and data parallel together) run one schedule of
 # each kind: static (GPipe on 2 stages, 1F1B), Myelin's message-driven policy (arrival order decides) and
 # ZB-H1's split backward.
+# The hybrid pipeline x tensor grids (AxoNN-4D item 5): every rank runs its stage on a local (depth, row,
+# col) mesh of fake CPU devices; stage boundaries are device-staged (mpi4jax) or host-staged (mpi4py),
+# data-parallel gradients are all-reduced shard by shard. On 2 x 1 also LLaMA and a case without
+# optimization A (each new variant compiles every rank's kernels again, and tests/parity already runs
+# both on every mesh shape), on 2 x 2 embeddings tied across the stages.
+# Grids of one world size and device count share a job (one mpirun: one start-up and JAX init per rank,
+# the single-device references computed once): {job: (devices per rank, [(p, d, extra flags, cases)])}.
 KINDS = ["1f1b", "myelin", "zb-h1"]
 DEEP = [s for s in SCHEDULES if s != "1f1b"]
+PARITY_JOBS = {
+    "2-ranks": (1, [(2, 1, ["--bad-input", "--trace"], _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True)),
+                    (1, 2, [], _cases(["1f1b", "myelin"]))]),
+    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",))), (4, 1, [], _cases(DEEP))]),
+    "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
+                                 [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE"])]),
+    "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),
+}
+PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for p, d, _, cases in grids
+                for case in cases]
 
 
-@pytest.mark.parametrize("p,d,schedules,flags,extra", [
-    (2, 1, ["gpipe", *KINDS], ["--bad-input", "--trace", "--tied", "--mpi4py-cases", "1f1b,myelin"], 3),
-    (1, 2, ["1f1b", "myelin"], [], 0),
-    (2, 2, KINDS, ["--mpi4py-cases", "myelin"], 1),
-    (4, 1, DEEP, [], 0),
-], ids=["2x1", "1x2", "2x2", "4x1"])
-def test_parity_every_schedule(p, d, schedules, flags, extra):
-    """3 steps of losses, step-1 gradients and final params equal the single-device trainer's
-    (fp32_parity, leaf by leaf) for each of the grid's schedules, with and without 2BP."""
-    r = _mpirun(p * d, "drive_parity.py", "--pipeline", str(p), "--data", str(d), "--cases", ",".join(schedules),
-                *flags)
-    out = r.stdout + r.stderr
-    cases = re.findall(r"^CASE .*$", r.stdout, re.M)
-    want = _expected_cases(schedules, extra)
-    assert r.returncode == 0, f"grid {p}x{d} failed (rc {r.returncode}):\n" + out[-6000:]
-    assert f"SUMMARY grid={p}x{d} cases={want} failures=0" in r.stdout, out[-4000:]
-    assert len(cases) == want and all(": ok" in c for c in cases), "\n".join(cases)
-    if "--bad-input" in flags:
-        assert "BADINPUT ok: parallel.pipeline(3) x parallel.data(1) = 3 != world size 2" in r.stdout
-        assert "BF16 ok" in r.stdout
-    if "--trace" in flags:
-        assert re.search(r"TRACE bubble_ratio=0\.\d+", r.stdout), out[-2000:]
+@pytest.fixture(scope="module")
+def parity_job():
+    """``parity_job(name)``: PARITY_JOBS[name] run once for the module (on first use), as (the completed
+    process, its output, {(grid, case token): the CASE line's status})."""
+    done = {}
+
+    def run(name):
+        if name not in done:
+            devices, grids = PARITY_JOBS[name]
+            argv = []
+            for i, (p, d, flags, cases) in enumerate(grids):
+                argv += ["--then"] * bool(i) + ["--pipeline", str(p), "--data", str(d), "--cases", ",".join(cases),
+                                                *flags]
+            ranks = grids[0][0] * grids[0][1]
+            try:  # 400 s a grid, the limit each grid had in a job of its own
+                r = _mpirun(ranks, "drive_parity.py", *argv, timeout=400 * len(grids), devices=devices)
+            except subprocess.TimeoutExpired as e:  # kept as a result: the cases it reported still count
+                text = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+                r = subprocess.CompletedProcess(e.cmd, -9, *text)
+            found = {(g, c): status for g, c, status in
+                     re.findall(r"^CASE grid=(\S+) (\S+): (.*?)(?: \([\d.]+ s\))?$", r.stdout, re.MULTILINE)}
+            done[name] = (r, r.stdout + r.stderr, found)
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("job,p,d,case", PARITY_CASES,
+                         ids=[f"{job}-{p}x{d}-{case}" for job, p, d, case in PARITY_CASES])
+def test_parity(parity_job, job, p, d, case):
+    """3 steps of losses, step-1 gradients, final params and the eval loss equal the single-device
+    trainer's (fp32_parity, leaf by leaf) for the case (tests/mpi/drive_parity.py's token: schedule, 2BP,
+    transport, tied embeddings, model, tensor optimizations) on the job's grid; on the tensor grids every
+    kernel is also split over the rank's whole local mesh."""
+    r, out, found = parity_job(job)
+    status = found.get((f"{p}x{d}", case))
+    assert status is not None, f"{p}x{d} {case}: never reported (job {job}, rc {r.returncode}):\n" + out[-6000:]
+    assert status == "ok", f"{p}x{d} {case}: {status}\n" + out[-6000:]
+
+
+@pytest.mark.parametrize("job", list(PARITY_JOBS))
+def test_parity_job_ends_cleanly_having_run_every_case(parity_job, job):
+    """The job exits 0 with each grid's summary, and ran exactly its cases (none more, none lost); on 2 x 1
+    bad layouts are refused alike on every rank, both transports move bfloat16 bit-exactly and the traced
+    case's merged trace is written."""
+    r, out, found = parity_job(job)
+    _, grids = PARITY_JOBS[job]
+    assert r.returncode == 0, f"job {job} failed (rc {r.returncode}):\n" + out[-6000:]
+    want = {(f"{p}x{d}", c) for p, d, _, cases in grids for c in cases}
+    assert set(found) == want and len(re.findall(r"^CASE ", r.stdout, re.MULTILINE)) == len(want), sorted(found)
+    for p, d, flags, cases in grids:
+        assert f"SUMMARY grid={p}x{d} cases={len(cases)} failures=0" in r.stdout, out[-4000:]
+        if "--bad-input" in flags:
+            refused = f"parallel.pipeline({p + 1}) x parallel.data({d}) = {(p + 1) * d} != world size {p * d}"
+            assert f"BADINPUT ok: {refused}" in r.stdout, out[-4000:]
+            assert "BF16 ok" in r.stdout, out[-4000:]
+        if "--trace" in flags:
+            assert re.search(rf"TRACE grid={p}x{d} bubble_ratio=0\.\d+", r.stdout), out[-2000:]
 
 
 def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages():
@@ -91,30 +148,6 @@ def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages()
     assert r.returncode == 0, out[-4000:]
     for case in ("landed depth=2", "landed depth=4", "foreign", "depth0"):
         assert f"TRANSPORT {case} ok" in r.stdout, out[-4000:]
-
-
-@pytest.mark.parametrize("p,d,tensor,flags,cases", [
-    (2, 1, (2, 1, 2), ["--cases", "1f1b", "--hybrid-variants"], 4),
-    (2, 2, (1, 2, 1), ["--cases", "myelin", "--tied"], 3),
-], ids=["2x1-depth2-col2", "2x2-row2-tied"])
-def test_hybrid_pipeline_tensor_parity(p, d, tensor, flags, cases):
-    """AxoNN-4D Sec. V: every rank runs its stage on a local (depth, row, col) mesh of fake CPU devices;
-    stage boundaries are device-staged (mpi4jax) or host-staged (mpi4py), data-parallel gradients are
-    all-reduced shard by shard. Losses, step-1 gradients and params after 3 steps equal the single-device
-    trainer's (fp32_parity), with and without 2BP; on the 2 x 1 grid also for LLaMA and without
-    optimization A (each new variant compiles every rank's kernels again, and tests/parity already runs
-    both on every mesh shape), on the 2 x 2 grid with embeddings tied across the stages."""
-    n_dev = tensor[0] * tensor[1] * tensor[2]
-    r = _mpirun(p * d, "drive_parity.py", "--pipeline", str(p), "--data", str(d), "--tensor",
-                ",".join(map(str, tensor)), *flags, devices=n_dev)
-    out = r.stdout + r.stderr
-    found = re.findall(r"^CASE .*$", r.stdout, re.M)
-    assert r.returncode == 0, f"hybrid {p}x{d}x{tensor} failed (rc {r.returncode}):\n" + out[-6000:]
-    assert f"SUMMARY grid={p}x{d} cases={cases} failures=0" in r.stdout, out[-4000:]
-    if "--hybrid-variants" in flags:
-        assert any("llama" in c for c in found) and any("opt=BCDE" in c for c in found), "\n".join(found)
-    if "--tied" in flags:
-        assert any("tied=True" in c for c in found), "\n".join(found)
 
 
 @pytest.mark.parametrize("mode,data,victim,expect", [

@@ -92,6 +92,7 @@ def test_cluster_config_fits_its_hardware_by_the_planner(path):
         f"{machine.memory_bytes / 1e9:.0f} GB usable on {hw['name']}")
 
 
+@pytest.mark.slow
 def test_plan_scores_a_config_beside_its_plans(capsys):
     """`jaxhybrid plan --model CONFIG` prints the config's own layout with its rank among all feasible
     plans, and a note instead where --gpus differs from the config's device count."""

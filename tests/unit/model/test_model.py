@@ -53,6 +53,7 @@ def test_counts_follow_grouped_query_attention_of_either_kind(name):
     assert block_matmuls(cfg)[0][:2] == qkv == (64, 64 + 2 * 2 * 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,billions", [("myelin-12b", 12), ("myelin-100b", 100), ("axonn-gpt-80b", 80),
                                            ("2bp-transformer-7b", 7)])
 def test_large_presets_are_abstract(name, billions):
@@ -120,6 +121,7 @@ def test_bf16_compute_keeps_fp32_params():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,interval", [("full", 2), ("dots", 1), ("full", 3)])
 def test_remat_segments_do_not_change_gradients(policy, interval):
     from jaxhybrid.model import remat_policy

@@ -43,6 +43,7 @@ def _nparams(params):
     return sum(x.size for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,clip,scale,rule", [("numpy", 1e3, 1.0, "all"), ("pinned_host", 0.05, 8.0, "matrices"),
                                                      ("numpy", 1e3, 1.0, "matrices")])
 def test_fp32_five_steps_bit_exact_with_device_adamw(backend, clip, scale, rule):
@@ -72,6 +73,7 @@ def test_fp32_five_steps_bit_exact_with_device_adamw(backend, clip, scale, rule)
     assert_tree_close(opt.params_tree(flat), rp, "exact", "device params")
 
 
+@pytest.mark.slow
 def test_bf16_masters_match_mixed_precision_reference():
     """fp32 masters + bf16 compute copy built with plain optax: masters bit-identical after 5 steps."""
     _, params, batches, grad16 = _setup("bfloat16")
@@ -93,6 +95,7 @@ def test_bf16_masters_match_mixed_precision_reference():
     assert_tree_close(opt.params_tree(flat), jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), "exact", "bf16 copy")
 
 
+@pytest.mark.slow
 def test_overflow_skips_and_leaves_host_state_unchanged():
     _, params, batches, grad = _setup()
     opt = OffloadedOptimizer(TX, 100, grad_clip=1.0, backend="numpy", name="adamw")
@@ -113,6 +116,7 @@ def test_overflow_skips_and_leaves_host_state_unchanged():
     assert_tree_close(np.asarray(flat3), flat_before, "exact", "device params after overflow")
 
 
+@pytest.mark.slow
 def test_chunk_fed_step_equals_whole_gradient_step():
     k = 3
     _, params, batches, grad = _setup()
@@ -132,6 +136,7 @@ def test_chunk_fed_step_equals_whole_gradient_step():
         b.step(sb, chunks=iter_reduced_chunks(g, None, 100))
 
 
+@pytest.mark.slow
 def test_save_restore_exact_and_bucket_size_independent(tmp_path):
     from jaxhybrid.runtime.checkpoint.store import Checkpointer
 

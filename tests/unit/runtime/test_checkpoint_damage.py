@@ -42,6 +42,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_a_damaged_checkpoint_is_named_with_its_folder_and_the_fix(saved, tmp_path, damage):
     """Each used to end in orbax's own words (a tensorstore byte range, 'File ... not found', a bare JSON
@@ -51,6 +52,7 @@ def test_a_damaged_checkpoint_is_named_with_its_folder_and_the_fix(saved, tmp_pa
         _resume(saved, tmp_path, damage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_the_fix_offers_an_earlier_step_only_where_one_is_held(saved, tmp_path, damage):
     """The one step of this run is damaged: deleting it leaves nothing to resume (it offered that anyway),
@@ -60,12 +62,14 @@ def test_the_fix_offers_an_earlier_step_only_where_one_is_held(saved, tmp_path, 
         _resume(saved, tmp_path, damage)
 
 
+@pytest.mark.slow
 def test_truncated_arrays_are_not_called_missing_metadata(saved, tmp_path):
     """orbax reads the array metadata from the store whose files were truncated: the metadata file is there."""
     with pytest.raises(ValueError, match=r"cannot be read \(its orbax metadata is missing or damaged\); if it is damaged"):
         _resume(saved, tmp_path, _truncate_arrays)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, leaf", [(("model.d_model=96",), r"params\.block_000\.attn_out\.kernel: saved \(64, 64\), "
                                                                  r"this run \(96, 96\)"),
                                          (("model.n_layers=3",), r"not saved, this run")])

@@ -12,6 +12,7 @@ FAST = ["model.name=gpt-tiny", "model.n_layers=2", "data.seq_len=32", "train.glo
         "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]
 
 
+@pytest.mark.slow
 def test_train_notes_the_pipeline_settings_a_single_device_run_ignores(tmp_path, capsys):
     sets = FAST + [f"run.dir={tmp_path / 'run'}", "metrics.trace=true", "pipeline.schedule=zb-h1",
                    "pipeline.split_backward=true"]

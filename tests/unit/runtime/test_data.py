@@ -132,6 +132,7 @@ def test_builtin_corpus_byte_cached(tmp_path):
         ensure_builtin_data(tmp_path / "cache", "words")
 
 
+@pytest.mark.slow
 def test_concurrent_ranks_prepare_the_cache_once(tmp_path):
     # MPI ranks start together and share the cache: they serialise on a lock and agree on one directory.
     import multiprocessing

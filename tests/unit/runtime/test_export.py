@@ -37,6 +37,7 @@ def trained(tmp_path_factory):
     return root, t
 
 
+@pytest.mark.slow
 def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
     root, t = trained
     got = load_export(root / "w")
@@ -55,6 +56,7 @@ def test_export_is_the_runs_weights_and_names_its_source(trained, capsys):
         export_run(root / "w", root / "w4")
 
 
+@pytest.mark.slow
 def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeypatch):
     """Per-rank checkpoints as a 2-stage x 2-replica pipeline writes them: each rank its stage's parts (the
     last with the tied copy), and with the offloaded optimizer the fp32 masters as a flat vector with
@@ -94,6 +96,7 @@ def test_pipeline_and_offload_checkpoints_consolidate(trained, tmp_path, monkeyp
         assert_tree_close(params, full, "exact", f"offload={offload} consolidated ")
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_tensor_run_and_pipeline_stages_from_the_export(trained, tmp_path, capsys):
     """A (data 2, row 2, col 2) mesh starts from the exported weights, sharded, and takes the same first step
     as a single-device run from them; a pipeline's last stage gets its blocks, head and the tied copy."""

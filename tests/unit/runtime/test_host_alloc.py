@@ -112,6 +112,7 @@ CLI_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @glibc
 @pytest.mark.parametrize("argv,devices", [(["bench", "tensor", "--devices", "4"], 4),
                                           (["bench", "offload", "--tensor", "2,1,1,2"], 4),

@@ -18,6 +18,7 @@ def _cfg(tmp_path, *extra, name="run"):
     return load_config(None, FAST + [f"run.dir={tmp_path / name}"] + list(extra))
 
 
+@pytest.mark.slow
 def test_lr_is_logged_per_step(tmp_path):
     Trainer(_cfg(tmp_path, "train.steps=4")).run()
     recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -27,6 +28,7 @@ def test_lr_is_logged_per_step(tmp_path):
     assert "lr 0.01 " in _summary(recs[0])  # the console line
 
 
+@pytest.mark.slow
 def test_a_skipped_step_does_not_advance_the_logged_lr_and_resume_keeps_it(tmp_path):
     """An overflow step applies no update, so the optimizer's schedule does not advance: the next step
     applies the lr the skipped one would have. The count of applied updates survives a checkpoint."""

@@ -51,6 +51,7 @@ def test_indivisible_sizes_name_values_and_rule():
         TensorEngine(cfg.model, _cfg((1, 2, 2, 2), "tensor.optimizations=ABX"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 2, 2, 2), (2, 1, 1, 4), (1, 8, 1, 1)])
 def test_per_device_bytes_of_weights_and_adam_state(shape):
     cfg = _cfg(shape)
@@ -91,6 +92,7 @@ def test_microbatch_order_matches_split_batch():
             np.testing.assert_array_equal(got[m, j * 4:(j + 1) * 4], split_batch(batch, j, 2, 3)[m])
 
 
+@pytest.mark.slow
 def test_microbatches_and_data_parallel_accumulate_like_single_device():
     cfg = _cfg((2, 2, 1, 2), "pipeline.microbatches=2")
     batch = np.random.RandomState(1).randint(0, 256, (8, 9)).astype(np.int32)

@@ -26,6 +26,7 @@ def _losses(run_dir):
     return [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_loss_falls_on_real_text(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=40", "optim.lr=3e-3", "train.global_batch=8", "metrics.plot=true",
                "train.eval_every=15", "train.eval_batches=2")
@@ -68,6 +69,7 @@ def test_mfu_over_the_devices_peak_or_null(tmp_path, monkeypatch, capsys):
     assert rec["mfu"] is None and rec["tflops_per_device"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_mfu_counts_model_flops_and_hfu_what_remat_recomputes(tmp_path, remat):
     """tflops_per_device and mfu count the model's flops from its matmul shapes (here d_ff=96, not 4d),
@@ -159,6 +161,7 @@ def test_memory_report_is_the_fullest_ranks(tmp_path, capsys):
     assert (tie["rank"], tie["stage"]) == (0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("optim.offload=true", "optim.bucket_size=5000",
                                            "precision.compute_dtype=bfloat16"),
                                    ("parallel.data=2", "parallel.tensor_row=2", "parallel.tensor_col=2"),
@@ -206,6 +209,7 @@ def test_reused_run_dir_is_refused_and_resume_checks_the_layout(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_drops_steps_not_every_rank_saved_and_keeps_the_earlier_config(tmp_path, capsys):
     """A job that died mid-save leaves ranks a step apart: the resume takes the newest step all have and
     deletes the newer ones here (kept, they would stay the old run's while the other ranks save the resumed
@@ -268,6 +272,7 @@ def test_a_save_cut_off_mid_write_leaves_no_checkpoint_behind(tmp_path):
     assert committed_steps(tmp_path) == {"rank_0": [4, 5]}
 
 
+@pytest.mark.slow
 def test_interrupt_stops_after_the_step_with_it_saved(tmp_path, monkeypatch, capsys):
     """Ctrl-C mid-step: the step finishes (it donated the state before it, which can no longer be saved),
     is saved, and the command ends with one line and status 130, no traceback."""
@@ -382,6 +387,7 @@ def test_cli_version_and_unknown_command(capsys):
     assert e.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_step_prints_ratio(tmp_path, capsys):
     """Side by side in one run; the plain baseline compiles once (its inputs committed as the trainer's:
     else its first timed round compiled again). A run.dir with an earlier run's checkpoints does not stop
@@ -421,6 +427,7 @@ def test_evaluation_without_a_validation_split_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_compilation_cache_serves_a_rerun(tmp_path):
     """``jaxhybrid train`` with ``run.compilation_cache=DIR`` writes the step's executable there and a
     second run of the same job loads it instead of compiling (JAX's cache-hit log line). Subprocesses:
@@ -465,6 +472,7 @@ def test_a_closed_output_pipe_ends_quietly(monkeypatch, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_the_last_finished_step(tmp_path):
     """Slurm's time limit sends SIGTERM before SIGKILL: train ends as on Ctrl-C, its last step saved."""
     import os

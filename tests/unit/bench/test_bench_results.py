@@ -1,10 +1,12 @@
-"""``jaxhybrid bench stage``: one JSON object with the timings side by side and the errors.
-
-Timings are not asserted (shared, noisy machines); the JSON contract and the correctness figures are.
-"""
+"""What the benchmarks print and time: ``bench stage``'s JSON and ``bench offload --tensor``'s
+compile-once warm-up. Timings are not asserted (shared, noisy machines); the JSON contract, the correctness
+figures and the compile counts are."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +16,7 @@ ARGS = ["bench", "stage", "--model", "gpt-tiny", "--blocks", "2", "--microbatch-
         "--concat", "3", "--repeats", "2", "--json"]
 
 
+@pytest.mark.slow
 def test_bench_stage_prints_the_kernels_side_by_side(capsys):
     from jaxhybrid.cli.main import main
 
@@ -67,6 +70,7 @@ def test_bench_stage_bad_block_range_names_the_values(capsys):
     assert "--blocks 'a:b': give N (a stage of N blocks) or LO:HI" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_stage_set_changes_a_presets_width(capsys):
     """``--set`` overrides as train's (a preset at another width); with ``--model`` they would be lost."""
     from jaxhybrid.cli.main import main
@@ -107,3 +111,22 @@ ENTRY %main.2 (a.1: f32[4], b.1: f32[4]) -> (f32[4], f32[]) {
 }
 """
     assert entry_ops(hlo) == 3  # the fusion, the custom call and the copy
+
+
+# ``jaxhybrid bench offload --tensor``: the on-device baseline's update compiles once, in the untimed
+# warm-up step. Its optimizer state was left uncommitted (the trainer commits it: ``build.committed``), so
+# the update compiled again on its second call, inside the first timed round, and with ``--rounds 1`` the
+# baseline's step time and the offload ratio were off by several times.
+
+@pytest.mark.slow
+def test_baseline_update_compiles_once():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "jaxhybrid", "bench", "offload", "--tensor", "1,1,1,2",
+                        "--steps", "1", "--rounds", "1", "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # DeviceUpdater.apply is the baseline's one jit(apply); the offloaded updater's buckets run jit(update).
+    compiles = [line for line in r.stderr.splitlines() if "Compiling jit(apply)" in line]
+    assert len(compiles) == 1, f"{len(compiles)} compiles of the baseline's update:\n" + "\n".join(
+        c[:300] for c in compiles)
