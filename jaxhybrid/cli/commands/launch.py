@@ -36,6 +36,11 @@ from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.core.launch_env import RANK_CPUS_ENV, terminal_signals
 
 
+# Ranks per core a job may start without --oversubscribe: the MPI tests run 4 ranks on 2 cores; far beyond
+# that, ranks that each poll and run XLA's thread pool make no progress until MPIEXEC_TIMEOUT ends them.
+RANKS_PER_CORE = 4
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks (G_inter x G_data)")
     p.add_argument("--timeout", type=int, default=0, help="MPIEXEC_TIMEOUT in seconds (0: the environment's MPIEXEC_TIMEOUT if set, else none)")
@@ -43,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", type=positive_int, default=None, help="how many of the CPUs this process may use "
                    "(its affinity) to share among the ranks, the first ones (default: all)")
     p.add_argument("--no-bind", action="store_true", help="do not pin each rank to its share of the cores")
+    p.add_argument("--oversubscribe", action="store_true", help=f"start more than {RANKS_PER_CORE} ranks per core "
+                   "(refused otherwise: their thread pools and polling starve each other)")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run")
     p.add_argument("--script", default="", help="run this Python file on every rank instead of `jaxhybrid "
                    "train` (drivers, benchmarks); the remaining arguments are its own")
@@ -85,6 +92,14 @@ def job_cpus(cores: int = 0) -> list[int]:
         raise ValueError(f"--cores {cores} must be in [1, {len(cpus)}]: this process may use {len(cpus)} CPUs "
                          f"({cpus})")
     return cpus[:cores] if cores else cpus
+
+
+def check_oversubscription(n: int, cpus: list[int], allowed: bool) -> None:
+    """Refuse more than :data:`RANKS_PER_CORE` ranks per core of the job unless ``--oversubscribe``."""
+    if n > RANKS_PER_CORE * len(cpus) and not allowed:
+        raise ValueError(f"-n {n} ranks on {len(cpus)} cores is {n / len(cpus):.0f} ranks per core, over "
+                         f"{RANKS_PER_CORE}: use at most {RANKS_PER_CORE * len(cpus)} ranks here, run on more "
+                         f"cores, or pass --oversubscribe")
 
 
 def check_counts(n: int, timeout: int = 0) -> None:
@@ -148,6 +163,7 @@ def build_command(n: int, train_args: list[str], mpiexec: str, script: str = "")
 def run(args: argparse.Namespace) -> int:
     check_counts(args.n, args.timeout)
     cpus = job_cpus(args.cores or 0)  # None: all (a typed --cores is >= 1)
+    check_oversubscription(args.n, cpus, args.oversubscribe)
     mpiexec = find_mpiexec(args.mpiexec)  # the launcher's own options before train's
     if args.script:
         check_script(args.script)

@@ -160,6 +160,21 @@ def test_rank_count_is_checked_first(tmp_path):
         launch.run(args)
 
 
+def test_more_ranks_than_the_cores_can_run_are_refused(tmp_path, capsys):
+    """``launch -n 512`` on 2 cores started 512 ranks that made no progress until MPIEXEC_TIMEOUT ended
+    them; now it is refused before mpiexec, with the numbers, unless --oversubscribe."""
+    common = ["--cores", "1", "--mpiexec", str(_fake_mpiexec(tmp_path)), "--dry-run", "--script", __file__]
+    _, args = build_parser(["launch", "-n", str(launch.RANKS_PER_CORE + 1), *common])
+    with pytest.raises(ValueError, match=rf"^-n {launch.RANKS_PER_CORE + 1} ranks on 1 cores is "
+                                         rf"{launch.RANKS_PER_CORE + 1} ranks per core, over {launch.RANKS_PER_CORE}: "
+                                         rf"use at most {launch.RANKS_PER_CORE} ranks here"):
+        launch.run(args)
+    for n, extra in ((launch.RANKS_PER_CORE, []), (launch.RANKS_PER_CORE + 1, ["--oversubscribe"])):
+        _, args = build_parser(["launch", "-n", str(n), *extra, *common])
+        assert launch.run(args) == 0
+    assert f"-n {launch.RANKS_PER_CORE + 1}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cores", ["0", "-3"])
 def test_cores_must_be_at_least_one(cores, capsys):
     """--cores 0 used to mean all cores (JAXHYBRID_RANK_CPUS listed every CPU) and -3 got "this process
