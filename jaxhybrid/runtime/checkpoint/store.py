@@ -100,23 +100,54 @@ def tree_differences(saved: Any, like: Any) -> list[str]:
 def read_state(path: str | Path) -> Any:
     """One saved ``state`` (``<rank dir>/<step>/state``) as numpy, in this process, whatever mesh and
     process count wrote it (tools, tests, export). orbax alone refuses a checkpoint of global arrays written
-    on another topology without a target, so the target is built from its metadata, on one device."""
+    on another topology without a target, so the target is built from its metadata, on one device. Where
+    the step's ``meta`` records digests, the state is checked against them. Raises
+    :class:`UnreadableCheckpoint` for a state that cannot be read or differs from its digests."""
     reader = ocp.StandardCheckpointer()
     tree = state_metadata(path)
     # This process's device: under --distributed jax.devices()[0] is process 0's, which another process
     # cannot fill ("no addressable shards"), and the restore's collective barrier then hangs process 0.
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree)
-    return jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
+    try:
+        state = jax.tree.map(np.asarray, reader.restore(Path(path).absolute(), target))
+    except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's read errors in a bare Exception)
+        why = read_error(e)
+        if why is None:
+            raise
+        raise UnreadableCheckpoint(path, why) from None
+    meta = _step_meta(Path(path).parent)
+    bad = digest.mismatches(state, meta) if meta is not None else None
+    if bad:
+        raise UnreadableCheckpoint(path, f"its contents differ from the digests saved with it: {'; '.join(bad[:3])}"
+                                         f"{f'; and {len(bad) - 3} more' if len(bad) > 3 else ''}")
+    return state
+
+
+def read_error(e: BaseException) -> str | None:
+    """The reason, in one short line, of an error reading a saved array: tensorstore raises ValueErrors
+    (OUT_OF_RANGE for a truncated file, DATA_LOSS for damaged bytes) that orbax may wrap in a bare
+    ``Exception`` with the whole TensorStore spec in its text; None for any other error."""
+    cause = e if isinstance(e, (KeyError, OSError, ValueError)) else e.__cause__
+    if not isinstance(cause, (KeyError, OSError, ValueError)):
+        return None
+    why = " ".join(str(cause).split())
+    return why[:240] + ("..." if len(why) > 240 else "")
+
+
+def _step_meta(step_dir: Path) -> dict | None:
+    """The ``meta`` item orbax wrote beside a step's ``state`` (its JSON file), or None where there is none
+    (an export's parts) or it cannot be read (the digests then have nothing to check against)."""
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def saved_meta(run_dir: str | Path, rank: str, step: int) -> dict | None:
     """The ``meta`` item (step, loss scale, sampler) that :meth:`Checkpointer.save` wrote for ``rank``
     (``"rank_<r>"``) at ``step``, read as the JSON file orbax keeps it in, without orbax; None if unreadable."""
-    try:
-        return json.loads((Path(run_dir) / "checkpoints" / rank / str(step) / "meta" / "metadata").read_text())
-    except (OSError, ValueError):
-        return None
+    return _step_meta(Path(run_dir) / "checkpoints" / rank / str(step))
 
 
 def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
@@ -239,8 +270,10 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
-        except (KeyError, OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors
-            raise unreadable(e) from None
+        except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's read errors in a bare Exception)
+            if read_error(e) is None:
+                raise
+            raise unreadable(read_error(e)) from None
         bad = digest.mismatches(out["state"], out["meta"])
         if bad:
             raise unreadable(f"its contents differ from the digests saved with it: {'; '.join(bad[:3])}"

@@ -79,6 +79,28 @@ def test_damaged_contents_are_named_and_the_resume_falls_back(saved, tmp_path, c
     assert Checkpointer(run).steps() == [4, 5]  # step 4 saved again by the resumed run
 
 
+def _truncate_largest(step):
+    big = max((f for f in (step / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    big.write_bytes(big.read_bytes()[:100])
+    return big
+
+
+@pytest.mark.parametrize("damage, said", [(_damage_largest, "its contents differ from the digests saved with it"),
+                                          (_truncate_largest, "OUT_OF_RANGE")], ids=["bytes", "truncated"])
+def test_export_of_a_damaged_step_is_one_line(saved, tmp_path, capsys, damage, said):
+    """Export read damaged bytes without a word and exported the garbage; a truncated file printed
+    TensorStore's whole spec in a traceback. Now one line names the step's folder and the reason."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    damage(run / "checkpoints" / "rank_0" / "4")
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxhybrid export: error: {run / 'checkpoints' / 'rank_0' / '4' / 'state'} holds no "
+                          f"readable checkpoint (") and said in err and err.count("\n") == 1, err
+    assert "TensorStore" not in err and not (tmp_path / "out").exists()
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out2"), "--step", "2"]) == 0
+
+
 def test_a_digest_mismatch_names_the_step_and_the_leaf(tmp_path):
     """Bytes that orbax reads without complaint (the array file's data, not its index) fail the digest."""
     ck = Checkpointer(tmp_path, keep=3)
