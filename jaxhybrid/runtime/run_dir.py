@@ -155,6 +155,20 @@ def check_param_layout(run_dir: str | Path) -> None:
                           f"start a new run")
 
 
+def earlier_records(run_dir: Path) -> list[str]:
+    """What an earlier run left in ``run_dir`` that a new one would replace or mix with: its metrics.jsonl
+    (with the lines it holds) and its TensorBoard event files."""
+    out = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        with open(metrics, "rb") as f:
+            out.append(f"metrics.jsonl of {sum(1 for _ in f)} steps")
+    events = sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    if events:
+        out.append(f"{len(events)} TensorBoard event file{'s' if len(events) > 1 else ''}")
+    return out
+
+
 def check_run_dir(cfg) -> None:
     """``run.dir`` can take this run: its nearest existing folder takes a new file (probed: as root,
     ``os.access`` says yes even on /proc; unprobed, the first sign was orbax failing to make the folder
@@ -174,6 +188,11 @@ def check_run_dir(cfg) -> None:
         raise ConfigError(f"run.dir={cfg.run.dir} holds checkpoints of an earlier run ({held}"
                           f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
                           f"train into another run.dir, or delete {run_dir / 'checkpoints'}")
+    earlier = earlier_records(run_dir)
+    if earlier and not cfg.run.resume and not cfg.run.overwrite:
+        raise ConfigError(f"run.dir={cfg.run.dir} holds the records of an earlier run ({', '.join(earlier)}) but no "
+                          f"checkpoint to resume; train into another run.dir, or replace them with --set "
+                          f"run.overwrite=true")
     if cfg.run.resume:
         if not committed_steps(run_dir):  # else every rank would start, build its model, then fail alike
             start = (f" (it starts from train.init_from={cfg.train.init_from}, which a resume ignores)"

@@ -23,6 +23,9 @@ class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.yaml, checkpoints, traces
     name: str = ""  # the run's label: loss_curve.png's title; "" = the run directory's name
     resume: bool = False  # continue from the latest checkpoint in dir
+    # train over a dir whose earlier run left metrics but no checkpoint, replacing its metrics.jsonl and
+    # TensorBoard events (false: such a dir is refused, so two runs' records never mix)
+    overwrite: bool = False
     compilation_cache: str = "auto"  # persistent XLA cache dir for `jaxhybrid train`; auto: $JAXHYBRID_CACHE/xla; "": off
 
 

@@ -66,6 +66,9 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
+            if not self.start_step:  # a new run (run.overwrite): an earlier run's events would mix with its own
+                for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
+                    old.unlink()
             # purge_step hides events of steps after the resume point left by an interrupted run.
             self._tb = EventFile(self.run_dir / "tensorboard",
                                  purge_step=self.start_step + 1 if self.start_step else None)

@@ -17,7 +17,7 @@ import pytest
 from jaxhybrid.cli.main import main
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.runtime import run_lock
-from jaxhybrid.runtime.checkpoint.store import Checkpointer, DamagedStep
+from jaxhybrid.runtime.checkpoint.store import Checkpointer, DamagedStep, committed_steps
 from jaxhybrid.runtime.config_load import load_config
 from jaxhybrid.runtime.data.prepare import prepare_data
 from jaxhybrid.runtime.data.splits import open_dataset
@@ -307,3 +307,27 @@ def test_a_reused_pid_is_told_by_its_start_time(tmp_path):
     assert json.loads((run / run_lock.LOCK).read_text())["pid_start"] == holder["pid_start"] + 1
     lock.release()
     assert not (run / run_lock.LOCK).exists()
+
+
+# -- a run directory holding an earlier run's records --------------------------------------------------
+
+def test_an_earlier_runs_metrics_are_not_trained_over(tmp_path, capsys):
+    """A run.dir with a previous run's metrics but no checkpoints was trained over: metrics.jsonl was replaced
+    without a word and TensorBoard mixed both runs' event files. Now it is refused before anything is built,
+    and run.overwrite=true replaces both."""
+    tb = ["metrics.tensorboard=true", "checkpoint.at_end=false"]
+    assert _train(tmp_path, "train.steps=3", *tb) == 0
+    run = tmp_path / "run"
+    first_events = set((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert first_events and not committed_steps(run)
+    capsys.readouterr()
+    assert _train(tmp_path, "train.steps=2", *tb) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxhybrid train: error: run.dir={run} holds the records of an earlier run (metrics.jsonl of 3 "
+                   f"steps, 1 TensorBoard event file) but no checkpoint to resume; train into another run.dir, or "
+                   f"replace them with --set run.overwrite=true\n")
+    assert [r["step"] for r in _records(run)] == [1, 2, 3]
+    assert _train(tmp_path, "train.steps=2", *tb, "run.overwrite=true") == 0
+    assert [r["step"] for r in _records(run)] == [1, 2]
+    events = set((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and not events & first_events
