@@ -179,8 +179,11 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     assert took < 10, f"{mode}: the job took {took:.1f} s to end after the fault"
     assert re.search(expect, out), out[-3000:]
     own = re.search(r"jaxhybrid(?: watchdog)?: (rank \d+ \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)", out)
-    if mode in ("exception", "hang", "hang-collective"):  # the rank that aborted the job is named, though others ended first
+    if mode in ("exception", "hang-collective"):  # the rank that aborted the job is named, though others ended first
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
+    if mode == "hang":  # the stuck rank is named, whether its own watchdog fired or its neighbour's did, waiting
+        assert re.search(r"jaxhybrid launch: rank 1 \(stage 1, replica 0\) (reported the failure first|made no "
+                         r"progress: rank 0 \(stage 0, replica 0\) waited for it)", out), out[-3000:]
 
 
 # `jaxhybrid train` jobs whose process 1 fails in the Trainer (tests/mpi/drive_train_fault.py): (train flags,

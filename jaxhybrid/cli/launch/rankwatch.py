@@ -160,6 +160,11 @@ class RankWatch(threading.Thread):
 _OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\(stage \d+, replica \d+\)|of \d+ "
                          r"\(--distributed\))) .*?(?:failed|made no progress)")
 
+# A watchdog report of a rank stuck waiting on a peer: "... made no progress ...; now: waiting for <message>
+# from rank R (stage i, replica j); ..." (the event loop's wait, jaxhybrid.parallel.pipeline.event_loop).
+_WAITED_FOR = re.compile(r"jaxhybrid watchdog: .*? made no progress .*?; now: waiting for .*? from "
+                         r"(rank \d+ \(stage \d+, replica \d+\))")
+
 
 # How a line of jaxhybrid's own starts ("jaxhybrid: ", "jaxhybrid train: "), and an error a user can fix
 # as `jaxhybrid COMMAND` prints it (jaxhybrid.cli.main) before the process exits.
@@ -190,7 +195,8 @@ def bystanders(output_lines: list[str]) -> set[int]:
 def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     """The launcher's one line on a failed job, from the best evidence there is:
     1. the first rank that reported its own failure (an exception, the watchdog). It aborted the job, and
-       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end;
+       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end. Where its watchdog
+       fired while it waited for a message from a peer, that peer is named: it is the one that stopped;
     2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
     3. hydra's ``PID n`` lines, named from the PID files (:func:`name_hydra_pids`), when the watcher saw
        no rank end abnormally;
@@ -200,6 +206,11 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     5. hydra's ``APPLICATION TIMED OUT`` line: no rank failed, the job outlived ``MPIEXEC_TIMEOUT``."""
     own = reporters(output_lines)
     if own:
+        first = next(line for line in output_lines if _OWN_REPORT.search(line))
+        waited = _WAITED_FOR.search(first)
+        if waited and waited.group(1) != own[0][1]:  # the reporter only waited: blame the rank it waited for
+            return (f"{waited.group(1)} made no progress: {own[0][1]} waited for it past its watchdog deadline "
+                    f"(its report is above)")
         return f"{own[0][1]} reported the failure first (its message is above)"
     first = watch.first_abnormal(bystanders(output_lines))
     if len(first) > 1:  # ended before the watcher woke: their order is unknown

@@ -311,6 +311,13 @@ def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
               "Abort(3) on node 1 (rank 1 in comm 496): application called MPI_Abort(comm=0x84000001, 3) - process 1"]
     assert failure_summary(watch, report) == "rank 1 (stage 1, replica 0) reported the failure first (its message is above)"
     assert failure_summary(watch, report[1:]) == "rank 0 (stage 0, replica 0) (pid 101) ended abnormally, the first rank to end"
+    # A rank whose watchdog fired while it waited for a peer's message blames that peer (a SIGSTOPped rank
+    # was caught by its neighbour's watchdog, and the launcher named the neighbour).
+    waited = ["jaxhybrid watchdog: rank 0 (stage 0, replica 0) made no progress for 10.6 s (deadline 10 s); now: "
+              "waiting for activation mb2->s1 from rank 1 (stage 1, replica 0); last receives: ..."]
+    assert failure_summary(watch, waited) == ("rank 1 (stage 1, replica 0) made no progress: rank 0 (stage 0, "
+                                              "replica 0) waited for it past its watchdog deadline (its report is "
+                                              "above)")
     watch.ended = []
     hydra = ["=   PID 102 RUNNING AT node7"]
     (tmp_path / "rank1.pid").write_text("102 rank 1 (stage 1, replica 0)")
