@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from jaxhybrid.runtime import distributed
 from jaxhybrid.runtime.config_checks import validate
 from jaxhybrid.runtime.config_notes import unread_settings_notes
 from jaxhybrid.runtime.data.splits import cache_dir, repetition_notes
+from jaxhybrid.runtime.host_alloc import accelerator_backend
 from jaxhybrid.runtime.metrics.writer import finite_or_none
 
 
@@ -109,6 +111,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
     ``--distributed``, whose processes are one JAX mesh)."""
     from jaxhybrid.runtime.checkpoint.export import check_init_from
+    from jaxhybrid.runtime.memory_check import check_host_memory
     from jaxhybrid.runtime.run_dir import check_run_dir
 
     check_distributed(cfg, args)
@@ -119,6 +122,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     check_metrics(cfg)
     check_compilation_cache(cfg)
     check_mpi4jax(cfg, world)
+    check_host_memory(cfg, processes, devices_on_host=accelerator_backend(os.environ) is None)
     return world
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxhybrid.cli.commands import train as train_command
 from jaxhybrid.cli.launch.checks import check_job, train_config
 from jaxhybrid.planner.costs import load_hardware
 from jaxhybrid.planner.plan import check_gpus, machine_from_hardware, score_config
@@ -35,6 +36,8 @@ def test_the_shipped_configs_are_all_found():
 def test_shipped_config_passes_the_launch_checks(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # run.dir is relative: checked (not created) in an empty directory
     text = path.read_text()
+    if re.search(r"GPU|H100|H200|--gpus", text):  # checked as on its GPUs: their model state is not host memory (jaxhybrid.runtime.memory_check)
+        monkeypatch.setattr(train_command, "accelerator_backend", lambda environ: "the GPU plugin")
     args = ["--config", str(path), "--set", "metrics.tensorboard=false"]
     ns, cfg = train_config(args)
     n, distributed = _processes(cfg, text)

@@ -331,3 +331,20 @@ def test_an_earlier_runs_metrics_are_not_trained_over(tmp_path, capsys):
     assert [r["step"] for r in _records(run)] == [1, 2]
     events = set((run / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and not events & first_events
+
+
+# -- sizes that cannot fit -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size, named", [
+    ("train.global_batch=1000000000000", "the global batch of token ids, 122,934.6 GiB: train.global_batch="
+                                         "1000000000000 x (data.seq_len=32 + 1) x 4 bytes"),
+    ("model.d_model=1048576", "the model state on the CPU devices"),
+], ids=["batch", "d_model"])
+def test_sizes_that_cannot_fit_are_refused_before_anything_is_built(tmp_path, capsys, size, named):
+    """A global_batch of 1e12 ended in a raw numpy MemoryError and a d_model of 1048576 in XLA's
+    RESOURCE_EXHAUSTED; now one line names the memory needed and the memory there is."""
+    assert _train(tmp_path, size) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxhybrid train: error: this job needs at least ") and named in err, err
+    assert " GiB is available; use a smaller model or batch" in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
