@@ -63,7 +63,7 @@ def test_partition_refuses_more_processors_than_layers_before_profiling(tmp_path
     def no_profiling(*a, **k):
         raise AssertionError("profiled before checking --processors")
 
-    monkeypatch.setattr("jaxhybrid.planner.profile.profile_model", no_profiling)
+    monkeypatch.setattr("jaxhybrid.cli.commands.partition.profile_model", no_profiling)
     with pytest.raises(ValueError, match=r"--processors=8 must be in \[1, 4\]"):
         _run("partition", "--profile-model", "gpt-tiny", "--processors", "8", "--memory", "1e9",
              "--bandwidth", "1e10", "--algorithm", algorithm)
@@ -109,7 +109,7 @@ def test_partition_counts_must_be_at_least_one(capsys, flag):
 def test_partition_checks_the_profile_output_and_sequence_before_profiling(tmp_path, monkeypatch):
     """An unwritable --profile failed with a bare "[Errno 2]" after profiling; a --seq-len beyond the model's
     positions was named as the profiler's internal ``seq``."""
-    monkeypatch.setattr("jaxhybrid.planner.profile.profile_model", lambda *a, **k: pytest.fail("profiled first"))
+    monkeypatch.setattr("jaxhybrid.cli.commands.partition.profile_model", lambda *a, **k: pytest.fail("profiled first"))
     with pytest.raises(ValueError, match=f"^--profile {tmp_path}/no/p.json cannot be written: {tmp_path}/no "
                                          "does not exist$"):
         _run(*PARTITION, "--profile-model", "gpt-tiny", "--profile", str(tmp_path / "no" / "p.json"))
@@ -143,7 +143,7 @@ def test_partition_profiles_a_run_config_as_plan_reads_it(monkeypatch, capsys):
         seen.append((model, microbatch, seq, dtype))
         return Profile(1.0, tuple(LayerCost(f"l{i}", 1.0, 2.0, 0.1, 0.5) for i in range(model.n_layers)))
 
-    monkeypatch.setattr("jaxhybrid.planner.profile.profile_model", fake_profile)
+    monkeypatch.setattr("jaxhybrid.cli.commands.partition.profile_model", fake_profile)
     cfg = load_config(RUNS / "tiny.yaml")
     assert _run(*PARTITION, "--profile-model", str(RUNS / "tiny.yaml"), "--json") == 0
     assert seen.pop() == (cfg.model, cfg.microbatch_size, cfg.data.seq_len, cfg.precision.compute_dtype)

@@ -281,7 +281,7 @@ def test_cli_prepare_data(tmp_path, capsys):
 def test_cli_prepare_data_out_that_is_a_file(tmp_path, capsys, monkeypatch):
     """--out naming an existing file (or a path under one) is one error line naming it, before the corpus is
     read; it used to be a FileExistsError traceback after the tokenizing."""
-    monkeypatch.setattr("jaxhybrid.runtime.data.prepare_data", lambda *a, **k: pytest.fail("prepared anyway"))
+    monkeypatch.setattr("jaxhybrid.cli.commands.prepare_data.prepare_data", lambda *a, **k: pytest.fail("prepared anyway"))
     (tmp_path / "c1.yaml").write_text("")
     for out, says in ((tmp_path / "c1.yaml", f"--out {tmp_path}/c1.yaml is a file; give a directory"),
                       (tmp_path / "c1.yaml" / "sub", f"--out {tmp_path}/c1.yaml/sub cannot be written: "
