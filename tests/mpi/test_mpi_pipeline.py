@@ -181,9 +181,10 @@ def test_fault_ends_job_naming_the_rank(tmp_path, mode, data, victim, expect):
     own = re.search(r"jaxhybrid(?: watchdog)?: (rank \d+ \(stage \d+, replica \d+\)) .*?(?:failed|made no progress)", out)
     if mode in ("exception", "hang-collective"):  # the rank that aborted the job is named, though others ended first
         assert own and f"jaxhybrid launch: {own.group(1)} reported the failure first" in out, out[-3000:]
-    if mode == "hang":  # the stuck rank is named, whether its own watchdog fired or its neighbour's did, waiting
-        assert re.search(r"jaxhybrid launch: rank 1 \(stage 1, replica 0\) (reported the failure first|made no "
-                         r"progress: rank 0 \(stage 0, replica 0\) waited for it)", out), out[-3000:]
+    if mode == "hang":  # the stuck rank is named, whether its own watchdog fired or a peer's did, waiting for it
+        stuck = re.escape(f"rank {victim} (stage {victim % 2}, replica {victim // 2})")
+        assert re.search(rf"jaxhybrid launch: {stuck} (reported the failure first|made no progress: rank \d+ "
+                         rf"\(stage \d, replica \d\) waited for it)", out), out[-3000:]
 
 
 # `jaxhybrid train` jobs whose process 1 fails in the Trainer (tests/mpi/drive_train_fault.py): (train flags,

@@ -195,8 +195,9 @@ def bystanders(output_lines: list[str]) -> set[int]:
 def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     """The launcher's one line on a failed job, from the best evidence there is:
     1. the first rank that reported its own failure (an exception, the watchdog). It aborted the job, and
-       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end. Where its watchdog
-       fired while it waited for a message from a peer, that peer is named: it is the one that stopped;
+       MPI_Abort ends the other ranks while it waits, so it is seldom the first to end. Where no rank
+       failed and a watchdog fired while its rank waited for a message from a peer, that peer is named: it
+       is the one that stopped (the first watchdog to fire may be another rank's, idle in a collective);
     2. the first rank to end abnormally (:meth:`RankWatch.first_abnormal`), e.g. one the OOM killer took;
     3. hydra's ``PID n`` lines, named from the PID files (:func:`name_hydra_pids`), when the watcher saw
        no rank end abnormally;
@@ -206,12 +207,14 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     5. hydra's ``APPLICATION TIMED OUT`` line: no rank failed, the job outlived ``MPIEXEC_TIMEOUT``."""
     own = reporters(output_lines)
     if own:
-        first = next(line for line in output_lines if _OWN_REPORT.search(line))
-        waited = _WAITED_FOR.search(first)
-        if waited and waited.group(1) != own[0][1]:  # the reporter only waited: blame the rank it waited for
-            return (f"{waited.group(1)} made no progress: {own[0][1]} waited for it past its watchdog deadline "
+        lines = [line for line in output_lines if _OWN_REPORT.search(line)]
+        failed = [who for (_, who), line in zip(own, lines) if " failed" in line.split(who, 1)[1][:8]]
+        waits = [(m.group(1), who) for (_, who), line in zip(own, lines) for m in [_WAITED_FOR.search(line)]
+                 if m and m.group(1) != who]
+        if waits and not failed:  # a stuck rank: its peers' watchdogs name it; it may not report at all
+            return (f"{waits[0][0]} made no progress: {waits[0][1]} waited for it past its watchdog deadline "
                     f"(its report is above)")
-        return f"{own[0][1]} reported the failure first (its message is above)"
+        return f"{(failed or [own[0][1]])[0]} reported the failure first (its message is above)"
     first = watch.first_abnormal(bystanders(output_lines))
     if len(first) > 1:  # ended before the watcher woke: their order is unknown
         return f"{', '.join(first)} ended abnormally, together the first ranks to end"

@@ -318,6 +318,15 @@ def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
     assert failure_summary(watch, waited) == ("rank 1 (stage 1, replica 0) made no progress: rank 0 (stage 0, "
                                               "replica 0) waited for it past its watchdog deadline (its report is "
                                               "above)")
+    # The first watchdog to fire may be a rank idle in a collective; a later one names the stuck peer.
+    idle = ["jaxhybrid watchdog: rank 0 (stage 0, replica 0) made no progress for 2.0 s (deadline 2 s); now: ran B1@s0"]
+    stuck = ["jaxhybrid watchdog: rank 2 (stage 0, replica 1) made no progress for 2.1 s (deadline 2 s); now: "
+             "waiting for GRAD mb0->s0 from rank 3 (stage 1, replica 1); last sends: ..."]
+    assert failure_summary(watch, idle + stuck).startswith("rank 3 (stage 1, replica 1) made no progress: rank 2 ")
+    # A rank that failed is named before any wait on it.
+    failed = ["jaxhybrid: rank 1 (stage 1, replica 0) failed: RuntimeError: injected failure; aborting the job"]
+    assert failure_summary(watch, waited + failed) == ("rank 1 (stage 1, replica 0) reported the failure first "
+                                                       "(its message is above)")
     watch.ended = []
     hydra = ["=   PID 102 RUNNING AT node7"]
     (tmp_path / "rank1.pid").write_text("102 rank 1 (stage 1, replica 0)")
