@@ -32,7 +32,7 @@ def needed_host_bytes(cfg, processes: int, devices_on_host: bool) -> dict[str, f
     need = {"batch": float(processes) * cfg.train.global_batch * (cfg.data.seq_len + 1) * 4}
     if devices_on_host:
         state = model_state_bytes(cfg.model.param_count(), compute_dtype=cfg.precision.compute_dtype)
-        need["model_state"] = float(cfg.parallel.data) * (sum(state["device"].values()) + sum(state["host"].values()))
+        need["model_state"] = float(cfg.parallel.data) * (state["device_total"] + state["host_total"])
     return need
 
 

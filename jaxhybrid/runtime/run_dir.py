@@ -17,6 +17,7 @@ from jaxhybrid.runtime.checkpoint.store import committed_steps, saved_meta
 from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.runtime.data import Sampler
 from jaxhybrid.runtime.data.splits import open_dataset
+from jaxhybrid.runtime.metrics.tb_events import EVENTS_PREFIX
 
 
 def saved_config(run_dir: str | Path):
@@ -163,7 +164,7 @@ def earlier_records(run_dir: Path) -> list[str]:
     if metrics.is_file() and metrics.stat().st_size:
         with open(metrics, "rb") as f:
             out.append(f"metrics.jsonl of {sum(1 for _ in f)} steps")
-    events = sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    events = sorted((run_dir / "tensorboard").glob(EVENTS_PREFIX + "*"))
     if events:
         out.append(f"{len(events)} TensorBoard event file{'s' if len(events) > 1 else ''}")
     return out

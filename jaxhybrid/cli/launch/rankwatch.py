@@ -179,10 +179,14 @@ def evidence(line: str) -> bool:
     return "RUNNING AT" in line or "Abort(" in line or TIMED_OUT in line or line.startswith("jaxhybrid")
 
 
+def _own_reports(output_lines: list[str]) -> list[tuple[int, str, str]]:
+    """``(rank, who, line)`` of each rank's own failure report, in the order of the reports."""
+    return [(int(m.group(2)), m.group(1), line) for line in output_lines for m in [_OWN_REPORT.search(line)] if m]
+
+
 def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
     """``(rank, who)`` of the ranks that reported their own failure, in the order of their reports."""
-    found = [m for line in output_lines for m in [_OWN_REPORT.search(line)] if m]
-    return [(int(m.group(2)), m.group(1)) for m in found]
+    return [(rank, who) for rank, who, _ in _own_reports(output_lines)]
 
 
 def bystanders(output_lines: list[str]) -> set[int]:
@@ -205,11 +209,10 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
        their topology leave no PID file to watch, and those that fail later with such an error exit
        through Python's exit handlers, leaving the normal-exit marker before mpi4py aborts;
     5. hydra's ``APPLICATION TIMED OUT`` line: no rank failed, the job outlived ``MPIEXEC_TIMEOUT``."""
-    own = reporters(output_lines)
+    own = _own_reports(output_lines)
     if own:
-        lines = [line for line in output_lines if _OWN_REPORT.search(line)]
-        failed = [who for (_, who), line in zip(own, lines) if " failed" in line.split(who, 1)[1][:8]]
-        waits = [(m.group(1), who) for (_, who), line in zip(own, lines) for m in [_WAITED_FOR.search(line)]
+        failed = [who for _, who, line in own if " failed" in line.split(who, 1)[1][:8]]
+        waits = [(m.group(1), who) for _, who, line in own for m in [_WAITED_FOR.search(line)]
                  if m and m.group(1) != who]
         if waits and not failed:  # a stuck rank: its peers' watchdogs name it; it may not report at all
             return (f"{waits[0][0]} made no progress: {waits[0][1]} waited for it past its watchdog deadline "

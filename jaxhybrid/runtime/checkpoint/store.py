@@ -271,9 +271,10 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's read errors in a bare Exception)
-            if read_error(e) is None:
+            why = read_error(e)
+            if why is None:
                 raise
-            raise unreadable(read_error(e)) from None
+            raise unreadable(why) from None
         bad = digest.mismatches(out["state"], out["meta"])
         if bad:
             raise unreadable(f"its contents differ from the digests saved with it: {'; '.join(bad[:3])}"

@@ -17,6 +17,9 @@ def tb_tag(key: str) -> str:
     return f"train/{key}"
 
 
+EVENTS_PREFIX = "events.out.tfevents."  # TensorBoard finds event files by this prefix
+
+
 class EventFile:
     """A TensorBoard event file written in the caller's thread: a step's scalars are one record of the file
     when :meth:`scalars` returns, and :meth:`flush` hands them to the OS (as ``metrics.jsonl``'s flush; no
@@ -37,7 +40,7 @@ class EventFile:
 
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        base = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        base = f"{EVENTS_PREFIX}{int(time.time())}.{socket.gethostname()}"
         for n in itertools.count():
             self.path = logdir / (f"{base}.{n}" if n else base)
             try:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from jaxhybrid.runtime.metrics.tb_events import EventFile, tb_tag
+from jaxhybrid.runtime.metrics.tb_events import EVENTS_PREFIX, EventFile, tb_tag
 
 
 def finite_or_none(x: Any) -> Any:
@@ -67,7 +67,7 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             if not self.start_step:  # a new run (run.overwrite): an earlier run's events would mix with its own
-                for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
+                for old in (self.run_dir / "tensorboard").glob(EVENTS_PREFIX + "*"):
                     old.unlink()
             # purge_step hides events of steps after the resume point left by an interrupted run.
             self._tb = EventFile(self.run_dir / "tensorboard",

@@ -5,6 +5,7 @@ float32), token ids beyond the model's vocabulary and two jobs on one run direct
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -85,7 +86,9 @@ def _truncate_largest(step):
     return big
 
 
-@pytest.mark.parametrize("damage, said", [(_damage_largest, "its contents differ from the digests saved with it"),
+# Damaged bytes are caught by the digests, or first by tensorstore where they break a compressed chunk.
+@pytest.mark.parametrize("damage, said", [(_damage_largest, r"its contents differ from the digests saved with it|"
+                                                            r"FAILED_PRECONDITION: Error reading"),
                                           (_truncate_largest, "OUT_OF_RANGE")], ids=["bytes", "truncated"])
 def test_export_of_a_damaged_step_is_one_line(saved, tmp_path, capsys, damage, said):
     """Export read damaged bytes without a word and exported the garbage; a truncated file printed
@@ -96,7 +99,7 @@ def test_export_of_a_damaged_step_is_one_line(saved, tmp_path, capsys, damage, s
     assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxhybrid export: error: {run / 'checkpoints' / 'rank_0' / '4' / 'state'} holds no "
-                          f"readable checkpoint (") and said in err and err.count("\n") == 1, err
+                          f"readable checkpoint (") and re.search(said, err) and err.count("\n") == 1, err
     assert "TensorStore" not in err and not (tmp_path / "out").exists()
     assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out2"), "--step", "2"]) == 0
 
