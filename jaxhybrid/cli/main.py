@@ -15,6 +15,7 @@ import sys
 
 from jaxhybrid.core import __version__
 from jaxhybrid.core.argtypes import DefaultsHelp
+from jaxhybrid.core.errors import is_disk_full
 from jaxhybrid.core.launch_env import bind_rank_cpus
 from jaxhybrid.runtime.host_alloc import configure_host_malloc
 
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         args._prepare(args)  # e.g. the fake CPU devices a benchmark needs, which the malloc tuning reads
         configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/runtime/host_alloc.py)
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and not is_disk_full(e):
+            raise
         watchdog = sys.modules.get("jaxhybrid.parallel.pipeline.watchdog")  # loaded once a rank joins an MPI job
         if watchdog is not None:
             watchdog.report_if_in_job(e)  # a rank's failure mid-job: named, with its traceback, then abort

@@ -111,7 +111,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     prints once instead of once per rank. Returns the MPI ranks of the pipeline/data grid (1 under
     ``--distributed``, whose processes are one JAX mesh)."""
     from jaxhybrid.runtime.checkpoint.export import check_init_from
-    from jaxhybrid.runtime.memory_check import check_host_memory
+    from jaxhybrid.runtime.memory_check import check_checkpoint_disk, check_host_memory
     from jaxhybrid.runtime.run_dir import check_run_dir
 
     check_distributed(cfg, args)
@@ -123,6 +123,7 @@ def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
     check_compilation_cache(cfg)
     check_mpi4jax(cfg, world)
     check_host_memory(cfg, processes, devices_on_host=accelerator_backend(os.environ) is None)
+    check_checkpoint_disk(cfg, world)
     return world
 
 
@@ -200,9 +201,13 @@ def run(args: argparse.Namespace) -> int:
             import jax
 
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
+    import jax
+
+    from jaxhybrid.runtime.memory_check import check_device_memory
     from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer
 
+    check_device_memory(cfg, jax.local_devices()[0])  # the backend is up (its devices chosen), nothing built yet
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer

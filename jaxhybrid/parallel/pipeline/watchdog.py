@@ -17,6 +17,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from jaxhybrid.core.errors import is_disk_full
+
 # Seconds between writing a failure's report and MPI_Abort. Why: the abort makes mpiexec's proxies kill
 # every process and stop, and a report still in the pipe to this rank's proxy could be lost (the job
 # ended, but no line named the failing process).
@@ -39,7 +41,9 @@ def install_abort_on_exception(who: str, comm: Any = None) -> None:
     """Make any uncaught exception (main or other threads) abort the whole MPI job, naming ``who``."""
 
     def report(exc_type, exc, tb) -> None:
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        # A full disk is no bug to trace: its line names the folder and the bytes, and the peers' failing
+        # writes would repeat it.
+        text = "" if is_disk_full(exc) else "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"{text}jaxhybrid: {who} failed: {exc_type.__name__}: {exc}; aborting the job\n")
         _abort(comm, 1)
 

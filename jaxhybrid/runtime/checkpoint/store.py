@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxhybrid.core.errors import ConfigError
+from jaxhybrid.core.errors import ConfigError, DiskFull, is_disk_full
 from jaxhybrid.optim.updater import spans_processes
 from jaxhybrid.runtime.checkpoint import digest
+from jaxhybrid.runtime.memory_check import free_disk_bytes, size_text
 
 
 def _to_host(tree):
@@ -41,6 +43,13 @@ def _abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     x = np.asarray(x)
     return np.zeros((), x.dtype) if x.ndim == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _bytes_written(x) -> int:
+    """The bytes this process writes of one leaf: its own shards of an array spanning processes."""
+    if isinstance(x, jax.Array) and spans_processes(x):
+        return sum(int(sh.data.nbytes) for sh in x.addressable_shards if sh.replica_id == 0)
+    return int(np.asarray(x).nbytes)
 
 
 class UnreadableCheckpoint(ValueError):
@@ -161,6 +170,30 @@ def committed_steps(run_dir: str | Path) -> dict[str, list[int]]:
     return out
 
 
+class _DropDiskFull(logging.Filter):
+    """Drops the records of a write that found the disk full: orbax's writer threads and asyncio log each
+    with its traceback, hundreds of lines that hid the one :class:`DiskFull` line that matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (is_disk_full(record.exc_info[1] if record.exc_info else None)
+                    or is_disk_full(ValueError(record.getMessage())))
+
+
+_DROP_DISK_FULL = _DropDiskFull()
+
+
+def _drop_closed_loop_reports() -> None:
+    """From now on, drop the "Event loop is closed" errors that the writes of a failed save report as
+    unraisable (each with its traceback); every other unraisable error is reported as before."""
+    hook = sys.unraisablehook
+
+    def quiet(u) -> None:
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            hook(u)
+
+    sys.unraisablehook = quiet
+
+
 class Checkpointer:
     """Saves ``{"state": pytree, "meta": json}`` per step for this rank, keeping ``keep`` steps (see
     :meth:`rotate`)."""
@@ -175,6 +208,8 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.dir, options=opts)
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_DROP_DISK_FULL)  # a filter object is added once however often
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -191,10 +226,30 @@ class Checkpointer:
         # those spanning other processes, which orbax writes shard by shard from every process.
         host = _to_host(state)
         meta = digest.record(host, {**meta, "finite": bool(finite)})
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
-                                                         meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        need = sum(_bytes_written(x) for x in jax.tree.leaves(host))
+        free = free_disk_bytes(self.dir)
+        if free is not None and need > free:  # refused before a byte is written: nothing half-saved to clean up
+            raise self._disk_full(step, f"its arrays need {size_text(need)} and the disk has {size_text(free)} free")
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
+                                                             meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's write errors in a bare Exception)
+            if not is_disk_full(e):
+                raise
+            # Other ranks' saves can fill a disk shared with them after the check above. The writes still in
+            # flight then call back into orbax's closed event loop, each reported with a traceback.
+            _drop_closed_loop_reports()
+            for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._disk_full(step, f"the disk filled up while writing its {size_text(need)} "
+                                        f"({size_text(free_disk_bytes(self.dir) or 0)} free now)") from None
         self.rotate()
+
+    def _disk_full(self, step: int, why: str) -> DiskFull:
+        kept = self.steps()
+        return DiskFull(f"cannot save step {step} in {self.dir}: {why}; free some space or set run.dir on a larger "
+                        f"disk, then resume ({f'the steps saved before, {kept}, are kept' if kept else 'no step was saved before'})")
 
     def _finite(self, step: int) -> bool:
         """Whether ``step`` was saved after a finite training step (steps saved before this was recorded: yes)."""

@@ -351,3 +351,102 @@ def test_sizes_that_cannot_fit_are_refused_before_anything_is_built(tmp_path, ca
     assert err.startswith("jaxhybrid train: error: this job needs at least ") and named in err, err
     assert " GiB is available; use a smaller model or batch" in err and err.count("\n") == 1
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_device_too_small_for_the_model_state_is_refused_naming_both(tmp_path, capsys, monkeypatch):
+    """On an accelerator, the model state that must fit on each device is set against the memory XLA may use
+    there, once the backend is up and before the model is built (the CPU's is host memory, checked above)."""
+    from jaxhybrid.runtime import memory_check
+
+    class Device:
+        platform, device_kind, id = "gpu", "NVIDIA H200", 0
+
+        def memory_stats(self):
+            return {"bytes_limit": 8 << 30}
+
+    cfg = _cfg(tmp_path / "run", "model.d_model=8192", "model.n_layers=48", "precision.compute_dtype=bfloat16")
+    with pytest.raises(ConfigError) as e:
+        memory_check.check_device_memory(cfg, Device())
+    assert re.fullmatch(r"this job needs at least [\d,.]+ GiB on each device \([\d,]+ parameters over "
+                        r"parallel.pipeline=1 x 1 tensor ranks, .*\) but NVIDIA H200 0 has 8.00 GiB for XLA; use .*"
+                        r"optim.offload=true", str(e.value)), e.value
+    memory_check.check_device_memory(_cfg(tmp_path / "run"), Device())  # a tiny model fits
+    assert memory_check.device_capacity(jax.devices()[0]) is None  # the CPU: host memory, checked before
+
+    monkeypatch.setattr(memory_check, "device_capacity", lambda device: 1 << 20)  # the train command calls it
+    assert _train(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxhybrid train: error: this job needs at least ") and err.count("\n") == 1, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# -- a full disk -----------------------------------------------------------------------------------------
+
+def test_a_checkpoint_larger_than_the_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from jaxhybrid.runtime import memory_check
+
+    monkeypatch.setattr(memory_check, "free_disk_bytes", lambda path: 1 << 20)
+    assert _train(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"jaxhybrid train: error: a checkpoint of this job needs at least [\d.]+ MiB \([\d,]+ "
+                        r"parameters x 12 bytes: .*\) but the disk holding run.dir=\S+ has 1.0 MiB free; free some "
+                        r"space or set run.dir on a larger disk\n", err), err
+    assert _train(tmp_path, "checkpoint.at_end=false") == 0  # a run that saves nothing needs no room for it
+
+
+def test_a_disk_full_at_a_save_is_one_line_and_keeps_the_steps_before(tmp_path, capsys, monkeypatch):
+    """The disk fills up between two saves: the second is refused before it writes a byte, naming the bytes it
+    needs, those free and the steps kept; the step saved before still resumes."""
+    from jaxhybrid.runtime.checkpoint import store
+
+    free = iter([1 << 40, 1 << 10])  # room for step 2, not for step 4
+    monkeypatch.setattr(store, "free_disk_bytes", lambda path: next(free))
+    assert _train(tmp_path, "train.steps=4", "checkpoint.every=2") == 2
+    err = capsys.readouterr().err.splitlines(keepends=True)[-1]  # after the run's start-up lines
+    assert re.fullmatch(r"jaxhybrid train: error: cannot save step 4 in \S+/rank_0: its arrays need [\d.]+ MiB and "
+                        r"the disk has 0.0 MiB free; free some space or set run.dir on a larger disk, then resume "
+                        r"\(the steps saved before, \[2\], are kept\)\n", err), err
+    assert committed_steps(tmp_path / "run") == {"rank_0": [2]}
+    assert not list((tmp_path / "run" / "checkpoints" / "rank_0").glob("4*"))
+
+
+def test_a_disk_that_fills_up_during_a_save_is_one_line_and_leaves_no_partial_step(tmp_path, capfd, monkeypatch):
+    """Other writers (a peer rank's save, another job) can fill the disk after the check: tensorstore's write
+    error, which orbax wraps without its errno and logs from every writer thread, becomes one line, and the
+    half-written step folder is removed."""
+    import logging
+
+    ckpt = Checkpointer(tmp_path / "run")
+    ckpt.save(1, STEP, {"step": 1})
+
+    def fill_up(step, args):
+        (ckpt.dir / f"{step}.orbax-checkpoint-tmp-0").mkdir()
+        logging.getLogger("absl").error("_SignalingThread.run() raised an exception: RESOURCE_EXHAUSTED: Failed "
+                                        "to write 4096 bytes: No space left on device [os_error_code='28']")
+        raise Exception("writing the state failed") from ValueError(  # noqa: TRY002 (as orbax raises it)
+            "RESOURCE_EXHAUSTED: Error writing \"a/0\" in OCDBT database: No space left on device [os_error_code='28']")
+
+    monkeypatch.setattr(ckpt.manager, "save", fill_up)
+    with pytest.raises(OSError) as e:
+        ckpt.save(2, STEP, {"step": 2})
+    assert re.fullmatch(r"cannot save step 2 in \S+: the disk filled up while writing its [\d.]+ MiB \([\d,.]+ [MG]iB "
+                        r"free now\); free some space or set run.dir on a larger disk, then resume \(the steps saved "
+                        r"before, \[1\], are kept\)", str(e.value)), e.value
+    assert "No space left" not in capfd.readouterr().err  # orbax's record of it is dropped
+    assert [p.name for p in ckpt.dir.iterdir()] == ["1"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_real_small_disk_ends_the_run_with_one_line(tmp_path, capfd):
+    """On a 1 MiB tmpfs: the tiny model's checkpoint (a few MiB) does not fit, and the run says so before training
+    (the fakes above cover the saves; this is the same on a real filesystem, where the machine allows a mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("this machine refuses to mount a tmpfs")
+    try:
+        rc = main(["train"] + [a for kv in FAST + [f"run.dir={disk / 'run'}"] for a in ("--set", kv)])
+        err = capfd.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "MiB free; free some space" in err, err
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
