@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         args._prepare(args)  # e.g. the fake CPU devices a benchmark needs, which the malloc tuning reads
         configure_host_malloc()  # before JAX's CPU client starts its threads (jaxhybrid/runtime/host_alloc.py)
         return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # `jaxhybrid plan ... | head`: the reader left. Python's documented recipe: point stdout at devnull
+        # so the interpreter's final flush raises nothing either, and exit 1 without a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, OSError) as e:
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and not is_disk_full(e):
             raise
@@ -96,11 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"jaxhybrid {argv[0]}: interrupted\n")  # what was kept is said where it was kept
         return 130  # 128 + SIGINT, the shell's convention
-    except BrokenPipeError:
-        # `jaxhybrid plan ... | head`: the reader left. Python's documented recipe: point stdout at devnull
-        # so the interpreter's final flush raises nothing either, and exit 1 without a traceback.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 if __name__ == "__main__":
