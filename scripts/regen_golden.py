@@ -29,6 +29,11 @@ GOLDEN_CASES = {
                         {"stage_costs": [(1, 2), (2, 3), (1, 1), (3, 4), (1, 2)], "period": 8}),
     "myelin_p4_m8": ("myelin", 4, 8, False, {}),
     "myelin_p4_m8_2bp_limit2": ("myelin", 4, 8, True, {"pipeline_limit": 2}),
+    # virtual stages: ``stages`` is the ranks, the tables name the logical stages
+    "interleaved-1f1b_p4_v2_m8": ("interleaved-1f1b", 4, 8, False, {"virtual_stages": 2}),
+    "interleaved-1f1b_p4_v2_m8_2bp": ("interleaved-1f1b", 4, 8, True, {"virtual_stages": 2}),
+    "zb-v_p4_m8": ("zb-v", 4, 8, True, {"virtual_stages": 2, "placement": "v"}),
+    "gpipe_p2_v2_m4": ("gpipe", 2, 4, False, {"virtual_stages": 2}),
 }
 
 

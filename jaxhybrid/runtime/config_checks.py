@@ -101,10 +101,12 @@ def _cross_field_errors(cfg: Config) -> list[str]:
 
     try:
         make_schedule(pl.schedule, p.pipeline, pl.microbatches, split_backward=pl.split_backward,
-                      pipeline_limit=pl.pipeline_limit)
+                      pipeline_limit=pl.pipeline_limit, virtual_stages=pl.virtual_stages, placement=pl.placement)
     except ValueError as e:
+        chunks = (f", pipeline.virtual_stages={pl.virtual_stages}, pipeline.placement={pl.placement!r}"
+                  if (pl.virtual_stages, pl.placement) != (1, "loop") else "")
         errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
-                      f"pipeline.microbatches={pl.microbatches}: {e}")
+                      f"pipeline.microbatches={pl.microbatches}{chunks}: {e}")
     else:
         if pl.schedule != pl.schedule.lower():  # make_schedule reads any case; the rules below and the planner do not
             errors.append(f"pipeline.schedule={pl.schedule!r}: schedule names are lower case; use "
@@ -115,11 +117,12 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         errors.append(f"pipeline.pipeline_limit={pl.pipeline_limit} is read only by pipeline.schedule='myelin' "
                       f"(Myelin Alg. 2's microbatches in flight); pipeline.schedule={pl.schedule!r} runs a fixed "
                       f"order and would ignore it: set pipeline.pipeline_limit=0 or pipeline.schedule=myelin")
-    if pl.schedule == "zb-h1" and not pl.split_backward and p.pipeline > 1:
-        # ZB-H1 is made of the split passes (its weight passes fill the bubbles): it runs them either way,
-        # so a false here would be ignored without a word, and the planner scores zb-h1 as split.
-        errors.append("pipeline.schedule='zb-h1' always splits the backward into input and weight passes; "
-                      "set pipeline.split_backward=true (or choose 1f1b without the split)")
+    if pl.schedule in ("zb-h1", "zb-v") and not pl.split_backward and (p.pipeline > 1 or pl.schedule == "zb-v"):
+        # ZB-H1 and ZB-V are made of the split passes (their weight passes fill the bubbles): they run them
+        # either way, so a false here would be ignored without a word, and the planner scores zb-h1 as split.
+        other = "1f1b" if pl.schedule == "zb-h1" else "interleaved-1f1b"
+        errors.append(f"pipeline.schedule={pl.schedule!r} always splits the backward into input and weight passes; "
+                      f"set pipeline.split_backward=true (or choose {other} without the split)")
     if pl.transport not in ("mpi4jax", "mpi4py"):
         errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
     if pl.dispatch not in ("auto", "async", "sync"):
@@ -129,11 +132,18 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if p.mesh_data and p.pipeline > 1:
         errors.append(f"parallel.mesh_data=true with parallel.pipeline={p.pipeline}: a pipeline's data replicas "
                       f"are MPI ranks; set mesh_data=false, or pipeline=1 for one mesh")
+    v = pl.virtual_stages
     if p.pipeline > m.n_layers:
         errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
+    elif p.pipeline * v > m.n_layers:  # every stage (chunk) needs at least one block
+        errors.append(f"parallel.pipeline={p.pipeline} x pipeline.virtual_stages={v} = {p.pipeline * v} stages "
+                      f"exceed model.n_layers={m.n_layers} blocks; every stage needs one: use at most "
+                      f"{m.n_layers // p.pipeline} virtual stages")
     if p.partition:
-        if len(p.partition) != p.pipeline or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
-            errors.append(f"parallel.partition={list(p.partition)} must have parallel.pipeline={p.pipeline} "
+        count = (f"parallel.pipeline={p.pipeline}" if v == 1 else
+                 f"parallel.pipeline={p.pipeline} x pipeline.virtual_stages={v} = {p.pipeline * v} (one per stage)")
+        if len(p.partition) != p.pipeline * v or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
+            errors.append(f"parallel.partition={list(p.partition)} must have {count} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
     o = cfg.optim
     if o.allreduce_coarsening != 1 and not o.offload:
@@ -174,26 +184,28 @@ def _cross_field_errors(cfg: Config) -> list[str]:
 
 def _interval_errors(cfg: Config) -> list[str]:
     """Myelin V-A: an explicit ``train.checkpoint_interval`` (ac) must divide the blocks of every stage
-    (N / G_inter; with ``parallel.partition`` or an uneven split, each stage's count), so that every
-    recomputed segment holds ac blocks: a stage would otherwise clamp it or end in a shorter segment."""
+    (N / G_inter, N / (G_inter x v) with virtual stages; with ``parallel.partition`` or an uneven split, each
+    stage's count), so that every recomputed segment holds ac blocks: a stage would otherwise clamp it or end
+    in a shorter segment."""
     from math import gcd
 
-    p, ac, n = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers
-    try:
-        counts = [hi - lo for lo, hi in partition_blocks(n, p.pipeline, p.partition)]
+    p, ac, n, v = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers, cfg.pipeline.virtual_stages
+    named = f"parallel.pipeline={p.pipeline}" + (f" x pipeline.virtual_stages={v}" if v > 1 else "")
+    try:  # with virtual stages every one of the pipeline x v stages holds its own blocks
+        counts = [hi - lo for lo, hi in partition_blocks(n, p.pipeline * v, p.partition)]
     except ConfigError:  # more stages than blocks, or a bad partition: their own rules above say so
         return []
     if all(c % ac == 0 for c in counts):
         return []
     g = reduce(gcd, counts)
     factors = ", ".join(str(f) for f in range(1, g + 1) if g % f == 0)
-    if p.pipeline == 1:
+    if len(counts) == 1:
         where = f"model.n_layers={n} blocks of the one stage (parallel.pipeline=1)"
     elif len(set(counts)) == 1:
-        where = f"model.n_layers={n} / parallel.pipeline={p.pipeline} = {counts[0]} blocks per stage"
+        where = f"model.n_layers={n} / {named} = {counts[0]} blocks per stage"
     else:
         source = f"parallel.partition={list(p.partition)}" if p.partition else \
-            f"model.n_layers={n} split over parallel.pipeline={p.pipeline}"
+            f"model.n_layers={n} split over {named}"
         where = f"stages of {counts} blocks ({source})"
     return [f"train.checkpoint_interval={ac} does not divide the {where}: Myelin's ac (Sec. V-A) must be a "
             f"factor of every stage's blocks; use {'one of ' if g > 1 else ''}{factors}, or 0 for Myelin's "

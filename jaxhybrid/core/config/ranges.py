@@ -34,8 +34,8 @@ def _in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True) ->
 
 _COUNTS = ("train.steps", "train.global_batch", "train.eval_batches", "train.log_every", "data.seq_len",
            "parallel.pipeline", "parallel.data", "parallel.tensor_col", "parallel.tensor_row",
-           "parallel.tensor_depth", "pipeline.microbatches", "optim.allreduce_coarsening",
-           "precision.loss_scale_window")
+           "parallel.tensor_depth", "pipeline.microbatches", "pipeline.virtual_stages",
+           "optim.allreduce_coarsening", "precision.loss_scale_window")
 
 # (dotted key, predicate, what the value must be). A predicate that is False (NaN included) is an error.
 # Where 0 is allowed because it means something, the phrase says what, so the user sees it is not a typo.
@@ -63,7 +63,7 @@ RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("optim.bucket_size", *_gt(0)),
     # inf overflows every step, and halving keeps it inf: every update would be skipped without an error.
     ("precision.loss_scale_init", *_gt(0, finite=True)),
-    ("pipeline.pipeline_limit", *_ge(0, " (0 = the number of stages)")),
+    ("pipeline.pipeline_limit", *_ge(0, " (0 = parallel.pipeline, the ranks)")),
     ("pipeline.watchdog_s", *_gt(0)),
     ("pipeline.watchdog_compile_s", *_gt(0)),
     ("checkpoint.every", *_ge(0, " (0 = only at the end)")),

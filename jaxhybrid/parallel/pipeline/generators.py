@@ -1,33 +1,59 @@
 """Static per-rank task orders of the classic schedules (one logical stage per rank, stage ``s`` on rank
-``s``). Backward tasks are written with the kind given (``B`` fused, or ``BI`` for 2BP, whose ``BW`` are
-placed later by :class:`~jaxhybrid.parallel.pipeline.policies.FillPolicy`), except ZB-H1 which places its own BWs.
+``s``) and of the schedules over several stages per rank (``stage_to_rank`` given: naive, GPipe and
+Megatron-LM's interleaved 1F1B). Backward tasks are written with the kind given (``B`` fused, or ``BI`` for
+2BP, whose ``BW`` are placed later by :class:`~jaxhybrid.parallel.pipeline.policies.FillPolicy`), except ZB-H1
+which places its own BWs.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxhybrid.parallel.pipeline.tasks import Kind, Task, task
 
 Rows = list[list[Task]]
 
 
-def naive_rows(stages: int, microbatches: int, back: Kind) -> Rows:
+def rank_stages(stage_to_rank: Sequence[int]) -> list[list[int]]:
+    """The stages of each rank, lowest first (its chunks in order, for either placement)."""
+    out: list[list[int]] = [[] for _ in range(max(stage_to_rank) + 1)]
+    for s, r in enumerate(stage_to_rank):
+        out[r].append(s)
+    return out
+
+
+def naive_rows(stages: int, microbatches: int, back: Kind, stage_to_rank: Sequence[int] | None = None) -> Rows:
     """2BP's naive schedule: no overlap between microbatches.
 
     Each microbatch goes forward through all stages and back before the next one starts (with one
     microbatch this is exactly 2BP's "no micro-batches" baseline of Table 1; more microbatches are
     gradient accumulation: the fused bubble ratio stays (N-1)/N, while with 2BP a rank runs BW k while
-    microbatch k+1 travels, so the makespan is 2NM + 1 units instead of M(2N + 1)).
+    microbatch k+1 travels, so the makespan is 2NM + 1 units instead of M(2N + 1)). With several stages
+    per rank (``stage_to_rank``), a rank runs its stages' forwards upwards and their backwards downwards.
     """
-    return [[t for m in range(microbatches) for t in (task("F", m, s), task(back, m, s))]
-            for s in range(stages)]
+    owned = rank_stages(stage_to_rank or range(stages))
+    return [[t for m in range(microbatches) for t in [task("F", m, s) for s in mine]
+             + [task(back, m, s) for s in reversed(mine)]] for mine in owned]
 
 
-def gpipe_rows(stages: int, microbatches: int, back: Kind) -> Rows:
-    """GPipe: all forwards, then all backwards in microbatch order (2BP Fig. 1)."""
-    return [[task("F", m, s) for m in range(microbatches)] + [task(back, m, s) for m in range(microbatches)]
-            for s in range(stages)]
+def gpipe_rows(stages: int, microbatches: int, back: Kind, stage_to_rank: Sequence[int] | None = None) -> Rows:
+    """GPipe: all forwards, then all backwards in microbatch order (2BP Fig. 1). With several stages per
+    rank (``stage_to_rank``), the forwards go stage by stage upwards and the backwards downwards: a
+    rank's later stage needs the same microbatch's way through the other ranks first."""
+    owned = rank_stages(stage_to_rank or range(stages))
+    return [[task("F", m, s) for s in mine for m in range(microbatches)]
+            + [task(back, m, s) for s in reversed(mine) for m in range(microbatches)] for mine in owned]
+
+
+def _warmup_then_pairs(total: int, warmup: int, forward: Callable[[int], Task],
+                       backward: Callable[[int], Task]) -> list[Task]:
+    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards (1F1B's three phases
+    over ``total`` forwards and backwards, numbered in their order)."""
+    w = min(warmup, total)
+    row = [forward(k) for k in range(w)]
+    for i in range(total - w):
+        row += [forward(w + i), backward(i)]
+    return row + [backward(k) for k in range(total - w, total)]
 
 
 def one_f_one_b_row(stage: int, microbatches: int, warmup: int, back: Kind) -> list[Task]:
@@ -36,12 +62,7 @@ def one_f_one_b_row(stage: int, microbatches: int, warmup: int, back: Kind) -> l
     With ``warmup = g - 1`` this is also the order of MadPipe's periodic 1F1B* pattern on a stage of
     group ``g`` (Sec. 4.1: F on microbatch ``i`` is followed by B on microbatch ``i - g + 1``).
     """
-    w = min(warmup, microbatches)
-    row = [task("F", m, stage) for m in range(w)]
-    for i in range(microbatches - w):
-        row += [task("F", w + i, stage), task(back, i, stage)]
-    row += [task(back, m, stage) for m in range(microbatches - w, microbatches)]
-    return row
+    return _warmup_then_pairs(microbatches, warmup, lambda m: task("F", m, stage), lambda m: task(back, m, stage))
 
 
 def one_f_one_b_rows(stages: int, microbatches: int, back: Kind) -> Rows:
@@ -69,6 +90,31 @@ def zb_h1_rows(stages: int, microbatches: int) -> Rows:
                     done_bw += 1
         row += [task("BW", m, s) for m in range(done_bw, microbatches)]
         rows.append(row)
+    return rows
+
+
+def interleaved_1f1b_rows(ranks: int, chunks: int, microbatches: int, back: Kind) -> Rows:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al., SC'21, Sec. 2.2 and Fig. 4) with the loop placement:
+    rank ``r`` holds stages ``r, r + p, ..., r + (v-1) p`` (its chunks ``c = 0..v-1``).
+
+    Rank ``r`` runs ``v m`` "virtual microbatches" ``k``: forward ``k`` is chunk ``(k // p) % v`` of
+    microbatch ``(k // (p v)) p + k % p`` (a group of ``p`` microbatches through one chunk, then the next
+    chunk), backward ``k`` the same with the chunk reversed; ``(p - r - 1) 2 + (v - 1) p`` warm-up forwards
+    (Megatron's ``num_warmup_microbatches``: the factor 2 is the round trip back to this rank), then 1F1B,
+    then the remaining backwards. Needs ``m`` a multiple of ``p`` (the caller checks it). With ``v = 1``
+    the warm-up is plain 1F1B's ``p - r - 1`` and the rows are 1F1B's.
+    """
+    def unit(r: int, k: int, forward: bool) -> Task:
+        c = (k // ranks) % chunks
+        mb = (k // (ranks * chunks)) * ranks + k % ranks
+        stage = (c if forward else chunks - 1 - c) * ranks + r
+        return task("F", mb, stage) if forward else task(back, mb, stage)
+
+    rows = []
+    for r in range(ranks):
+        warmup = ranks - r - 1 if chunks == 1 else (ranks - r - 1) * 2 + (chunks - 1) * ranks
+        rows.append(_warmup_then_pairs(chunks * microbatches, warmup, lambda k, r=r: unit(r, k, True),
+                                       lambda k, r=r: unit(r, k, False)))
     return rows
 
 

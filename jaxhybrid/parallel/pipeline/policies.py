@@ -12,6 +12,9 @@ each of its backward passes (lines 24-26); the last stage runs its backward righ
 that arrive at the same instant go to the backward one (it frees memory), then to the lower microbatch.
 With 2BP its weight passes follow the engine (:mod:`~jaxhybrid.parallel.pipeline.message_driven`): one fills idle
 time, and one runs right after a BI that leaves ``weight_budget`` of them pending (the memory bound).
+
+ZB-V (Qi et al., zero-bubble pipelines with the V-shape placement): :class:`ZeroBubbleVPolicy` builds its rows by
+list scheduling under a cap on the activations each rank holds.
 """
 from __future__ import annotations
 
@@ -203,3 +206,73 @@ class MessageDrivenPolicy:
         if self.priority[rank]:
             return self.priority[rank][0]
         return next(iter(self.pool[rank].values()))[0] if self.pool[rank] else None
+
+
+class ZeroBubbleVPolicy:
+    """ZB-V's order by greedy list scheduling (Qi et al., "Pipeline Parallelism with Controllable Memory",
+    the V-shape building block: two chunks per rank, stages ``r`` and ``2p - 1 - r``, always split backward).
+
+    A free rank runs, by priority: a ready BI (it unblocks the ranks upstream), else a ready F if the chunk
+    activations it then holds stay within ``limit`` (a chunk's held from the start of its F to the end of its
+    BW, as the simulator counts them), else its oldest pending BW (fills the bubble, frees memory), else it
+    waits for the next message. Among ready tasks the lowest microbatch wins, then the later stage (the
+    microbatch nearer the loss). ``limit = 2p`` chunks is 1F1B's peak, ``p`` microbatches of a whole rank.
+
+    Args:
+      stage_to_rank: rank of each stage.
+      microbatches: microbatches per step.
+      limit: chunk activations a rank may hold.
+    """
+
+    def __init__(self, stage_to_rank, microbatches: int, limit: int):
+        ranks = max(stage_to_rank) + 1
+        self.limit, self.microbatches = limit, microbatches
+        self.stages = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
+        # A stage's F and BI become ready in microbatch order (its inputs do, by induction from stage 0, whose
+        # forwards are all ready and taken lowest first), so only each stage's next one is a candidate.
+        self.next = {(s, kind): 0 for s in range(len(stage_to_rank)) for kind in (Kind.F, Kind.BI)}
+        self.held = [0] * ranks
+        self.bw = _BWQueue(ranks)
+
+    @property
+    def order(self) -> list[list[Task]]:
+        return self.bw.order
+
+    def _ready(self, rank: int, kind: Kind, t: float, sim: Core) -> Task | None:
+        best = None
+        for s in self.stages[rank]:
+            m = self.next[s, kind]
+            if m >= self.microbatches or (best is not None and (best.microbatch, -best.stage) < (m, -s)):
+                continue
+            cand = task(kind, m, s)
+            ready = sim.ready_at(rank, cand)
+            if ready is not None and ready <= t:
+                best = cand
+        return best
+
+    def choose(self, rank: int, t: float, sim: Core) -> Task | None:
+        pick = self._ready(rank, Kind.BI, t, sim)
+        if pick is None and self.held[rank] < self.limit:
+            pick = self._ready(rank, Kind.F, t, sim)
+        if pick is not None:
+            self.next[pick.stage, pick.kind] += 1
+            if pick.kind is Kind.BI:
+                self.bw.add(rank, pick)
+            else:
+                self.held[rank] += 1
+            return self.bw.emit(rank, pick)
+        if self.bw.pending[rank]:
+            self.held[rank] -= 1  # freed when this BW ends; the rank decides nothing before then
+            return self.bw.emit(rank, self.bw.pop_single(rank))
+        return None
+
+    def _left(self, rank: int) -> list[Task]:
+        return [task(kind, m, s) for s in self.stages[rank] for kind in (Kind.F, Kind.BI)
+                for m in [self.next[s, kind]] if m < self.microbatches]
+
+    def done(self, rank: int) -> bool:
+        return not (self._left(rank) or self.bw.pending[rank])
+
+    def blocked(self, rank: int) -> Task | None:
+        left = self._left(rank)
+        return min(left, key=lambda t: (t.microbatch, -t.stage, t.kind is Kind.F)) if left else None

@@ -11,15 +11,25 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
 * ``1f1b-star``: MadPipe 1F1B* (Sec. 4.1) for a contiguous partition, from ``stage_costs=[(U_F, U_B),
   ...]`` (default: ``costs``' F and BI + BW) and ``period=T`` (default: the largest stage or link load; plain 1F1B
   when the stages are equal and messages free), or explicit ``groups``.
-* ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages) microbatches
-  in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
+* ``myelin``: Myelin Algorithm 2, message-driven with ``pipeline_limit`` (default: stages, the ranks)
+  microbatches in flight. The rows are the order the rule produces under ``costs`` (default unit costs); the
   engine and the simulator re-derive the order from arriving messages and treat the F/B/BI tasks of a
   row as the rank's work, placing BWs by the 2BP rule (with the engine's default ``weight_budget``,
   stages; ``simulate(..., weight_budget=...)`` for another).
+* ``interleaved-1f1b``: Megatron-LM's interleaved 1F1B (Narayanan et al., SC'21) over ``virtual_stages``
+  chunks per rank, loop placement; M must be a multiple of the ranks. With ``virtual_stages=1``, 1F1B.
+* ``zb-v``: zero-bubble V (Qi et al.): ``virtual_stages=2``, ``placement='v'``, always split backward; its
+  rows are a greedy list schedule under ``costs`` capped at 1F1B's peak activation memory.
+
+Virtual stages: ``stages`` is the number of pipeline RANKS p; with ``virtual_stages=v`` the model is cut
+into p x v logical stages (``costs`` has one entry per logical stage) and :func:`stage_placement` gives
+``stage_to_rank``: ``loop`` puts stage s on rank s % p (Megatron's interleaving), ``v`` (v = 2 only) puts
+stages r and 2p - 1 - r on rank r (ZB-V's V shape). ``naive``, ``gpipe`` and ``myelin`` run over any
+placement; ``1f1b``, ``1f1b-K``, ``zb-h1`` and ``1f1b-star`` are one stage per rank.
 
 ``split_backward=True`` applies 2BP: B becomes BI, and BWs run when a rank would otherwise idle (not
 for ``gpipe``, where 2BP delays them all, Sec. 3.2; override with ``fill_idle``), with those left after a
-rank's last BI joined into one BW per stage (2BP Fig. 2; how: ``pipeline.weight_join``). The placement is
+rank's last BI joined into one BW per stage (2BP Fig. 2; how: ``pipeline.weight_join``). Where BWs go is
 computed with ``costs`` (a :class:`~jaxhybrid.parallel.pipeline.costs.Costs`, default F = BI = BW = 1).
 ``memory_saving=True`` (2BP Fig. 5) also runs the pending BWs half-way (after BI number ceil(M/2) of each
 stage); ``bw_flush_every=K`` does so after every K-th BI.
@@ -31,11 +41,15 @@ import re
 
 from jaxhybrid.parallel.pipeline import generators as gen
 from jaxhybrid.parallel.pipeline.costs import Costs
-from jaxhybrid.parallel.pipeline.policies import FillPolicy, MessageDrivenPolicy
+from jaxhybrid.parallel.pipeline.policies import FillPolicy, MessageDrivenPolicy, ZeroBubbleVPolicy
 from jaxhybrid.parallel.pipeline.simcore import Core, describe_deadlock
 from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule
 
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "1f1b-1", "1f1b-2", "zb-h1", "1f1b-star", "myelin")
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "1f1b-1", "1f1b-2", "zb-h1", "1f1b-star", "myelin",
+                  "interleaved-1f1b", "zb-v")
+PLACEMENTS = ("loop", "v")
+# Schedules defined over several stages per rank; the others order one stage per rank.
+CHUNKED = ("naive", "gpipe", "myelin", "interleaved-1f1b", "zb-v")
 _COMMON = {"costs", "fill_idle", "memory_saving", "bw_flush_every"}
 _OPTS = {"1f1b-star": {"stage_costs", "period", "groups"}}
 
@@ -47,18 +61,67 @@ def _check_sizes(name: str, stages, microbatches) -> None:
         raise ValueError(f"schedule {name!r}: microbatches={microbatches!r} must be an integer >= 1")
 
 
+def _check_placement(virtual_stages, placement) -> None:
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages={virtual_stages!r} must be an integer >= 1 (stages per pipeline rank)")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}; choose one of {', '.join(PLACEMENTS)}")
+    if placement == "v" and virtual_stages != 2:
+        raise ValueError(f"placement='v' puts two stages on each rank (r and 2p-1-r); it needs virtual_stages=2, "
+                         f"got virtual_stages={virtual_stages}")
+
+
+def stage_placement(ranks: int, virtual_stages: int = 1, placement: str = "loop") -> tuple[int, ...]:
+    """``stage_to_rank`` of the ``ranks x virtual_stages`` logical stages of a pipeline.
+
+    ``loop`` (Narayanan et al., SC'21, Sec. 2.2, Megatron-LM's interleaving): rank ``r`` holds stages ``r, r + p,
+    r + 2p, ...``. ``v`` (Qi et al.'s ZB-V, ``virtual_stages=2``): rank ``r`` holds stages ``r`` and ``2p - 1 - r``,
+    so the first and the last stage share rank 0. Either way rank ``r``'s chunk ``c`` is its ``c``-th lowest stage.
+
+    Raises:
+      ValueError: ranks < 1, virtual_stages < 1, an unknown placement, ``v`` with virtual_stages != 2.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r} must be an integer >= 1")
+    _check_placement(virtual_stages, placement)
+    if placement == "v":
+        return tuple(range(ranks)) + tuple(reversed(range(ranks)))
+    return tuple(s % ranks for s in range(ranks * virtual_stages))
+
+
 def _k_of(name: str) -> int | None:
     m = re.fullmatch(r"1f1b-(\d+)", name)
     return int(m.group(1)) if m else None
 
 
+def _check_chunked(key: str, stages: int, microbatches: int, virtual_stages: int, placement: str) -> None:
+    """The rules of schedules over several stages per rank (see the module docstring)."""
+    if key == "zb-v" and (virtual_stages, placement) != (2, "v"):
+        raise ValueError(f"schedule 'zb-v' is the V shape: it needs virtual_stages=2 and placement='v', got "
+                         f"virtual_stages={virtual_stages}, placement={placement!r}")
+    if virtual_stages > 1 and key not in CHUNKED:
+        hint = "; use 'interleaved-1f1b'" if key.startswith("1f1b") else ""
+        raise ValueError(f"schedule {key!r} runs one stage per rank; it cannot run virtual_stages="
+                         f"{virtual_stages} (schedules over several stages per rank: {', '.join(CHUNKED)}){hint}")
+    if key == "interleaved-1f1b" and placement != "loop":
+        raise ValueError(f"schedule 'interleaved-1f1b' is Megatron-LM's loop placement; got placement={placement!r}")
+    if key == "interleaved-1f1b" and microbatches % stages:
+        raise ValueError(f"schedule 'interleaved-1f1b' needs microbatches a multiple of the pipeline ranks, got "
+                         f"microbatches={microbatches} with stages={stages}; use a multiple of {stages}")
+
+
 def make_schedule(name: str, stages: int, microbatches: int | None, split_backward: bool = False,
-                  pipeline_limit: int = 0, **opts) -> Schedule:
+                  pipeline_limit: int = 0, *, virtual_stages: int = 1, placement: str = "loop", **opts) -> Schedule:
     """Builds the named schedule; see the module docstring for names and options.
+
+    Args:
+      stages: pipeline ranks p; the schedule has ``stages x virtual_stages`` logical stages.
+      virtual_stages: stages per rank (chunks), v.
+      placement: ``loop`` or ``v``, see :func:`stage_placement`.
 
     Raises:
       ValueError: unknown name (listing the valid ones), stages < 1, microbatches < 1 or not fitting
-        the schedule, unknown options.
+        the schedule, virtual stages or a placement the schedule cannot run, unknown options.
     """
     key = str(name).lower()
     k = _k_of(key)
@@ -68,10 +131,12 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     if k is not None and microbatches is None and isinstance(stages, int):
         microbatches = k * stages
     _check_sizes(key, stages, microbatches)
+    _check_placement(virtual_stages, placement)
     unknown = set(opts) - _COMMON - _OPTS.get(key, set())
     if unknown:
         raise ValueError(f"schedule {key!r} got unknown options {sorted(unknown)}; valid: "
                          f"{sorted(_COMMON | _OPTS.get(key, set()))}")
+    _check_chunked(key, stages, microbatches, virtual_stages, placement)
     if k is not None and microbatches != k * stages:
         raise ValueError(f"schedule {key!r} is 2BP's 1F1B-{k}: microbatches must be {k} x stages = "
                          f"{k * stages}, got {microbatches}; set microbatches={k * stages} or use "
@@ -79,25 +144,32 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     if key == "zb-h1" and microbatches < stages:
         raise ValueError(f"schedule 'zb-h1' needs microbatches >= stages, got microbatches="
                          f"{microbatches} < stages={stages}; raise microbatches or use '1f1b'")
-    costs = opts.get("costs") or Costs.uniform(stages)
-    if costs.num_stages != stages:
-        raise ValueError(f"costs cover {costs.num_stages} stages, the schedule has {stages}")
-    identity = tuple(range(stages))
+    placed = stage_placement(stages, virtual_stages, placement)
+    costs = opts.get("costs") or Costs.uniform(len(placed))
+    if costs.num_stages != len(placed):
+        raise ValueError(f"costs cover {costs.num_stages} stages, the schedule has {len(placed)}"
+                         + (f" ({stages} ranks x {virtual_stages} virtual stages)" if virtual_stages > 1 else ""))
     back = Kind.BI if split_backward else Kind.B
-    if key in ("myelin", "zb-h1") and (opts.get("memory_saving") or opts.get("bw_flush_every")):
-        # Myelin's BWs follow the 2BP rule (weight_budget), zb-h1's its own table: ignored, the flag would
-        # give a result other than the one asked for.
+    if key in ("myelin", "zb-h1", "zb-v") and (opts.get("memory_saving") or opts.get("bw_flush_every")):
+        # Myelin's BWs follow the 2BP rule (weight_budget), zb-h1's and zb-v's their own: ignored, the flag
+        # would give a result other than the one asked for.
         raise ValueError(f"{key} places its own weight gradients; memory_saving/bw_flush_every apply "
-                         "to naive, gpipe, 1f1b and 1f1b-star with split_backward")
+                         "to naive, gpipe, 1f1b, 1f1b-star and interleaved-1f1b with split_backward")
     if key == "myelin":
-        return _myelin(stages, microbatches, split_backward, pipeline_limit, costs)
+        return _myelin(stages, microbatches, split_backward, pipeline_limit, costs, placed)
     if key == "zb-h1":
         rows = gen.zb_h1_rows(stages, microbatches)
-        return Schedule(key, _freeze(rows), identity, microbatches, True, "static", pipeline_limit)
+        return Schedule(key, _freeze(rows), placed, microbatches, True, "static", pipeline_limit)
+    if key == "zb-v":
+        # 1F1B's peak: p microbatches of a whole rank, i.e. 2p chunk activations.
+        rows = _run(ZeroBubbleVPolicy(placed, microbatches, virtual_stages * stages), placed, costs, key)
+        return Schedule(key, _freeze(rows), placed, microbatches, True, "static", pipeline_limit)
     if key == "naive":
-        rows = gen.naive_rows(stages, microbatches, back)
+        rows = gen.naive_rows(stages, microbatches, back, placed)
     elif key == "gpipe":
-        rows = gen.gpipe_rows(stages, microbatches, back)
+        rows = gen.gpipe_rows(stages, microbatches, back, placed)
+    elif key == "interleaved-1f1b":
+        rows = gen.interleaved_1f1b_rows(stages, virtual_stages, microbatches, back)
     elif key == "1f1b-star":
         rows = gen.one_f_one_b_star_rows(_star_groups(stages, opts, costs), microbatches, back)
     else:
@@ -108,10 +180,10 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
         if flush is not None and (not isinstance(flush, int) or flush < 1):
             raise ValueError(f"bw_flush_every={flush!r} must be an integer >= 1")
         fill = opts.get("fill_idle", key != "gpipe")
-        rows = _run(FillPolicy(rows, fill_idle=fill, flush_every=flush), identity, costs, key)
+        rows = _run(FillPolicy(rows, fill_idle=fill, flush_every=flush), placed, costs, key)
     elif opts.get("memory_saving") or opts.get("bw_flush_every"):
         raise ValueError("memory_saving / bw_flush_every need split_backward=True (2BP Fig. 5)")
-    return Schedule(key, _freeze(rows), identity, microbatches, split_backward, "static", pipeline_limit)
+    return Schedule(key, _freeze(rows), placed, microbatches, split_backward, "static", pipeline_limit)
 
 
 def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
@@ -130,19 +202,18 @@ def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
     return gen.madpipe_groups(stage_costs, float(period), links)
 
 
-def _myelin(stages, microbatches, split, pipeline_limit, costs) -> Schedule:
-    limit = pipeline_limit or stages  # Myelin V-A fixes pipeline_limit = G_inter
+def _myelin(stages, microbatches, split, pipeline_limit, costs, placed) -> Schedule:
+    limit = pipeline_limit or stages  # Myelin V-A fixes pipeline_limit = G_inter (the ranks)
     if limit < 1:
         raise ValueError(f"pipeline_limit={pipeline_limit} must be >= 1 (0 means: stages)")
     back = Kind.BI if split else Kind.B
-    pool = [[t for t in gen.gpipe_rows(stages, microbatches, back)[s]] for s in range(stages)]
-    identity = tuple(range(stages))
-    rows = _run(MessageDrivenPolicy(pool, identity, limit), identity, costs, "myelin")
-    return Schedule("myelin", _freeze(rows), identity, microbatches, split, "message-driven", limit)
+    pool = gen.gpipe_rows(stages, microbatches, back, placed)  # the rank's work; the rule orders it
+    rows = _run(MessageDrivenPolicy(pool, placed, limit), placed, costs, "myelin")
+    return Schedule("myelin", _freeze(rows), placed, microbatches, split, "message-driven", limit)
 
 
 def _run(policy, stage_to_rank, costs: Costs, name: str):
-    core = Core(stage_to_rank, len(stage_to_rank), costs)
+    core = Core(stage_to_rank, max(stage_to_rank) + 1, costs)
     stuck = core.run(policy)
     if stuck:  # a generator bug, never a user error; say so loudly
         raise RuntimeError(f"generator {name!r} deadlocked: {describe_deadlock(core, policy, stuck)}")

@@ -7,7 +7,8 @@ have arrived (:mod:`~jaxhybrid.parallel.pipeline.simcore`), or a message-driven 
 ratio is 2BP's: idle time over total runtime summed over all ranks, ``sum_r (makespan - busy_r) /
 (ranks x makespan)``. Memory (2BP Sec. 4.2): a microbatch is stashed on a stage from the start of its F
 until its B ends (fused) or its BW ends (2BP); bytes are ``activation_bytes`` from F until B/BI and
-``residual_bytes`` from BI until BW.
+``residual_bytes`` from BI until BW. A rank holding several stages (virtual stages) counts each of them:
+``peak_stashed`` is in (microbatch, stage) pairs, and ``peak_bytes`` weighs each by its stage's bytes.
 """
 from __future__ import annotations
 

@@ -139,9 +139,28 @@ def write_chrome_trace(timeline: Timeline, path: str | Path, process_name: str =
     return path
 
 
+def rank_chunks(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """``(rank, stage) -> chunk``: the ``c``-th lowest stage a rank ran compute of is its chunk ``c``."""
+    stages: dict[int, set[int]] = {}
+    for e in timeline.compute():
+        if e.stage >= 0:
+            stages.setdefault(e.rank, set()).add(e.stage)
+    return {(r, s): c for r, ss in stages.items() for c, s in enumerate(sorted(ss))}
+
+
+def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """``color`` lightened towards white for later chunks, so that a rank's stages read apart."""
+    from matplotlib.colors import to_rgb
+
+    mix = 0.5 * chunk / max(1, chunks - 1)
+    return tuple(c + (1.0 - c) * mix for c in to_rgb(color))
+
+
 def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
     """Gantt chart, one row per rank (rank 0 on top), boxes coloured by kind with their microbatch
-    numbers, waits in light grey; messages are not drawn."""
+    numbers, waits in light grey; messages are not drawn. A rank running several stages (virtual stages)
+    draws its later chunks in lighter shades of the kind's colour, writes the stage under the microbatch
+    numbers, and lists its stages on its row label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,6 +170,9 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -
     span = max((e.end for e in timeline.events), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.35 * len(timeline.compute()) / max(
         1, timeline.num_ranks) + 4)), 0.6 * timeline.num_ranks + 1.2))
+    chunk_of = rank_chunks(timeline)
+    per_rank = {r: sorted(s for (rr, s) in chunk_of if rr == r) for r in range(timeline.num_ranks)}
+    chunks = max((len(v) for v in per_rank.values()), default=1)
     kinds_seen = []
     for e in timeline.events:
         if e.kind in ("send", "recv") or e.duration <= 0:
@@ -159,20 +181,27 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -
         if kind not in kinds_seen:
             kinds_seen.append(kind)
         y = timeline.num_ranks - 1 - e.rank
-        ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=COLORS[kind],
+        chunk = chunk_of.get((e.rank, e.stage), 0) if e.kind in COMPUTE_KINDS else 0
+        ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=_shade(COLORS[kind], chunk, chunks),
                        edgecolors="black", linewidth=0.4)
         if e.microbatches and e.kind in COMPUTE_KINDS and e.duration / span > 0.008:
             label = ",".join(str(m) for m in e.microbatches)
-            ax.text(e.start + e.duration / 2, y, label, ha="center", va="center", fontsize=7,
-                    color="white" if kind != "wait" else "black", clip_on=True)
+            if chunks > 1:
+                label += f"\ns{e.stage}"
+            ax.text(e.start + e.duration / 2, y, label, ha="center", va="center", fontsize=7 if chunks == 1 else 6,
+                    color="white" if chunk == 0 else "black", clip_on=True)
     ax.set_yticks(range(timeline.num_ranks))
-    ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    ax.set_yticklabels([f"rank {r}" + (f" (s{', s'.join(map(str, per_rank[r]))})" if chunks > 1 else "")
+                        for r in reversed(range(timeline.num_ranks))])
     ax.set_xlim(0, span)
     ax.set_xlabel("time")
     if title:
         ax.set_title(title)
-    ax.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in kinds_seen], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25), ncol=max(1, len(kinds_seen)), fontsize=8, frameon=False)
+    handles = [Patch(facecolor=COLORS[k], label=k) for k in kinds_seen]
+    if chunks > 1:  # the shade of each chunk, on F's colour
+        handles += [Patch(facecolor=_shade(COLORS["F"], c, chunks), label=f"chunk {c}") for c in range(chunks)]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=max(1, len(handles)),
+              fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
 """Checks that a schedule can run: ``validate_schedule(schedule)`` raises ValueError naming the task.
 
-In order: every task's stage exists and runs on the rank whose row holds it, microbatches are in
-range, backward kinds match ``split_backward``; every message a task waits for is sent by some task
-(its producer exists) and every (microbatch, stage) has exactly one F and one backward (B, or BI plus
-one BW covering it); on its rank every F precedes its B/BI and every BI precedes its BW; simulating it
-with unit costs finishes (no deadlock); and, when ``max_stashed`` is given, no rank stashes more
-microbatches (F started, B / BW not yet done) than its limit.
+In order: every task's stage exists and runs on the rank whose row holds it (the rank that holds the
+stage in ``stage_to_rank``), microbatches are in range, backward kinds match ``split_backward``; every
+input a task waits for is produced by some task (its producer exists), across ranks and across the
+stages of one rank alike: F of stage s needs F of stage s-1, B/BI of stage s needs its own F and the
+B/BI of stage s+1 (the last stage's only its F), BW needs its BI; every (microbatch, stage) has exactly
+one F and one backward (B, or BI plus one BW covering it); a static row runs every task after the tasks
+of its own rank it needs (with several stages per rank, the producing stage may be another of the rank's
+chunks); simulating it with unit costs finishes (no deadlock); and, when ``max_stashed`` is given, no rank
+stashes more microbatches (F started, B / BW not yet done) than its limit.
 """
 from __future__ import annotations
 
@@ -80,14 +83,15 @@ def _coverage(sch: Schedule) -> None:
 
 
 def _local_order(sch: Schedule) -> None:
+    back = "BI" if sch.split_backward else "B"
     for r, row in enumerate(sch.rows):
         seen: set[tuple] = set()
         for t in row:
             for key in dependencies(t, sch.num_stages):
-                local = key[0] in ("I",) or (key[0] == "F" and key[2] == t.stage)
-                if local and key not in seen:
-                    before = f"BI{key[1]}@s{key[2]}" if key[0] == "I" else f"F{key[1]}@s{key[2]}"
-                    raise ValueError(f"task {t} on rank {r} comes before {before}, which it needs")
+                # produced on this rank: its own stage, or another of its chunks (a neighbour stage it holds)
+                if sch.stage_to_rank[key[2]] == r and key not in seen:
+                    kind = {"F": "F", "G": back, "I": "BI"}[key[0]]
+                    raise ValueError(f"task {t} on rank {r} comes before {kind}{key[1]}@s{key[2]}, which it needs")
             seen.update(products(t))
 
 

@@ -137,6 +137,24 @@ BAD = [
     (["tensor.optimizations=XYZ"], ["tensor.optimizations='XYZ' has unknown letters ['X', 'Y', 'Z']", "ABCDE"]),
     (["data.val_fraction=1.5"], ["data.val_fraction=1.5 must be in [0, 1)"]),
     # Found by the ranks' data preparation, after mpiexec had started every rank.
+    # Virtual stages: the schedule module's rules, and a block for every one of the pipeline x v stages.
+    (["pipeline.virtual_stages=0"], ["pipeline.virtual_stages=0 must be >= 1"]),
+    (["pipeline.placement=zigzag"], ["pipeline.placement='zigzag'", "choose one of loop, v"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=zb-v", "pipeline.split_backward=true"],
+     ["'zb-v' is the V shape: it needs virtual_stages=2 and placement='v'"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
+      "pipeline.placement=v"], ["pipeline.schedule='zb-v' always splits", "pipeline.split_backward=true"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.virtual_stages=2"],
+     ["schedule '1f1b' runs one stage per rank", "use 'interleaved-1f1b'"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=gpipe", "pipeline.virtual_stages=3"],
+     ["parallel.pipeline=2 x pipeline.virtual_stages=3 = 6 stages exceed model.n_layers=4 blocks",
+      "use at most 2 virtual stages"]),
+    (["parallel.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=gpipe", "pipeline.virtual_stages=2",
+      "parallel.partition=[1,3]"],
+     ["parallel.partition=[1, 3] must have parallel.pipeline=2 x pipeline.virtual_stages=2 = 4 (one per stage)"]),
+    (["train.remat=full", "train.checkpoint_interval=4", "parallel.pipeline=2", "pipeline.microbatches=2",
+      "pipeline.schedule=gpipe", "pipeline.virtual_stages=2", "model.n_layers=8"],
+     ["does not divide the model.n_layers=8 / parallel.pipeline=2 x pipeline.virtual_stages=2 = 2 blocks per stage"]),
     (["data.tokenizer=wordpiece"], ["data.tokenizer='wordpiece'; choose byte or bpe"]),
     (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
     # Steps are logged from 1: 0 (a 0-based guess) or -5 injected nothing, without a word.
@@ -215,6 +233,16 @@ def test_pipeline_limit_is_accepted_with_the_myelin_schedule():
     cfg = load_config(None, ["pipeline.schedule=myelin", "pipeline.pipeline_limit=3", "parallel.pipeline=2",
                              "pipeline.microbatches=4"])
     assert cfg.pipeline.pipeline_limit == 3
+
+
+def test_virtual_stages_are_accepted_with_their_schedules():
+    cfg = load_config(None, ["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "parallel.pipeline=2",
+                             "pipeline.microbatches=2"])
+    assert (cfg.pipeline.virtual_stages, cfg.pipeline.placement) == (2, "loop")
+    cfg = load_config(None, ["pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.placement=v",
+                             "pipeline.split_backward=true", "parallel.pipeline=2", "pipeline.microbatches=2",
+                             "parallel.partition=[1,1,1,1]"])
+    assert cfg.pipeline.placement == "v"
 
 
 def test_loading_a_config_runs_every_check():

@@ -186,18 +186,23 @@ def test_2bp_trailing_bws_are_concatenated():
 CASES = [(2, 2), (1, 1), (1, 3), (3, 5), (4, 8), (5, 3), (4, 4)]
 
 
-# zb-h1 always splits its backward (test_zb_h1_idle_and_memory): split=False builds the same schedule.
+# zb-h1 and zb-v always split their backward (test_zb_h1_idle_and_memory, test_virtual_stages.py):
+# split=False builds the same schedule.
 @pytest.mark.parametrize("name,split", [(n, s) for s in (False, True) for n in SCHEDULE_NAMES
-                                        if not (n == "zb-h1" and not s)])
+                                        if not (n in ("zb-h1", "zb-v") and not s)])
 def test_every_generated_schedule_validates(name, split):
     for p, m in CASES:
         if name in ("1f1b-1", "1f1b-2"):
             m = int(name[-1]) * p
         if name == "zb-h1" and m < p:
             continue
-        sch = make_schedule(name, p, m, split)
+        if name == "interleaved-1f1b":
+            m = -(-m // p) * p  # Megatron's interleaving takes whole groups of p microbatches
+        chunks = {"virtual_stages": 2, "placement": "v"} if name == "zb-v" else {}
+        sch = make_schedule(name, p, m, split, **chunks)
         validate_schedule(sch)
-        assert sch.num_stages == p and sch.num_microbatches == m and sch.num_ranks == p
+        v = chunks.get("virtual_stages", 1)
+        assert sch.num_stages == p * v and sch.num_microbatches == m and sch.num_ranks == p
 
 
 def test_1f1b_k_names_and_microbatches():
