@@ -162,16 +162,21 @@ def bf16_round_trip(topo):
         print("BF16 ok: mpi4jax and mpi4py transports are bit-exact", flush=True)
 
 
+CHUNKS = {"v2": (2, "loop"), "vee": (2, "v")}  # virtual stages: two per rank, interleaved or in a V
+
+
 def parse_case(token: str) -> tuple:
-    """``schedule[:2bp][:mpi4py][:tied][:llama][:LETTERS]`` -> (schedule, 2bp, transport, tied, model kind,
-    tensor optimizations); the defaults are fused backward, mpi4jax, untied, GPT-2 and ABCDE."""
+    """``schedule[:2bp][:mpi4py][:tied][:llama][:v2|:vee][:LETTERS]`` -> (schedule, 2bp, transport, tied, model
+    kind, tensor optimizations, (virtual stages, placement)); the defaults are fused backward, mpi4jax,
+    untied, GPT-2, one stage per rank and ABCDE (``v2``: two stages per rank, loop placement; ``vee``: the V)."""
     name, *opts = token.split(":")
-    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama") and not o.isupper()]
-    if bad or (name == "zb-h1" and "2bp" not in opts):  # zb-h1 always splits its backward
+    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama", *CHUNKS) and not o.isupper()]
+    if bad or (name in ("zb-h1", "zb-v") and "2bp" not in opts):  # the zero-bubble schedules always split
         raise SystemExit(f"drive_parity.py: bad case {token!r}")
     letters = next((o for o in opts if o.isupper()), "ABCDE")
+    chunks = next((CHUNKS[o] for o in opts if o in CHUNKS), (1, "loop"))
     return (name, "2bp" in opts, "mpi4py" if "mpi4py" in opts else "mpi4jax", "tied" in opts,
-            "llama" if "llama" in opts else "gpt2", letters)
+            "llama" if "llama" in opts else "gpt2", letters, chunks)
 
 
 def grid_parser() -> argparse.ArgumentParser:
@@ -200,13 +205,17 @@ def run_grid(a, refs: dict) -> int:
         bad_input_checks(p, d)
     tokens = [t for t in a.cases.split(",") if t]
     cases = [parse_case(t) for t in tokens]
-    topo = Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))
+    topos = {(1, "loop"): Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))}
     if a.bad_input:
-        bf16_round_trip(topo)
+        bf16_round_trip(topos[1, "loop"])
     engines, failures = {}, 0
-    for token, (name, split, transport, tied, kind, letters) in zip(tokens, cases):
+    for token, (name, split, transport, tied, kind, letters, chunks) in zip(tokens, cases):
         m = p if name == "1f1b-1" else 2 * p
-        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters})
+        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters},
+                       **{"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
+        if chunks not in topos:  # every rank runs the cases in one order: the collective splits match
+            topos[chunks] = Topology.from_config(cfg)
+        topo = topos[chunks]
         traced = a.trace and name == "1f1b" and split
         status = "ok"
         t0 = time.perf_counter()
@@ -215,7 +224,7 @@ def run_grid(a, refs: dict) -> int:
             if rkey not in refs:
                 refs[rkey] = reference(cfg, batches(cfg))
             ref_losses, ref_grads, ref_params, ref_val = refs[rkey]
-            key = (transport, tied, kind, letters)
+            key = (transport, tied, kind, letters, chunks)
             if key not in engines:  # later cases switch schedules on it: kernels compile once per shape
                 engines[key] = PipelineEngine(cfg, Model(cfg.model), topo)
             engine = engines[key]
@@ -230,7 +239,7 @@ def run_grid(a, refs: dict) -> int:
                 assert ways == {cfg.tensor_size}, f"{what} kernels split {ways} ways, want {cfg.tensor_size}"
             assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
             # slice_params of the reference gives the tied copy the whole table's gradient (both uses).
-            mine = engine.stage.slice_params
+            mine = engine.slice_params
             assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
             assert_tree_close(params, mine(ref_params), "fp32_parity", what + " params")
             assert_tree_close(np.float32(val), np.float32(ref_val), "fp32_parity", what + " eval loss")

@@ -65,10 +65,15 @@ def _cases(schedules: list[str], mpi4py: tuple[str, ...] = (), tied: bool = Fals
 # the single-device references computed once): {job: (devices per rank, [(p, d, extra flags, cases)])}.
 KINDS = ["1f1b", "myelin", "zb-h1"]
 DEEP = [s for s in SCHEDULES if s != "1f1b"]
+# Virtual stages (two per rank): interleaved 1F1B fused and with 2BP and Myelin's loop over the chunks of the
+# loop placement, ZB-V and Myelin on the V placement with the tied embedding's two copies on one rank.
+CHUNKED = ["interleaved-1f1b:v2", "interleaved-1f1b:2bp:v2", "myelin:2bp:v2", "zb-v:2bp:vee:tied",
+           "myelin:2bp:vee:tied"]
 PARITY_JOBS = {
-    "2-ranks": (1, [(2, 1, ["--bad-input", "--trace"], _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True)),
+    "2-ranks": (1, [(2, 1, ["--bad-input", "--trace"],
+                     _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True) + CHUNKED),
                     (1, 2, [], _cases(["1f1b", "myelin"]))]),
-    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",))), (4, 1, [], _cases(DEEP))]),
+    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4]), (4, 1, [], _cases(DEEP))]),
     "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
                                  [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE"])]),
     "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),

@@ -62,10 +62,15 @@ def streamed_2x2(tmp_path_factory):
     # 2 stages, each on a (1, 1, 2) tensor mesh whose devices offload the optimizer state of their shards
     (2, 2, "hybrid.yaml", ["parallel.data=1", "optim.offload=true", "optim.bucket_size=20000"]),
     (4, 1, "pipeline_2x2.yaml", STREAMED_2X2),  # 2 x 2, host optimizer: run A is the streamed_2x2 fixture's
-], ids=["hybrid-2x1-col2", "pipeline-2x2-offload"])
+    # ZB-V: two stages per rank in the V, the tied table's two copies on rank 0, the offloaded optimizer over
+    # both stages' parts; the export gathers every stage from the ranks' merged dicts
+    (2, 1, "pipeline_2x2.yaml", ["parallel.data=1", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
+                                 "pipeline.placement=v", "model.tie_embeddings=true", "optim.offload=true",
+                                 "optim.bucket_size=20000"]),
+], ids=["hybrid-2x1-col2", "pipeline-2x2-offload", "zb-v-2x1-offload-tied"])
 def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
-    if config == "pipeline_2x2.yaml":
+    if sets is STREAMED_2X2:
         a = request.getfixturevalue("streamed_2x2")[0]  # read only: the resume runs in a copy
     else:
         _launch(n, devices, config, a, *sets)

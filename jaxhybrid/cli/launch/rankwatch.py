@@ -155,15 +155,15 @@ class RankWatch(threading.Thread):
 
 
 # A rank's own report of its failure (jaxhybrid.parallel.pipeline.watchdog): "jaxhybrid: rank R (stage i, replica j)
-# failed: ..." or "jaxhybrid watchdog: rank R (...) made no progress ..."; a --distributed process's:
+# failed: ..." ("stages i+k" for a rank of several virtual stages) or "jaxhybrid watchdog: rank R (...) made no progress ..."; a --distributed process's:
 # "jaxhybrid: process R of N (--distributed) failed: ..." (jaxhybrid.runtime.distributed.abort_on_exception).
-_OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\(stage \d+, replica \d+\)|of \d+ "
+_OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\(stages? [\d+]+, replica \d+\)|of \d+ "
                          r"\(--distributed\))) .*?(?:failed|made no progress)")
 
 # A watchdog report of a rank stuck waiting on a peer: "... made no progress ...; now: waiting for <message>
 # from rank R (stage i, replica j); ..." (the event loop's wait, jaxhybrid.parallel.pipeline.event_loop).
 _WAITED_FOR = re.compile(r"jaxhybrid watchdog: .*? made no progress .*?; now: waiting for .*? from "
-                         r"(rank \d+ \(stage \d+, replica \d+\))")
+                         r"(rank \d+ \(stages? [\d+]+, replica \d+\))")
 
 
 # How a line of jaxhybrid's own starts ("jaxhybrid: ", "jaxhybrid train: "), and an error a user can fix

@@ -204,7 +204,12 @@ class EventLoop:
 
     def _send(self, x: Any, kind: MsgKind, mb: int, stage: int) -> None:
         t0 = time.perf_counter()
-        self.transport.send(x, self.stage_to_rank[stage], Envelope(kind, mb, stage))
+        env = Envelope(kind, mb, stage)
+        if self.stage_to_rank[stage] == self.rank:  # a stage of this rank's own (virtual stages): no transport
+            self.mailbox[env] = x
+            self.progress(f"delivered {env} to this rank")
+        else:
+            self.transport.send(x, self.stage_to_rank[stage], env)
         self.recorder.add(f"send {kind.name} mb{mb}->s{stage}", "send", t0, time.perf_counter(), (mb,), stage)
 
     # -- tasks ---------------------------------------------------------------------------------------

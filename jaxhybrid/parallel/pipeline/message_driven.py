@@ -38,41 +38,44 @@ class MessageDriven:
         self.weight_budget = weight_budget
 
     def run(self, loop, schedule: Schedule) -> None:
-        if len(loop.stages) != 1:
-            raise ValueError(f"the message-driven policy runs one stage per rank; pipeline rank {loop.rank} "
-                             f"owns stages {sorted(loop.stages)}")
-        (s,) = loop.stages
+        own = sorted(loop.stages)  # one stage, or several (virtual stages): messages name theirs
         m = schedule.num_microbatches
         limit = schedule.pipeline_limit or loop.num_stages
         budget = self.weight_budget or loop.num_stages
         split = schedule.split_backward
-        last = s == loop.num_stages - 1
-        pending_w: list[int] = []
-        injected = backwards = 0
+        last = loop.num_stages - 1
+        pending_w: list[tuple[int, int]] = []  # (stage, microbatch) of the weight passes not yet run
+        injected = first_backwards = backwards = 0
 
-        def backward(mb: int) -> None:
-            nonlocal backwards
+        def backward(s: int, mb: int) -> None:
+            nonlocal backwards, first_backwards
             loop.backward(s, mb, split)
             backwards += 1
+            first_backwards += s == 0
             if split:
-                pending_w.append(mb)
+                pending_w.append((s, mb))
                 if len(pending_w) >= budget:  # memory bound reached: pay the weight pass now
-                    loop.weight_pass(s, (pending_w.pop(0),))
+                    ws, wm = pending_w.pop(0)
+                    loop.weight_pass(ws, (wm,))
+
+        def forward(s: int, mb: int) -> None:
+            loop.forward(s, mb)  # to a stage of this rank's own, the activation lands in the mailbox
+            if s == last:  # Alg. 2 lines 15-17: the loss stage turns straight around
+                backward(s, mb)
 
         def inject() -> None:  # stage 0 keeps `limit` microbatches in flight (Alg. 2 lines 4-6, 24-26)
             nonlocal injected
-            while s == 0 and injected < m and injected - backwards < limit:
-                loop.forward(s, injected)
+            while 0 in loop.stages and injected < m and injected - first_backwards < limit:
+                forward(0, injected)
                 injected += 1
-                if last:
-                    backward(injected - 1)
 
         inject()
         nap = NAP
-        while backwards < m:
+        while backwards < m * len(own):
             if not loop.mailbox and not loop.receive(block=False):
                 if pending_w and loop.inflight.drained():  # nothing arrived, device idle: fill it (2BP)
-                    loop.weight_pass(s, (pending_w.pop(0),))
+                    ws, wm = pending_w.pop(0)
+                    loop.weight_pass(ws, (wm,))
                     nap = NAP
                     continue
                 if pending_w:
@@ -91,11 +94,12 @@ class MessageDriven:
             nap = NAP
             env = next(iter(loop.mailbox))
             if env.kind is MsgKind.ACT:
-                loop.forward(s, env.microbatch)
-                if last:
-                    backward(env.microbatch)
+                forward(env.stage, env.microbatch)
             else:
-                backward(env.microbatch)
+                backward(env.stage, env.microbatch)
                 inject()
-        if pending_w:  # 2BP Sec. 3.2 / Fig. 2: the weight passes left after the last BI run as one
-            loop.weight_pass(s, tuple(pending_w))
+        # 2BP Sec. 3.2 / Fig. 2: the weight passes left after the last BI run as one per stage
+        for s in own:
+            mbs = tuple(mb for ws, mb in pending_w if ws == s)
+            if mbs:
+                loop.weight_pass(s, mbs)

@@ -15,19 +15,26 @@ from jaxhybrid.model.transformer import TIED_KEY
 _TAG = 7  # the Sendrecv tag of the tied-gradient exchange on the pipeline row
 
 
-def sum_tied(grads: dict, stage: int, num_stages: int, tied: bool, row) -> dict:
-    """The stage's gradients with the tied table's gradient summed over the first and last stage.
+def sum_tied(grads: dict, stage_to_rank: tuple[int, ...], row_rank: int, tied: bool, row) -> dict:
+    """This rank's gradients with the tied table's gradient summed over the first and the last stage.
 
     Args:
-      grads: this stage's gradient dict.
-      stage, num_stages: this rank's stage index and the pipeline depth.
+      grads: the gradient dict of the stages this rank runs (their parts, merged).
+      stage_to_rank: the pipeline row rank of every logical stage.
+      row_rank: this rank's place in the row.
       tied: ``model.tie_embeddings``.
-      row: the pipeline row's communicator (mpi4py), where stage i is rank i.
+      row: the pipeline row's communicator (mpi4py). Unused where one rank holds both ends (ZB-V's
+        placement): the two copies are summed in place, with no exchange.
     """
-    if not tied or num_stages == 1 or stage not in (0, num_stages - 1):
+    first_rank, last_rank = stage_to_rank[0], stage_to_rank[-1]
+    if not tied or len(stage_to_rank) == 1 or row_rank not in (first_rank, last_rank):
         return grads
-    first = stage == 0
-    peer = num_stages - 1 if first else 0
+    if first_rank == last_rank:
+        own, copy = grads["embed"]["wte"], grads[TIED_KEY]
+        total = own + copy  # first + last, as the two ranks of an exchange sum them
+        return {**grads, "embed": {**grads["embed"], "wte": total.astype(own.dtype)}, TIED_KEY: total.astype(copy.dtype)}
+    first = row_rank == first_rank
+    peer = last_rank if first else first_rank
     g = grads["embed"]["wte"] if first else grads[TIED_KEY]
     mine = np.ascontiguousarray(np.asarray(g, np.float32))
     other = np.empty_like(mine)
@@ -39,9 +46,9 @@ def sum_tied(grads: dict, stage: int, num_stages: int, tied: bool, row) -> dict:
     return {**grads, TIED_KEY: total}
 
 
-def norm_view(grads: dict, stage: int) -> dict:
-    """The gradients a stage contributes to the global norm: the last stage's tied copy holds the same
-    summed gradient as the first stage's ``embed.wte``, so only the first stage counts it."""
-    if TIED_KEY in grads and stage != 0:
+def norm_view(grads: dict) -> dict:
+    """The gradients a rank contributes to the global norm: the tied copy holds the same summed gradient
+    as the first stage's ``embed.wte``, so only ``embed.wte`` counts it (one copy, on whichever rank)."""
+    if TIED_KEY in grads:
         return {k: v for k, v in grads.items() if k != TIED_KEY}
     return grads

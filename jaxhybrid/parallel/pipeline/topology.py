@@ -18,6 +18,7 @@ from typing import Any
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.layout import ParallelDims
+from jaxhybrid.parallel.pipeline.schedule import stage_placement
 
 
 def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | list[int] = ()
@@ -61,22 +62,29 @@ class Topology:
 
     Attributes:
       dims: the layout (:class:`~jaxhybrid.core.layout.ParallelDims`) whose grid this rank belongs to.
-      rank, stage, replica: coordinates of this process.
-      blocks: ``(first, last)`` blocks of this rank's stage.
+      rank, stage, replica: coordinates of this process (``stage``: its place in the pipeline row).
+      stage_to_rank: the row rank of every logical stage (one per rank, or several: virtual stages placed
+        by :func:`~jaxhybrid.parallel.pipeline.schedule.stage_placement`).
+      stages: the logical stages this rank runs, lowest first; ``blocks``: ``(first, last)`` blocks of each.
       world, row, p2p, column: mpi4py communicators (see module docstring).
     """
 
-    def __init__(self, dims: ParallelDims, blocks: list[tuple[int, int]], comm: Any = None):
+    def __init__(self, dims: ParallelDims, blocks: list[tuple[int, int]], comm: Any = None,
+                 stage_to_rank: tuple[int, ...] | None = None):
         from mpi4py import MPI
 
         base = comm if comm is not None else MPI.COMM_WORLD
         dims.check_world(base.Get_size())
         self.dims = dims
         self.all_blocks = list(blocks)
+        self.stage_to_rank = tuple(stage_to_rank) if stage_to_rank is not None else tuple(range(dims.pipeline))
+        if len(self.stage_to_rank) != len(self.all_blocks):
+            raise ValueError(f"{len(self.all_blocks)} block ranges for {len(self.stage_to_rank)} stages")
         self.world = base.Dup()
         self.rank = self.world.Get_rank()
         self.stage, self.replica = dims.coords(self.rank)
-        self.blocks = self.all_blocks[self.stage]
+        self.stages = tuple(s for s, r in enumerate(self.stage_to_rank) if r == self.stage)
+        self.blocks = {s: self.all_blocks[s] for s in self.stages}
         # Split is collective over world: every rank makes every split, in the same order.
         self.row = self.world.Split(color=self.replica, key=self.stage)
         self.p2p = self.row.Dup()
@@ -109,24 +117,30 @@ class Topology:
         from mpi4py import MPI
 
         base = comm if comm is not None else MPI.COMM_WORLD
-        dims = cfg.layout
+        dims, pl = cfg.layout, cfg.pipeline
         dims.check_world(base.Get_size())
-        blocks = partition_blocks(cfg.model.n_layers, dims.pipeline, cfg.parallel.partition)
-        return cls(dims, blocks, base)
+        placed = stage_placement(dims.pipeline, pl.virtual_stages, pl.placement)
+        blocks = partition_blocks(cfg.model.n_layers, len(placed), cfg.parallel.partition)
+        return cls(dims, blocks, base, placed)
 
     @property
     def who(self) -> str:
-        """``rank r (stage i, replica j)``: how every message and the launcher's PID files name this rank."""
+        """``rank r (stage i, replica j)`` (``stages i+k`` with virtual stages): how every message and the
+        launcher's PID files name this rank."""
         return self.name(self.stage)
 
-    def name(self, stage: int, replica: int | None = None) -> str:
-        """How messages name the rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+    def name(self, row_rank: int, replica: int | None = None) -> str:
+        """How messages name the rank at ``row_rank`` of the pipeline row in ``replica`` (default: this
+        rank's replica), with the stages it runs."""
         replica = self.replica if replica is None else replica
-        return f"rank {self.dims.rank(stage, replica)} (stage {stage}, replica {replica})"
+        held = [s for s, r in enumerate(self.stage_to_rank) if r == row_rank]
+        stages = f"stage {held[0]}" if len(held) == 1 else "stages " + "+".join(map(str, held))
+        return f"rank {self.dims.rank(row_rank, replica)} ({stages}, replica {replica})"
 
     @property
     def num_stages(self) -> int:
-        return self.dims.pipeline
+        """Logical stages of the pipeline: ranks x virtual stages."""
+        return len(self.stage_to_rank)
 
     @property
     def num_replicas(self) -> int:

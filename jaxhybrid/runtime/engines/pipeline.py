@@ -40,12 +40,17 @@ from jaxhybrid.runtime.engines.base import GradEngine, split_batch
 class PipelineEngine(GradEngine):
     """One rank of a ``G_inter x G_data`` pipeline (``mpirun -n G_inter*G_data jaxhybrid train``).
 
+    A rank runs one stage, or with ``pipeline.virtual_stages`` v > 1 several (Megatron-LM's interleaving,
+    ZB-V's V shape): its parameters, gradients, optimizer state and checkpoints are then one dict of all its
+    stages' parts, whose keys are disjoint (``embed``, ``block_<i>`` by model block, ``head``).
+
     Args:
       cfg: the run configuration (``parallel``, ``pipeline``, ``train.remat``, ``optim.bucket_size``).
-      model: the whole :class:`~jaxhybrid.model.Model` (this rank builds the stage it runs).
+      model: the whole :class:`~jaxhybrid.model.Model` (this rank builds the stages it runs).
       topology: this rank's :class:`~jaxhybrid.parallel.pipeline.topology.Topology`.
       abort_on_error: install the excepthook that aborts the MPI job on any uncaught exception.
-      stage: an existing Stage for this rank's blocks, to reuse its compiled kernels (sweeps, benches).
+      stage: an existing Stage (or ``{stage index: Stage}``) for this rank's blocks, to reuse its compiled
+        kernels (sweeps, benches).
     """
 
     def __init__(self, cfg: Config, model: Model, topology: Any, abort_on_error: bool = True, stage: Any = None):
@@ -54,45 +59,74 @@ class PipelineEngine(GradEngine):
         self.rank, self.stage_index, self.replica = topology.rank, topology.stage, topology.replica
         self.num_stages, self.replicas = topology.num_stages, topology.num_replicas
         self.microbatches = pl.microbatches
+        self.ranks = topology.dims.pipeline
         # Pure checks first: a bad schedule/microbatch count raises the same ValueError on every rank.
-        self.schedule = make_schedule(pl.schedule, self.num_stages, pl.microbatches,
-                                      split_backward=pl.split_backward, pipeline_limit=pl.pipeline_limit)
+        self.schedule = make_schedule(pl.schedule, self.ranks, pl.microbatches, split_backward=pl.split_backward,
+                                      pipeline_limit=pl.pipeline_limit, virtual_stages=pl.virtual_stages,
+                                      placement=pl.placement)
         self.who = topology.who
         if abort_on_error:
             install_abort_on_exception(self.who, topology.world)
         # Myelin V-A: with full remat and no explicit interval, the stage picks the optimal one.
         interval = cfg.train.checkpoint_interval if cfg.train.remat == "full" else 0
-        # Hybrid pipeline x tensor (AxoNN-4D Sec. V): this rank's stage runs on its local tensor mesh, with
+        # Hybrid pipeline x tensor (AxoNN-4D Sec. V): this rank's stages run on its local tensor mesh, with
         # the tensor ops injected into the (unchanged) model; checks the layout before any compile.
         self.local = None
         stage_model = model
         if cfg.tensor_size > 1:
             self.local = LocalTensor.from_config(cfg)
             stage_model = dataclasses.replace(model, ops=self.local.ops)
-        first, last = topology.blocks
-        if stage is not None and (stage.first_block, stage.last_block) != (first, last):
-            raise ValueError(f"{self.who}: the given stage runs blocks [{stage.first_block}, {stage.last_block}), "
-                             f"the topology assigns [{first}, {last})")
-        self.stage = stage or Stage(stage_model, first, last, num_stages_hint=self.num_stages, remat=cfg.train.remat,
-                                    checkpoint_interval=interval)
+        given = {topology.stages[0]: stage} if stage is not None and not isinstance(stage, dict) else stage or {}
+        self.stages = {}
+        for s in topology.stages:
+            first, last = topology.blocks[s]
+            st = given.get(s)
+            if st is not None and (st.first_block, st.last_block) != (first, last):
+                raise ValueError(f"{self.who}: the given stage runs blocks [{st.first_block}, {st.last_block}), "
+                                 f"the topology assigns stage {s} [{first}, {last})")
+            self.stages[s] = st or Stage(stage_model, first, last, num_stages_hint=self.num_stages,
+                                         remat=cfg.train.remat, checkpoint_interval=interval)
         mb = cfg.microbatch_size
         template = jax.ShapeDtypeStruct((mb, cfg.data.seq_len, cfg.model.d_model), model.dtype)
-        if self.num_stages > 1:
+        if self.ranks > 1:
             sharding = self.local.activation_sharding if self.local else None
             self.transport = make_transport(pl.transport, topology.p2p, template, sharding)
         else:
-            self.transport = InProcessHub(1).transport(0)  # one stage: no messages at all
+            self.transport = InProcessHub(1).transport(0)  # one rank: its stages' messages stay in the loop
         # The report is the loop's (built below, before the watchdog is armed): its peers by world rank.
         self.watchdog = Watchdog(self.who, pl.watchdog_s, lambda: self.loop.report(), comm=topology.world,
                                  compile_deadline_s=pl.watchdog_compile_s)
 
-        self.loop = EventLoop({self.stage_index: self.stage}, self.schedule.stage_to_rank, self.stage_index,
+        self.loop = EventLoop(self.stages, self.schedule.stage_to_rank, self.stage_index,
                               self.transport, loop_policy(self.schedule), join=weight_join(pl.weight_join), progress=self.watchdog.beat,
-                              waiting=self.watchdog.note, peer_name=topology.name,  # row rank = stage
+                              waiting=self.watchdog.note, peer_name=topology.name,  # row rank = place in the row
                               synced=synced_dispatch(pl.dispatch, jax.devices()[0].platform))
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
         self.microbatch_size = mb
+
+    @property
+    def stage(self) -> Stage:
+        """The stage of a rank that runs one (benches and sweeps reuse its kernels)."""
+        if len(self.stages) != 1:
+            raise ValueError(f"{self.who} runs stages {sorted(self.stages)}, not one")
+        return next(iter(self.stages.values()))
+
+    def slice_params(self, full_params: dict) -> dict:
+        """This rank's parts of the whole model's parameter dict (every stage it runs)."""
+        return self._merge({s: st.slice_params(full_params) for s, st in self.stages.items()})
+
+    def _split(self, params: dict) -> dict[int, dict]:
+        """``{stage: its parts}`` of this rank's merged parameter dict, as the event loop takes them."""
+        return {s: {k: params[k] for k in st.param_names} for s, st in self.stages.items()}
+
+    @staticmethod
+    def _merge(by_stage: dict[int, dict]) -> dict:
+        """One dict of the stages' parts (their keys are disjoint: parts are named by model block)."""
+        out: dict = {}
+        for part in by_stage.values():
+            out.update(part)
+        return out
 
     def set_schedule(self, name: str, split_backward: bool, pipeline_limit: int = 0,
                      microbatches: int | None = None) -> None:
@@ -100,8 +134,9 @@ class PipelineEngine(GradEngine):
         The microbatch size stays fixed (the transport's message shape); ``microbatches`` may change,
         and with it the global batch. Pure check first: a bad combination raises on every rank alike."""
         m = self.microbatches if microbatches is None else microbatches
-        self.schedule = make_schedule(name, self.num_stages, m, split_backward=split_backward,
-                                      pipeline_limit=pipeline_limit)
+        pl = self.cfg.pipeline
+        self.schedule = make_schedule(name, self.ranks, m, split_backward=split_backward, pipeline_limit=pipeline_limit,
+                                      virtual_stages=pl.virtual_stages, placement=pl.placement)
         self.loop.policy = loop_policy(self.schedule)  # the loop runs a schedule of its own policy's kind
         self.microbatches = m
 
@@ -121,7 +156,8 @@ class PipelineEngine(GradEngine):
         """This stage's slice of ``Model.init(rng)``: identical to the single-device initialisation
         (placed on the rank's tensor mesh in hybrid layouts)."""
         # Only this stage's parts, never the whole model; in hybrid layouts each device its own shards.
-        return self.stage.init_params(rng, self.local.param_shardings if self.local else None)
+        shardings = self.local.param_shardings if self.local else None
+        return self._merge({s: st.init_params(rng, shardings) for s, st in self.stages.items()})
 
     def _microbatches(self, batch: np.ndarray) -> np.ndarray:
         """This replica's microbatches ``[M, mb, seq+1]`` of the global batch (shape checked first)."""
@@ -142,7 +178,7 @@ class PipelineEngine(GradEngine):
         mbs = self._microbatches(batch)
         self.watchdog.arm("validation forward")
         try:
-            return self._mean_over_batch(self.loop.evaluate({self.stage_index: params}, mbs))
+            return self._mean_over_batch(self.loop.evaluate(self._split(params), mbs))
         finally:
             self.watchdog.disarm()
 
@@ -163,8 +199,8 @@ class PipelineEngine(GradEngine):
         mbs = self._microbatches(batch)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)
-        res = self.loop.run(self.schedule, {self.stage_index: params}, mbs, cot)
-        grads = tied.sum_tied(res.grads[self.stage_index], self.stage_index, self.num_stages,
+        res = self.loop.run(self.schedule, self._split(params), mbs, cot)
+        grads = tied.sum_tied(self._merge(res.grads), self.schedule.stage_to_rank, self.stage_index,
                               self.cfg.model.tie_embeddings, self.topo.row)
         return self._mean_over_batch(res.loss_sum), grads
 
@@ -221,7 +257,7 @@ class PipelineEngine(GradEngine):
 
     def norm_view(self, grads: dict) -> dict:
         """The gradients this rank contributes to the global norm (tied copies counted once)."""
-        return tied.norm_view(grads, self.stage_index)
+        return tied.norm_view(grads)
 
     # -- trace and shutdown ----------------------------------------------------------------------------
     def gather_events(self) -> list | None:

@@ -318,6 +318,12 @@ def test_failure_summary_prefers_a_rank_that_reported_its_failure(tmp_path):
     assert failure_summary(watch, waited) == ("rank 1 (stage 1, replica 0) made no progress: rank 0 (stage 0, "
                                               "replica 0) waited for it past its watchdog deadline (its report is "
                                               "above)")
+    # A rank of several virtual stages is named with all of them, and blamed alike.
+    waited_v = ["jaxhybrid watchdog: rank 0 (stages 0+3, replica 0) made no progress for 10.6 s (deadline 10 s); "
+                "now: waiting for activation mb2->s2 from rank 1 (stages 1+2, replica 0); last receives: ..."]
+    assert failure_summary(watch, waited_v) == ("rank 1 (stages 1+2, replica 0) made no progress: rank 0 (stages "
+                                                "0+3, replica 0) waited for it past its watchdog deadline (its "
+                                                "report is above)")
     # The first watchdog to fire may be a rank idle in a collective; a later one names the stuck peer.
     idle = ["jaxhybrid watchdog: rank 0 (stage 0, replica 0) made no progress for 2.0 s (deadline 2 s); now: ran B1@s0"]
     stuck = ["jaxhybrid watchdog: rank 2 (stage 0, replica 1) made no progress for 2.1 s (deadline 2 s); now: "
