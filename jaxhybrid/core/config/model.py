@@ -18,17 +18,17 @@ REMATS = ("none", "dots", "full")
 class ModelConfig:
     name: str = "gpt-tiny"  # preset this config started from
     kind: str = "gpt2"  # gpt2 (learned positions, LayerNorm, GELU, biases) | llama (RoPE, SwiGLU, RMSNorm)
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
+    vocab_size: int = 256  # token ids the embedding and the head cover; a dataset's largest id must be below it
+    d_model: int = 64  # hidden size: each block's input and output width
+    n_layers: int = 4  # transformer blocks (cut into parallel.pipeline x pipeline.virtual_stages stages)
+    n_heads: int = 4  # attention (query) heads; d_model must be a multiple of it
     n_kv_heads: int = 0  # grouped-query attention (either kind: one block code path); 0 = n_heads
-    d_ff: int = 256
-    max_seq_len: int = 128
+    d_ff: int = 256  # MLP hidden size (SwiGLU's gate and up projections each, for llama)
+    max_seq_len: int = 128  # positions the model covers (gpt2's learned table); data.seq_len must not exceed it
     tie_embeddings: bool = False  # head reuses the token embedding table (GPT-2)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    rope_theta: float = 10000.0  # llama: RoPE's base frequency
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    init_std: float = 0.02  # standard deviation of the normal initialisation of the weights and the token embedding
     attention: str = "auto"  # attention kernel: auto | xla | cudnn (model.attention.attention_kernel)
 
     @property

@@ -62,9 +62,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-3  # Myelin Sec. VI-C
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.999  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon (added to sqrt of the second moment)
     weight_decay: float = 0.01  # decoupled (AdamW)
     weight_decay_mask: str = "matrices"  # matrices: kernels and embeddings decay, biases and norm scales not | all
     warmup_steps: int = 20  # updates ramping to lr; a run of no more steps ramps over train.steps - 1 (its last: lr)
