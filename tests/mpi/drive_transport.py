@@ -112,7 +112,7 @@ def foreign(topo: Topology) -> None:
     # The real exchange of tied embeddings, with the receives posted on its communicator.
     g = jnp.full((3, 2), 1.0 + topo.rank)
     grads = {"embed": {"wte": g}} if topo.rank == 0 else {TIED_KEY: g}
-    out = tied.sum_tied(grads, topo.rank, 2, True, topo.row)
+    out = tied.sum_tied(grads, (0, 1), topo.rank, True, topo.row)
     got = out["embed"]["wte"] if topo.rank == 0 else out[TIED_KEY]
     np.testing.assert_array_equal(np.asarray(got), np.full((3, 2), 3.0, np.float32))
     for t in (on_row, on_p2p):  # and the transports still carry their own messages
