@@ -4,6 +4,7 @@ and no page points outside the repository."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import importlib.util
 import re
@@ -143,7 +144,14 @@ def test_field_docs_read_trailing_and_preceding_comments():
     assert docs["steps"] == "optimizer steps"  # trailing
     assert docs["checkpoint_interval"].startswith("Myelin's ac: blocks per recomputed segment")  # lines above
     assert docs["checkpoint_interval"].endswith("0 = the optimal one (Sec. V-A)")
-    assert _generator().field_docs(OptimConfig)["beta1"] == ""  # no comment: the line above is a field
+    assert _generator().field_docs(OptimConfig)["beta1"] == "AdamW's first-moment decay"
+    assert _generator().field_docs(_Uncommented)["b"] == ""  # no comment: the line above is a field
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uncommented:
+    a: int = 1  # the line above b
+    b: int = 2
 
 
 def test_every_link_and_path_in_the_docs_exists():
