@@ -41,6 +41,11 @@ def check_seq_len(seq_len: int | None, model, flag: str = "--seq-len") -> None:
         raise ValueError(f"{flag} {seq_len} must be at most {model.name}'s max_seq_len={model.max_seq_len}")
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` if it exists, else its nearest existing parent: the folder that would take it."""
+    return next(d for d in (path, *path.parents) if d.exists())
+
+
 def check_writable(path: str | Path, flag: str, directory: bool = False, hint: str = "",
                    parents: bool = False) -> None:
     """``path`` can be written where the command will write it after its slow part: a file (its folder
@@ -55,7 +60,7 @@ def check_writable(path: str | Path, flag: str, directory: bool = False, hint: s
         raise ValueError(f"{what} is {'a directory' if p.is_dir() else 'a file'}; give {want}{hint}")
     where = p.absolute()
     made = (where, *where.parents) if directory else where.parents if parents else ()  # folders made on the way
-    near = next(d for d in made if d.exists()) if made else where.parent
+    near = nearest_existing(made[0]) if made else where.parent
     if not near.is_dir():
         why = "is not a directory" if near.exists() else "does not exist"
         raise ValueError(f"{what} cannot be written: {near} {why}{hint}")

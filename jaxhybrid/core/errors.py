@@ -17,15 +17,18 @@ class DiskFull(OSError):
         return self.args[1]
 
 
+def says_disk_full(text: str) -> bool:
+    """Whether a message reports a full disk, as tensorstore words it (orbax passes it on without the errno)."""
+    return "No space left on device" in text or "os_error_code='28'" in text
+
+
 def is_disk_full(e: BaseException | None) -> bool:
     """Whether ``e`` or an error it was raised from reports a full disk: an OSError with errno ENOSPC, or
-    tensorstore's RESOURCE_EXHAUSTED text, which orbax wraps without the errno."""
+    :func:`says_disk_full` text."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(e) or "os_error_code='28'" in str(e):
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or says_disk_full(str(e)):
             return True
         e = e.__cause__ or e.__context__
     return False

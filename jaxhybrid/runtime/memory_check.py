@@ -19,6 +19,7 @@ import math
 import shutil
 from pathlib import Path
 
+from jaxhybrid.core.argtypes import nearest_existing
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.optim.memory_report import model_state_bytes
 
@@ -71,19 +72,16 @@ def check_host_memory(cfg, processes: int, devices_on_host: bool, available: int
                       f"model or batch, or more machines")
 
 
-def checkpoint_bytes(cfg, mpi_ranks: int) -> float:
-    """The bytes one saved step of the whole job takes at the least (see the module's docstring)."""
-    copies = cfg.parallel.data if mpi_ranks > 1 else 1  # one process, or --distributed: each array once
-    return 12.0 * cfg.model.param_count() * copies
+def checkpoint_copies(cfg, mpi_ranks: int) -> int:
+    """How many times a saved step holds each parameter: every MPI data replica saves its own; one process,
+    or ``--distributed`` processes (one mesh), write each array once."""
+    return cfg.parallel.data if mpi_ranks > 1 else 1
 
 
 def free_disk_bytes(path: str | Path) -> int | None:
     """Bytes free on the filesystem that holds ``path`` (or would hold it: its nearest existing parent)."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
     try:
-        return shutil.disk_usage(p).free
+        return shutil.disk_usage(nearest_existing(Path(path).absolute())).free
     except OSError:
         return None
 
@@ -94,10 +92,10 @@ def check_checkpoint_disk(cfg, mpi_ranks: int, free: int | None = None) -> None:
     if not (cfg.checkpoint.every > 0 or cfg.checkpoint.at_end):
         return
     free = free_disk_bytes(cfg.run.dir) if free is None else free
-    need = checkpoint_bytes(cfg, mpi_ranks)
+    copies = checkpoint_copies(cfg, mpi_ranks)
+    need = 12.0 * cfg.model.param_count() * copies
     if free is None or need <= free:
         return
-    copies = cfg.parallel.data if mpi_ranks > 1 else 1
     raise ConfigError(f"a checkpoint of this job needs at least {size_text(need)} ({cfg.model.param_count():,} "
                       f"parameters x 12 bytes: float32 weights and AdamW's two moments"
                       f"{f', x parallel.data={copies} ranks saving their own copy' if copies > 1 else ''}) but the "

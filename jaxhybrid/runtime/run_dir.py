@@ -189,8 +189,8 @@ def check_run_dir(cfg) -> None:
         raise ConfigError(f"run.dir={cfg.run.dir} holds checkpoints of an earlier run ({held}"
                           f"{'; ...' if len(found) > 2 else ''}); continue it with --resume (run.resume=true), "
                           f"train into another run.dir, or delete {run_dir / 'checkpoints'}")
-    earlier = earlier_records(run_dir)
-    if earlier and not cfg.run.resume and not cfg.run.overwrite:
+    earlier = [] if cfg.run.resume or cfg.run.overwrite else earlier_records(run_dir)  # reads metrics.jsonl whole
+    if earlier:
         raise ConfigError(f"run.dir={cfg.run.dir} holds the records of an earlier run ({', '.join(earlier)}) but no "
                           f"checkpoint to resume; train into another run.dir, or replace them with --set "
                           f"run.overwrite=true")

@@ -188,6 +188,8 @@ def nothing_to_train_line(cfg, summary: dict) -> str | None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_train_config(args)
     world = check_run(cfg, args, launch_env.world_size())
+    import jax  # importing starts no backend: the devices are still chosen below
+
     if args.distributed:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
         # From here a failing process ends the job, as a pipeline rank's engine makes it: a peer waits for it
@@ -198,11 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
         ids = gpu_block(cfg.num_devices // world)
         if ids is not None:
-            import jax
-
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
-    import jax
-
     from jaxhybrid.runtime.memory_check import check_device_memory
     from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer

@@ -158,7 +158,7 @@ class RankWatch(threading.Thread):
 # failed: ..." ("stages i+k" for a rank of several virtual stages) or "jaxhybrid watchdog: rank R (...) made no progress ..."; a --distributed process's:
 # "jaxhybrid: process R of N (--distributed) failed: ..." (jaxhybrid.runtime.distributed.abort_on_exception).
 _OWN_REPORT = re.compile(r"jaxhybrid(?: watchdog)?: ((?:rank|process) (\d+) (?:\(stages? [\d+]+, replica \d+\)|of \d+ "
-                         r"\(--distributed\))) .*?(?:failed|made no progress)")
+                         r"\(--distributed\))) .*?(failed|made no progress)")
 
 # A watchdog report of a rank stuck waiting on a peer: "... made no progress ...; now: waiting for <message>
 # from rank R (stage i, replica j); ..." (the event loop's wait, jaxhybrid.parallel.pipeline.event_loop).
@@ -179,14 +179,16 @@ def evidence(line: str) -> bool:
     return "RUNNING AT" in line or "Abort(" in line or TIMED_OUT in line or line.startswith("jaxhybrid")
 
 
-def _own_reports(output_lines: list[str]) -> list[tuple[int, str, str]]:
-    """``(rank, who, line)`` of each rank's own failure report, in the order of the reports."""
-    return [(int(m.group(2)), m.group(1), line) for line in output_lines for m in [_OWN_REPORT.search(line)] if m]
+def _own_reports(output_lines: list[str]) -> list[tuple[int, str, str, str]]:
+    """``(rank, who, "failed" or "made no progress", line)`` of each rank's own failure report, in the order
+    of the reports."""
+    return [(int(m.group(2)), m.group(1), m.group(3), line) for line in output_lines
+            for m in [_OWN_REPORT.search(line)] if m]
 
 
 def reporters(output_lines: list[str]) -> list[tuple[int, str]]:
     """``(rank, who)`` of the ranks that reported their own failure, in the order of their reports."""
-    return [(rank, who) for rank, who, _ in _own_reports(output_lines)]
+    return [(rank, who) for rank, who, _, _ in _own_reports(output_lines)]
 
 
 def bystanders(output_lines: list[str]) -> set[int]:
@@ -211,8 +213,8 @@ def failure_summary(watch: RankWatch, output_lines: list[str]) -> str:
     5. hydra's ``APPLICATION TIMED OUT`` line: no rank failed, the job outlived ``MPIEXEC_TIMEOUT``."""
     own = _own_reports(output_lines)
     if own:
-        failed = [who for _, who, line in own if " failed" in line.split(who, 1)[1][:8]]
-        waits = [(m.group(1), who) for _, who, line in own for m in [_WAITED_FOR.search(line)]
+        failed = [who for _, who, what, _ in own if what == "failed"]
+        waits = [(m.group(1), who) for _, who, _, line in own for m in [_WAITED_FOR.search(line)]
                  if m and m.group(1) != who]
         if waits and not failed:  # a stuck rank: its peers' watchdogs name it; it may not report at all
             return (f"{waits[0][0]} made no progress: {waits[0][1]} waited for it past its watchdog deadline "

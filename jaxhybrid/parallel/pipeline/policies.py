@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 
+from jaxhybrid.parallel.pipeline.generators import rank_stages
 from jaxhybrid.parallel.pipeline.simcore import Core
 from jaxhybrid.parallel.pipeline.tasks import Kind, Task, task
 
@@ -225,9 +226,9 @@ class ZeroBubbleVPolicy:
     """
 
     def __init__(self, stage_to_rank, microbatches: int, limit: int):
-        ranks = max(stage_to_rank) + 1
         self.limit, self.microbatches = limit, microbatches
-        self.stages = [[s for s, r in enumerate(stage_to_rank) if r == rank] for rank in range(ranks)]
+        self.stages = rank_stages(stage_to_rank)
+        ranks = len(self.stages)
         # A stage's F and BI become ready in microbatch order (its inputs do, by induction from stage 0, whose
         # forwards are all ready and taken lowest first), so only each stage's next one is a candidate.
         self.next = {(s, kind): 0 for s in range(len(stage_to_rank)) for kind in (Kind.F, Kind.BI)}

@@ -18,6 +18,7 @@ from typing import Any
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.layout import ParallelDims
+from jaxhybrid.parallel.pipeline.generators import rank_stages
 from jaxhybrid.parallel.pipeline.schedule import stage_placement
 
 
@@ -65,7 +66,8 @@ class Topology:
       rank, stage, replica: coordinates of this process (``stage``: its place in the pipeline row).
       stage_to_rank: the row rank of every logical stage (one per rank, or several: virtual stages placed
         by :func:`~jaxhybrid.parallel.pipeline.schedule.stage_placement`).
-      stages: the logical stages this rank runs, lowest first; ``blocks``: ``(first, last)`` blocks of each.
+      stages: the logical stages this rank runs, lowest first; ``blocks``: ``(first, last)`` blocks of each;
+        ``held``: every row rank's stages.
       world, row, p2p, column: mpi4py communicators (see module docstring).
     """
 
@@ -83,7 +85,8 @@ class Topology:
         self.world = base.Dup()
         self.rank = self.world.Get_rank()
         self.stage, self.replica = dims.coords(self.rank)
-        self.stages = tuple(s for s, r in enumerate(self.stage_to_rank) if r == self.stage)
+        self.held = rank_stages(self.stage_to_rank)  # each row rank's stages: a name is made per message
+        self.stages = tuple(self.held[self.stage])
         self.blocks = {s: self.all_blocks[s] for s in self.stages}
         # Split is collective over world: every rank makes every split, in the same order.
         self.row = self.world.Split(color=self.replica, key=self.stage)
@@ -133,7 +136,7 @@ class Topology:
         """How messages name the rank at ``row_rank`` of the pipeline row in ``replica`` (default: this
         rank's replica), with the stages it runs."""
         replica = self.replica if replica is None else replica
-        held = [s for s, r in enumerate(self.stage_to_rank) if r == row_rank]
+        held = self.held[row_rank]
         stages = f"stage {held[0]}" if len(held) == 1 else "stages " + "+".join(map(str, held))
         return f"rank {self.dims.rank(row_rank, replica)} ({stages}, replica {replica})"
 

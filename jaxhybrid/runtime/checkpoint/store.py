@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxhybrid.core.errors import ConfigError, DiskFull, is_disk_full
+from jaxhybrid.core.errors import ConfigError, DiskFull, is_disk_full, says_disk_full
 from jaxhybrid.optim.updater import spans_processes
 from jaxhybrid.runtime.checkpoint import digest
 from jaxhybrid.runtime.memory_check import free_disk_bytes, size_text
@@ -176,7 +176,7 @@ class _DropDiskFull(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (is_disk_full(record.exc_info[1] if record.exc_info else None)
-                    or is_disk_full(ValueError(record.getMessage())))
+                    or says_disk_full(record.getMessage()))
 
 
 _DROP_DISK_FULL = _DropDiskFull()
@@ -184,13 +184,17 @@ _DROP_DISK_FULL = _DropDiskFull()
 
 def _drop_closed_loop_reports() -> None:
     """From now on, drop the "Event loop is closed" errors that the writes of a failed save report as
-    unraisable (each with its traceback); every other unraisable error is reported as before."""
+    unraisable (each with its traceback); every other unraisable error is reported as before. Installed
+    once, however many saves fail."""
     hook = sys.unraisablehook
+    if getattr(hook, "drops_closed_loop", False):
+        return
 
     def quiet(u) -> None:
         if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
             hook(u)
 
+    quiet.drops_closed_loop = True
     sys.unraisablehook = quiet
 
 

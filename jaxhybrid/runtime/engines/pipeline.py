@@ -76,7 +76,7 @@ class PipelineEngine(GradEngine):
         if cfg.tensor_size > 1:
             self.local = LocalTensor.from_config(cfg)
             stage_model = dataclasses.replace(model, ops=self.local.ops)
-        given = {topology.stages[0]: stage} if stage is not None and not isinstance(stage, dict) else stage or {}
+        given = stage if isinstance(stage, dict) else {} if stage is None else {topology.stages[0]: stage}
         self.stages = {}
         for s in topology.stages:
             first, last = topology.blocks[s]

@@ -182,7 +182,7 @@ def test_receives_and_journal_name_peers_as_the_waits_do(reference):
     stages, sched = _stages(model, 2), make_schedule("1f1b", 2, M)
     hub, mbs, said = InProcessHub(2), jnp.asarray(split_batch(batch, 0, 1, M)), {0: [], 1: []}
     # The runner's naming, sans MPI.
-    name = functools.partial(Topology.name, SimpleNamespace(dims=ParallelDims(2, 2), replica=1, stage_to_rank=(0, 1)))
+    name = functools.partial(Topology.name, SimpleNamespace(dims=ParallelDims(2, 2), replica=1, held=[[0], [1]]))
 
     def rank(r):
         loop = EventLoop({r: stages[r]}, sched.stage_to_rank, r, hub.transport(r), progress=said[r].append,
