@@ -8,8 +8,9 @@ import numpy as np
 
 from jaxhybrid.planner.chain import Chain, Stage
 from jaxhybrid.planner.ilp import schedule_allocation
+from jaxhybrid.planner.pattern import pattern_entries
 from jaxhybrid.planner.madpipe_dp import Grid, madpipe_dp
-from jaxhybrid.planner.pipedream import Allocation, one_f_one_b_star_period, pipedream
+from jaxhybrid.planner.pipedream import Allocation, one_f_one_b_star_period, pipedream, star_allocation_pattern
 
 
 def madpipe_partition(chain: Chain, processors: int, iterations: int = 10, grid: Grid = Grid(),
@@ -73,14 +74,16 @@ def madpipe(chain: Chain, processors: int, iterations: int = 10, grid: Grid = Gr
     for dp_period, cand in sorted(cands, key=lambda c: c[0]):
         if len({s.processor for s in cand}) == len(cand):  # contiguous: 1F1B* is optimal (Prop. 1)
             valid = one_f_one_b_star_period(chain, cand)
+            pattern = star_allocation_pattern(chain, cand, valid)
         else:
             pat = schedule_allocation(chain, cand, time_limit=ilp_time_limit)
             valid = pat.period if pat is not None else float("inf")
+            pattern = pattern_entries(pat)[0] if pat is not None else ()
         if valid < winner.valid_period:
-            winner = Allocation("madpipe", tuple(cand), dp_period, valid, "MadPipe-DP allocation")
+            winner = Allocation("madpipe", tuple(cand), dp_period, valid, "MadPipe-DP allocation", pattern)
     if base.valid_period < winner.valid_period:
         winner = Allocation("madpipe", base.stages, base.period, base.valid_period,
-                            "PipeDream's contiguous partition under 1F1B* scheduled best")
+                            "PipeDream's contiguous partition under 1F1B* scheduled best", base.pattern)
     return winner
 
 

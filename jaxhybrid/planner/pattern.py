@@ -6,7 +6,8 @@ processor by an event sweep (MadPipe Sec. 3: weights 3 W, buffers, stored activa
 """
 from __future__ import annotations
 
-from jaxhybrid.parallel.pipeline.tasks import Schedule, task
+from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.tasks import Schedule
 from jaxhybrid.planner.chain import Chain
 from jaxhybrid.planner.ilp import Pattern, build_ops, processor_constants, stored_bytes
 
@@ -74,18 +75,24 @@ def validate_pattern(chain: Chain, pattern: Pattern, batches: int | None = None)
     return {"peak_memory": peaks}
 
 
-def pattern_to_schedule(pattern: Pattern, microbatches: int) -> Schedule:
-    """The first ``microbatches`` batches of the pattern as per-processor task rows (fused backward).
+def pattern_entries(pattern: Pattern) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The pattern as the engine runs it: ``pipeline.pattern`` (forward and backward passes by start time in
+    the period, ``"F<stage>+<shift>"``; transfers are the messages between them) and ``pipeline.stage_to_rank``,
+    with stages in chain order and processors numbered as they first appear along it (rank 0 holds the
+    input layers; MadPipe's DP numbers its special processor last wherever its layers are)."""
+    order = sorted(range(len(pattern.stages)), key=lambda i: pattern.stages[i].first)
+    chain_index = {i: k for k, i in enumerate(order)}
+    rank: dict[int, int] = {}
+    for i in order:
+        rank.setdefault(pattern.stages[i].processor, len(rank))
+    base = min(pattern.shift)
+    ops = sorted((pattern.start[i], i) for i, o in enumerate(pattern.ops) if o.kind in ("F", "B"))
+    entries = tuple(f"{pattern.ops[i].kind}{chain_index[pattern.ops[i].stage]}+{pattern.shift[i] - base}"
+                    for _, i in ops)
+    return entries, tuple(rank[pattern.stages[i].processor] for i in order)
 
-    Logical stage s runs on ``stages[s].processor``; transfers are implicit in the rows' dependencies.
-    """
-    procs = sorted({s.processor for s in pattern.stages})
-    rank_of = {p: r for r, p in enumerate(procs)}
-    rows: list[list] = [[] for _ in procs]
-    for _, _, i, b in unroll(pattern, microbatches):
-        o = pattern.ops[i]
-        if o.kind in ("F", "B"):
-            rows[rank_of[pattern.stages[o.stage].processor]].append(task(o.kind, b, o.stage))
-    return Schedule(name="madpipe-periodic", rows=tuple(tuple(r) for r in rows),
-                    stage_to_rank=tuple(rank_of[s.processor] for s in pattern.stages),
-                    num_microbatches=microbatches)
+
+def pattern_to_schedule(pattern: Pattern, microbatches: int) -> Schedule:
+    """The first ``microbatches`` batches of the pattern as the engine's ``periodic`` schedule (fused backward)."""
+    entries, placed = pattern_entries(pattern)
+    return make_schedule("periodic", max(placed) + 1, microbatches, stage_to_rank=placed, pattern=entries)

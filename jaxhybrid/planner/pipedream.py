@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxhybrid.parallel.pipeline.generators import resource_groups
+from jaxhybrid.parallel.pipeline.generators import resource_groups, star_pattern
 from jaxhybrid.planner.chain import Chain, Stage, check_processors
 
 
@@ -74,6 +74,9 @@ class Allocation:
     period: float  # what the partitioning DP predicts
     valid_period: float  # period of a valid schedule (1F1B* or the ILP); inf if none fits in memory
     note: str = ""
+    # That schedule as a periodic pattern over the stages in chain order ("F<stage>+<shift>", the engine's
+    # pipeline.pattern): 1F1B*'s groups, or the ILP's pattern; empty if none fits.
+    pattern: tuple[str, ...] = ()
 
 
 def pipedream_dp(chain: Chain, processors: int) -> tuple[float, list[Stage]]:
@@ -124,4 +127,12 @@ def pipedream(chain: Chain, processors: int) -> Allocation:
     period, stages = pipedream_dp(chain, processors)
     if not stages:
         return Allocation("pipedream", (), float("inf"), float("inf"), "no contiguous partition fits")
-    return Allocation("pipedream", tuple(stages), period, one_f_one_b_star_period(chain, stages))
+    valid = one_f_one_b_star_period(chain, stages)
+    return Allocation("pipedream", tuple(stages), period, valid, pattern=star_allocation_pattern(chain, stages, valid))
+
+
+def star_allocation_pattern(chain: Chain, stages: list[Stage], period: float) -> tuple[str, ...]:
+    """1F1B*'s pattern (MadPipe Sec. 4.1) of a contiguous partition at ``period``; empty if it is infinite."""
+    if not np.isfinite(period):
+        return ()
+    return star_pattern(stage_groups(chain, sorted(stages, key=lambda s: s.first), period))

@@ -180,6 +180,8 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
 
     p = Path(path)
     data = read_json(p, "plan file")
+    if isinstance(data, dict) and data.get("kind") == "allocation":
+        data = {**data, "config": allocation_overrides(data, p, None if shape is None else shape.get("n_layers"))}
     cfg = data.get("config") if isinstance(data, dict) else None
     if not isinstance(cfg, dict) or not {"parallel", "pipeline", "optim"} <= set(cfg):
         raise ValueError(f"plan file {p} has no 'config' with parallel/pipeline/optim overrides; "
@@ -202,3 +204,74 @@ def load_plan_overrides(path: str | Path, model: str | None = None, shape: dict 
                               f"write a plan for this run's (jaxhybrid plan --model YOUR_CONFIG.yaml ... --out "
                               f"{p.name})")
     return cfg
+
+
+def write_allocation(path: str | Path, alloc: dict, meta: dict) -> None:
+    """A plan file of a MadPipe or PipeDream allocation (``jaxhybrid partition --out``): its stages (layer
+    ranges in chain order, each with its processor), the periodic pattern of its valid schedule and the
+    predicted periods; ``meta`` names the model and sizes it was profiled for, where known. The config
+    overrides are derived from the stages when the file is loaded (:func:`allocation_overrides`)."""
+    if not alloc["stages"] or not alloc["pattern"]:
+        raise ValueError("the allocation has no valid schedule to write")
+    Path(path).write_text(json.dumps({"kind": "allocation", **meta, **alloc}, indent=1))
+
+
+def allocation_overrides(data: dict, path: Path, n_layers: int | None = None) -> dict:
+    """The config overrides that train an allocation file: one pipeline rank per processor
+    (``parallel.pipeline``), each stage's blocks (``parallel.partition``), its processor
+    (``pipeline.stage_to_rank``) and the ``periodic`` schedule of its pattern (MadPipe Sec. 3-4). Raises
+    ConfigError, naming the layers, where the stages leave a layer out, give one twice, or do not cover
+    ``n_layers`` (the run's model blocks), and where a processor between them holds no stage."""
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages or not all(
+            isinstance(st, dict) and isinstance(st.get("layers"), list) and len(st["layers"]) == 2
+            and all(isinstance(x, int) for x in st["layers"]) and isinstance(st.get("processor"), int)
+            for st in stages):
+        raise ConfigError(f"plan.file={path}: 'stages' must be a list of {{\"layers\": [first, last], "
+                          f"\"processor\": p}}; write it with `jaxhybrid partition ... --out {path.name}`")
+    ranges = sorted((st["layers"][0], st["layers"][1], st["processor"]) for st in stages)
+    count = [0] * (max(hi for _, hi, _ in ranges) + 1)
+    for lo, hi, _ in ranges:
+        if lo < 0 or hi < lo:
+            raise ConfigError(f"plan.file={path}: a stage has layers [{lo}, {hi}]; need 0 <= first <= last")
+        for layer in range(lo, hi + 1):
+            count[layer] += 1
+    out = [i for i, c in enumerate(count) if c == 0]
+    twice = [i for i, c in enumerate(count) if c > 1]
+    if out or twice:
+        said = ([f"leaves layer{'s' if len(out) > 1 else ''} {', '.join(map(str, out))} out"] if out else []) + \
+            ([f"gives layer{'s' if len(twice) > 1 else ''} {', '.join(map(str, twice))} to two stages"] if twice else [])
+        raise ConfigError(f"plan.file={path}: the allocation {' and '.join(said)} (stages {[r[:2] for r in ranges]}); "
+                          f"every layer belongs to exactly one stage")
+    if n_layers is not None and len(count) != n_layers:
+        raise ConfigError(f"plan.file={path} allocates {len(count)} layers (0..{len(count) - 1}), but this run's "
+                          f"model has model.n_layers={n_layers} blocks; partition a profile of this model "
+                          f"(jaxhybrid partition --profile-model YOUR_CONFIG.yaml ... --out {path.name})")
+    procs = [r for *_, r in ranges]
+    idle = sorted(set(range(max(procs) + 1)) - set(procs))
+    if min(procs) < 0 or idle:
+        raise ConfigError(f"plan.file={path}: processors {sorted(set(procs))} must be 0..{max(procs)}, each "
+                          f"holding a stage")
+    pipe = {"schedule": "periodic", "stage_to_rank": procs, "pattern": list(data.get("pattern") or ()),
+            "virtual_stages": 1, "placement": "loop", "pipeline_limit": 0}
+    out_cfg = {"parallel": {"pipeline": max(procs) + 1, "partition": [hi - lo + 1 for lo, hi, _ in ranges]},
+               "pipeline": pipe, "optim": {}}
+    if data.get("dtype"):
+        out_cfg["precision"] = {"compute_dtype": data["dtype"]}
+    if data.get("seq_len"):
+        out_cfg["data"] = {"seq_len": data["seq_len"]}
+    return out_cfg
+
+
+def trace_line(traced: dict, plan_file: str = "") -> str:
+    """What a traced step measured (``metrics.trace``): its bubble ratio, makespan and period, beside the
+    period an allocation plan file predicted (``valid_period_s`` of ``jaxhybrid partition --out``: the
+    profile's costs under the valid schedule, MadPipe Sec. 4.3)."""
+    line = f"traced step: makespan {traced['makespan_s']:.4g} s, bubble ratio {traced['bubble_ratio']:.3f}"
+    if traced.get("period_s") is not None:
+        line += f", period {traced['period_s']:.4g} s per microbatch (last stage's forwards)"
+    data = read_json(Path(plan_file), "plan file") if plan_file else {}
+    if data.get("kind") == "allocation" and data.get("valid_period_s") is not None:
+        line += (f"; plan.file={plan_file} predicted a period of {data['valid_period_s']:.4g} s "
+                 f"({data['algorithm']} on its profile)")
+    return line

@@ -15,7 +15,7 @@ from jaxhybrid.core.config.model import REMATS
 from jaxhybrid.core.config.parse import flatten, lookup, to_plain
 from jaxhybrid.core.config.ranges import range_errors
 from jaxhybrid.core.errors import ConfigError
-from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.schedule import configured_schedule
 from jaxhybrid.parallel.pipeline.topology import partition_blocks
 from jaxhybrid.runtime.data.tokenizer import TOKENIZERS
 
@@ -100,11 +100,11 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     # The schedule module is the one source of its rules (names, microbatches per stage, 2BP needs).
 
     try:
-        make_schedule(pl.schedule, p.pipeline, pl.microbatches, split_backward=pl.split_backward,
-                      pipeline_limit=pl.pipeline_limit, virtual_stages=pl.virtual_stages, placement=pl.placement)
+        configured_schedule(pl, p.pipeline)
     except ValueError as e:
         chunks = (f", pipeline.virtual_stages={pl.virtual_stages}, pipeline.placement={pl.placement!r}"
                   if (pl.virtual_stages, pl.placement) != (1, "loop") else "")
+        chunks += f", pipeline.stage_to_rank={list(pl.stage_to_rank)}" if pl.stage_to_rank else ""
         errors.append(f"pipeline.schedule={pl.schedule!r} with parallel.pipeline={p.pipeline}, "
                       f"pipeline.microbatches={pl.microbatches}{chunks}: {e}")
     else:
@@ -132,17 +132,24 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if p.mesh_data and p.pipeline > 1:
         errors.append(f"parallel.mesh_data=true with parallel.pipeline={p.pipeline}: a pipeline's data replicas "
                       f"are MPI ranks; set mesh_data=false, or pipeline=1 for one mesh")
-    v = pl.virtual_stages
+    if pl.pattern and pl.schedule != "periodic":
+        errors.append(f"pipeline.pattern is read only by pipeline.schedule='periodic'; pipeline.schedule="
+                      f"{pl.schedule!r} would ignore it: clear pipeline.pattern or set pipeline.schedule=periodic")
+    v, stages = pl.virtual_stages, len(pl.stage_to_rank) or p.pipeline * pl.virtual_stages
     if p.pipeline > m.n_layers:
         errors.append(f"parallel.pipeline={p.pipeline} stages exceed model.n_layers={m.n_layers} blocks")
+    elif pl.stage_to_rank and stages > m.n_layers:
+        errors.append(f"pipeline.stage_to_rank has {stages} stages, more than model.n_layers={m.n_layers} blocks; "
+                      f"every stage needs one")
     elif p.pipeline * v > m.n_layers:  # every stage (chunk) needs at least one block
         errors.append(f"parallel.pipeline={p.pipeline} x pipeline.virtual_stages={v} = {p.pipeline * v} stages "
                       f"exceed model.n_layers={m.n_layers} blocks; every stage needs one: use at most "
                       f"{m.n_layers // p.pipeline} virtual stages")
     if p.partition:
-        count = (f"parallel.pipeline={p.pipeline}" if v == 1 else
+        count = (f"pipeline.stage_to_rank's {stages} (one per stage)" if pl.stage_to_rank else
+                 f"parallel.pipeline={p.pipeline}" if v == 1 else
                  f"parallel.pipeline={p.pipeline} x pipeline.virtual_stages={v} = {p.pipeline * v} (one per stage)")
-        if len(p.partition) != p.pipeline * v or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
+        if len(p.partition) != stages or any(b < 1 for b in p.partition) or sum(p.partition) != m.n_layers:
             errors.append(f"parallel.partition={list(p.partition)} must have {count} "
                           f"positive entries summing to model.n_layers={m.n_layers}")
     o = cfg.optim
@@ -189,10 +196,12 @@ def _interval_errors(cfg: Config) -> list[str]:
     in a shorter segment."""
     from math import gcd
 
-    p, ac, n, v = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers, cfg.pipeline.virtual_stages
-    named = f"parallel.pipeline={p.pipeline}" + (f" x pipeline.virtual_stages={v}" if v > 1 else "")
+    p, ac, n, pl = cfg.parallel, cfg.train.checkpoint_interval, cfg.model.n_layers, cfg.pipeline
+    v, stages = pl.virtual_stages, len(pl.stage_to_rank) or p.pipeline * pl.virtual_stages
+    named = (f"pipeline.stage_to_rank's {stages} stages" if pl.stage_to_rank else
+             f"parallel.pipeline={p.pipeline}" + (f" x pipeline.virtual_stages={v}" if v > 1 else ""))
     try:  # with virtual stages every one of the pipeline x v stages holds its own blocks
-        counts = [hi - lo for lo, hi in partition_blocks(n, p.pipeline * v, p.partition)]
+        counts = [hi - lo for lo, hi in partition_blocks(n, stages, p.partition)]
     except ConfigError:  # more stages than blocks, or a bad partition: their own rules above say so
         return []
     if all(c % ac == 0 for c in counts):

@@ -15,6 +15,7 @@ from jaxhybrid.core.config.parse import lookup
 from jaxhybrid.core.config.schema import Config
 
 PIPELINE_ENGINE_KEYS = ("pipeline.schedule", "pipeline.split_backward", "pipeline.pipeline_limit",
+                        "pipeline.virtual_stages", "pipeline.placement", "pipeline.stage_to_rank", "pipeline.pattern",
                         "pipeline.transport", "pipeline.dispatch", "pipeline.weight_join", "pipeline.watchdog_s",
                         "pipeline.watchdog_compile_s", "metrics.trace")
 # Myelin's all-reduce of the gradients over data replicas that are MPI ranks (IV-B, V-C); where they stream

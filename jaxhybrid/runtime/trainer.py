@@ -30,6 +30,7 @@ from jaxhybrid.optim import lr_schedule
 from jaxhybrid.optim.loss_scale import from_config as loss_scale_from_config
 from jaxhybrid.optim.memory_report import gather_entries, rank_entry, report_over_ranks, summary_line, write_report
 from jaxhybrid.optim.updater import place_like
+from jaxhybrid.planner.plan import trace_line
 from jaxhybrid.runtime import data as data_lib
 from jaxhybrid.runtime.checkpoint.export import check_init_from, params_for, read_meta
 from jaxhybrid.runtime.checkpoint.store import Checkpointer, DamagedStep, UnreadableCheckpoint
@@ -299,7 +300,9 @@ class Trainer:
                 if cfg.checkpoint.at_end and not stop_line:
                     self.save(ckpt, st, finite=not guard.streak)
                 if cfg.metrics.trace and not stop_line:
-                    self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
+                    traced = self.engine.write_trace(self.run_dir)  # collective: every rank sends its events
+                    if writer and traced:
+                        print(f"jaxhybrid: {trace_line(traced, cfg.plan.file)}", file=sys.stderr, flush=True)
         finally:
             ckpt.close()
             mw.close(plot=cfg.metrics.plot)

@@ -30,6 +30,7 @@ from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import device_updater
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.planner.plan import load_plan_overrides
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
 from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.runtime.engines.base import LocalEngine
@@ -162,13 +163,15 @@ def bf16_round_trip(topo):
         print("BF16 ok: mpi4jax and mpi4py transports are bit-exact", flush=True)
 
 
-CHUNKS = {"v2": (2, "loop"), "vee": (2, "v")}  # virtual stages: two per rank, interleaved or in a V
+CHUNKS = {"v2": (2, "loop"), "vee": (2, "v"), "alloc": "alloc"}  # two stages per rank (interleaved, a V) or --plan's
+PLAN: dict = {}  # the stage map, partition and pattern of --plan's allocation (`jaxhybrid partition --out`)
 
 
 def parse_case(token: str) -> tuple:
     """``schedule[:2bp][:mpi4py][:tied][:llama][:v2|:vee][:LETTERS]`` -> (schedule, 2bp, transport, tied, model
     kind, tensor optimizations, (virtual stages, placement)); the defaults are fused backward, mpi4jax,
-    untied, GPT-2, one stage per rank and ABCDE (``v2``: two stages per rank, loop placement; ``vee``: the V)."""
+    untied, GPT-2, one stage per rank and ABCDE (``v2``: two stages per rank, loop placement; ``vee``: the V;
+    ``alloc``: ``--plan``'s MadPipe allocation)."""
     name, *opts = token.split(":")
     bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama", *CHUNKS) and not o.isupper()]
     if bad or (name in ("zb-h1", "zb-v") and "2bp" not in opts):  # the zero-bubble schedules always split
@@ -188,6 +191,8 @@ def grid_parser() -> argparse.ArgumentParser:
                     "[:LETTERS] (LETTERS: tensor.optimizations), e.g. naive,zb-h1:2bp,myelin:2bp:mpi4py")
     ap.add_argument("--tensor", default="", help="D,R,C: hybrid layout, every rank a local (depth, row, col) "
                     "mesh (the launcher gives each rank D*R*C devices)")
+    ap.add_argument("--plan", default="", help="an allocation plan file (jaxhybrid partition --out) that the "
+                    "cases marked :alloc train")
     ap.add_argument("--bad-input", action="store_true")
     ap.add_argument("--trace", action="store_true", help="write and check a merged trace of the 1f1b:2bp case")
     return ap
@@ -205,14 +210,20 @@ def run_grid(a, refs: dict) -> int:
         bad_input_checks(p, d)
     tokens = [t for t in a.cases.split(",") if t]
     cases = [parse_case(t) for t in tokens]
+    if a.plan:
+        over = load_plan_overrides(a.plan)
+        PLAN.update({"parallel.partition": over["parallel"]["partition"],
+                     "pipeline.stage_to_rank": over["pipeline"]["stage_to_rank"],
+                     "pipeline.pattern": over["pipeline"]["pattern"]})
     topos = {(1, "loop"): Topology.from_config(make_cfg(p, d, "1f1b", 2 * p, False))}
     if a.bad_input:
         bf16_round_trip(topos[1, "loop"])
     engines, failures = {}, 0
     for token, (name, split, transport, tied, kind, letters, chunks) in zip(tokens, cases):
         m = p if name == "1f1b-1" else 2 * p
-        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters},
-                       **{"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
+        placed = ({k: v for k, v in PLAN.items() if name == "periodic" or k != "pipeline.pattern"} if chunks == "alloc"
+                  else {"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
+        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters}, **placed)
         if chunks not in topos:  # every rank runs the cases in one order: the collective splits match
             topos[chunks] = Topology.from_config(cfg)
         topo = topos[chunks]

@@ -70,9 +70,15 @@ DEEP = [s for s in SCHEDULES if s != "1f1b"]
 # loop placement, ZB-V and Myelin on the V placement with the tied embedding's two copies on one rank.
 CHUNKED = ["interleaved-1f1b:v2", "interleaved-1f1b:2bp:v2", "myelin:2bp:v2", "zb-v:2bp:vee:tied",
            "myelin:2bp:vee:tied"]
+# A MadPipe allocation (`jaxhybrid partition --out` of tests/golden/madpipe_special_profile.json): the special
+# processor, rank 0, holds the first and the last stage, and the ILP's periodic pattern orders them.
+ALLOCATION = ["periodic:alloc", "periodic:2bp:alloc:tied"]
+PARTITION_ARGS = ("--profile", str(ROOT / "tests/golden/madpipe_special_profile.json"), "--processors", "2",
+                  "--memory", "6e8", "--bandwidth", "1e9")
 PARITY_JOBS = {
     "2-ranks": (1, [(2, 1, ["--bad-input", "--trace"],
                      _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True) + CHUNKED),
+                    (2, 1, ["--plan", "ALLOCATION"], ALLOCATION),
                     (1, 2, [], _cases(["1f1b", "myelin"]))]),
     "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4]), (4, 1, [], _cases(DEEP))]),
     "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
@@ -84,16 +90,23 @@ PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for
 
 
 @pytest.fixture(scope="module")
-def parity_job():
+def parity_job(tmp_path_factory):
     """``parity_job(name)``: PARITY_JOBS[name] run once for the module (on first use), as (the completed
-    process, its output, {(grid, case token): the CASE line's status})."""
+    process, its output, {(grid, case token): the CASE line's status}). A grid's ``ALLOCATION`` flag is the
+    plan file that ``jaxhybrid partition --out`` writes for PARTITION_ARGS."""
     done = {}
+    plan = tmp_path_factory.mktemp("madpipe") / "alloc.json"
 
     def run(name):
         if name not in done:
             devices, grids = PARITY_JOBS[name]
             argv = []
             for i, (p, d, flags, cases) in enumerate(grids):
+                if "ALLOCATION" in flags and not plan.exists():
+                    r = subprocess.run([sys.executable, "-m", "jaxhybrid", "partition", *PARTITION_ARGS, "--out",
+                                        str(plan)], env=_env(120), cwd=ROOT, capture_output=True, text=True)
+                    assert r.returncode == 0, r.stdout + r.stderr
+                flags = [str(plan) if f == "ALLOCATION" else f for f in flags]
                 argv += ["--then"] * bool(i) + ["--pipeline", str(p), "--data", str(d), "--cases", ",".join(cases),
                                                 *flags]
             ranks = grids[0][0] * grids[0][1]

@@ -8,11 +8,16 @@ own sizes, and silently ignoring them would partition costs the user did not ask
 
 Prints the stages (layer ranges, numbered from 0 as in the profile, and the processor of each), the
 partitioning DP's period and the period of the valid schedule; ``--json`` prints
-``{"algorithm", "period_s", "valid_period_s", "stages": [{"layers": [first, last], "processor": p}]}``.
+``{"algorithm", "period_s", "valid_period_s", "stages": [{"layers": [first, last], "processor": p}], "pattern"}``.
+``--out FILE`` writes that allocation as a plan file (:func:`~jaxhybrid.planner.plan.write_allocation`) that
+``jaxhybrid train --set plan.file=FILE`` trains: one pipeline rank per processor, the stages' layers as the
+model's blocks (a profile of ``--profile-model`` has one layer per block), and the valid schedule as the
+``periodic`` pattern.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -23,6 +28,7 @@ from jaxhybrid.planner.costs import load_profile, save_profile
 from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.madpipe_dp import grid_sizes
 from jaxhybrid.planner.pipedream import pipedream
+from jaxhybrid.planner.plan import write_allocation
 from jaxhybrid.planner.profile import profile_model
 
 
@@ -48,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help=f"compute dtype (default: a run config's precision.compute_dtype, or float32){only}")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: algorithm, period_s, valid_period_s, stages (layers, processor)")
+                   help="print one JSON object: algorithm, period_s, valid_period_s, stages (layers, processor), "
+                        "pattern")
+    p.add_argument("--out", default="", metavar="FILE", help="write the allocation (stages, processors and its "
+                   "periodic pattern) as a plan file: `jaxhybrid train --set plan.file=FILE` trains it, each "
+                   "processor a pipeline rank, the special processor's stages on one rank")
 
 
 def result_json(alloc) -> dict:
@@ -61,7 +71,7 @@ def result_json(alloc) -> dict:
         rank.setdefault(s.processor, len(rank))
     return {"algorithm": alloc.algorithm, "period_s": fin(alloc.period), "valid_period_s": fin(alloc.valid_period),
             "stages": [{"layers": [s.first - 1, s.last - 1], "processor": rank[s.processor]} for s in stages],
-            "note": alloc.note}
+            "pattern": list(alloc.pattern), "note": alloc.note}
 
 
 def smallest_fit(profile, args) -> str:
@@ -85,7 +95,11 @@ _PROFILING_FLAGS = (("--microbatch-size", "microbatch_size"), ("--seq-len", "seq
 
 
 def _profile(args: argparse.Namespace):
-    """The profile to partition; every argument is checked before a model is profiled (the slow part)."""
+    """The profile to partition and what it was measured for (``{}`` for a profile file: the model, its
+    settings and the profiling sizes otherwise); every argument is checked before a model is profiled (the
+    slow part)."""
+    if args.out:
+        check_writable(args.out, "--out")
     if not args.profile_model:
         if not args.profile:
             raise ValueError("give --profile FILE (a profile JSON) or --profile-model CFG (profile a model "
@@ -98,7 +112,7 @@ def _profile(args: argparse.Namespace):
                              f"{'it' if one else 'them'}, or profile anew with --profile-model")
         profile = load_profile(args.profile)
         check_processors(args.processors, len(profile.layers), "--processors")
-        return profile
+        return profile, {}
 
     model, cfg = model_and_config(args.profile_model, "--profile-model")
     check_processors(args.processors, model.n_layers, "--processors")  # one chain layer per block
@@ -111,12 +125,13 @@ def _profile(args: argparse.Namespace):
     profile = profile_model(model, mb, seq, dtype)
     if args.profile:
         save_profile(profile, args.profile)
-    return profile
+    return profile, {"model": model.name, "model_config": dataclasses.asdict(model), "dtype": dtype, "seq_len": seq,
+                     "microbatch_size": mb}
 
 
 def run(args: argparse.Namespace) -> int:
     check_platform(args.memory, args.bandwidth, ("--memory", "--bandwidth"))
-    profile = _profile(args)
+    profile, meta = _profile(args)
     chain = Chain.from_profile(profile, args.memory, args.bandwidth)
     if args.algorithm == "madpipe":
         alloc = madpipe(chain, args.processors, args.iterations, args.grid)
@@ -126,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no partition of the {chain.L} layers fits in --memory={args.memory:.4g} bytes on "
                          f"{args.processors} processors; {smallest_fit(profile, args)}")
     out = result_json(alloc)
+    if args.out:
+        write_allocation(args.out, out, meta)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -133,4 +150,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{alloc.algorithm}: DP period {alloc.period:.6g} s, valid schedule period {alloc.valid_period:.6g} s{note}")
     for s in out["stages"]:
         print(f"  layers {s['layers'][0]:3d}-{s['layers'][1]:3d}  processor {s['processor']}")
+    print(f"  pattern (one period; F/B<stage>+<shift>): {' '.join(out['pattern'])}")
+    if args.out:
+        print(f"wrote {args.out}: train it with `jaxhybrid train ... --set plan.file={args.out}`")
     return 0

@@ -109,12 +109,18 @@ class ParallelConfig:
 # the others it sets (jaxhybrid.runtime.config_notes).
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # naive | gpipe | 1f1b | zb-h1 | myelin | 1f1b-star | interleaved-1f1b | zb-v
+    schedule: str = "1f1b"  # naive | gpipe | 1f1b | zb-h1 | myelin | 1f1b-star | interleaved-1f1b | zb-v | periodic
     microbatches: int = 1  # per replica per step
     split_backward: bool = False  # 2BP: separate input- and weight-gradient passes
     pipeline_limit: int = 0  # schedule myelin only (others: must be 0): microbatches in flight; 0 = parallel.pipeline
     virtual_stages: int = 1  # stages per pipeline rank (v): the model is cut into parallel.pipeline x v stages
     placement: str = "loop"  # a rank's stages: loop (r, r+p, r+2p, ...; Megatron-LM) | v (v = 2: r and 2p-1-r; zb-v)
+    # The rank of each stage, for any number of stages per rank (a MadPipe allocation from `jaxhybrid partition
+    # --out`; schedules naive, gpipe, myelin, periodic); empty: parallel.pipeline x virtual_stages by placement.
+    stage_to_rank: tuple[int, ...] = ()
+    # Schedule periodic only: one period's passes in order, F<stage>+<shift> | B<stage>+<shift> (MadPipe Sec. 3:
+    # microbatch b runs it in period b + shift), as `jaxhybrid partition --out` writes them.
+    pattern: tuple[str, ...] = ()
     transport: str = "mpi4jax"  # mpi4jax | mpi4py
     # The event loop's kernels: async (dispatched, Myelin IV-A) | sync (each waited for) | auto: sync on CPU,
     # where a rank's polling shares its core with XLA:CPU's kernels, async elsewhere (pipeline/engine.py).

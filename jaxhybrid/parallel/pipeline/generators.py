@@ -7,6 +7,7 @@ which places its own BWs.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 from jaxhybrid.parallel.pipeline.tasks import Kind, Task, task
@@ -170,3 +171,49 @@ def one_f_one_b_star_rows(groups: Sequence[int], microbatches: int, back: Kind) 
     """MadPipe's 1F1B* for a contiguous partition: stage ``s`` of group ``g_s`` runs 1F1B with
     ``g_s - 1`` warm-up forwards, the order of the periodic pattern; it stashes ``min(g_s, M)``."""
     return [one_f_one_b_row(s, microbatches, g - 1, back) for s, g in enumerate(groups)]
+
+
+def parse_pattern(pattern: Sequence[str], stages: int) -> list[tuple[str, int, int]]:
+    """``(kind, stage, shift)`` of each entry of a periodic pattern written ``"F<stage>+<shift>"`` or
+    ``"B<stage>+<shift>"`` (MadPipe Sec. 3: batch ``b`` runs the operation in period ``b + shift``), one
+    period's forward and backward passes in the order they start. Every stage needs exactly one of each."""
+    ops, seen = [], set()
+    for i, text in enumerate(pattern):
+        m = re.fullmatch(r"([FB])(\d+)\+(\d+)", str(text).strip())
+        if not m:
+            raise ValueError(f"pattern entry {i} {text!r} is not F<stage>+<shift> or B<stage>+<shift> "
+                             f"(e.g. F0+0, B2+1)")
+        kind, stage, shift = m.group(1), int(m.group(2)), int(m.group(3))
+        if stage >= stages:
+            raise ValueError(f"pattern entry {i} {text!r} names stage {stage}; the pipeline has stages 0..{stages - 1}")
+        if (kind, stage) in seen:
+            raise ValueError(f"pattern entry {i} {text!r} repeats the {kind} pass of stage {stage}: one period "
+                             f"runs each pass once")
+        seen.add((kind, stage))
+        ops.append((kind, stage, shift))
+    missing = [f"{k}{s}" for s in range(stages) for k in "FB" if (k, s) not in seen]
+    if missing:
+        raise ValueError(f"the pattern has no {', '.join(missing)}: one period runs the forward and the backward "
+                         f"of each of the {stages} stages")
+    return ops
+
+
+def periodic_rows(ops: Sequence[tuple[str, int, int]], stage_to_rank: Sequence[int], microbatches: int,
+                  back: Kind) -> Rows:
+    """A periodic pattern unrolled over ``microbatches`` (MadPipe Sec. 3 and 4.3): period ``k`` runs, in the
+    pattern's order, each operation's batch ``k - shift``, where that batch exists. A batch's operations
+    keep the order they have in the infinite schedule, so the finite one inherits its dependencies; a
+    rank's row is the operations of its stages."""
+    lo, hi = min(s for *_, s in ops), max(s for *_, s in ops)
+    rows: Rows = [[] for _ in range(max(stage_to_rank) + 1)]
+    for k in range(lo, microbatches + hi):
+        for kind, stage, shift in ops:
+            if 0 <= k - shift < microbatches:
+                rows[stage_to_rank[stage]].append(task("F" if kind == "F" else back, k - shift, stage))
+    return rows
+
+
+def star_pattern(groups: Sequence[int]) -> tuple[str, ...]:
+    """MadPipe's 1F1B* (Sec. 4.1) as a periodic pattern: a stage of group ``g`` runs its forward of batch
+    ``i`` and then the backward of batch ``i - g + 1`` in each period (it stores ``g`` batches)."""
+    return tuple(x for s, g in enumerate(groups) for x in (f"F{s}+0", f"B{s}+{g - 1}"))

@@ -20,12 +20,17 @@ Names (``SCHEDULE_NAMES``) and how ``microbatches`` (M, ``pipeline.microbatches`
   chunks per rank, loop placement; M must be a multiple of the ranks. With ``virtual_stages=1``, 1F1B.
 * ``zb-v``: zero-bubble V (Qi et al.): ``virtual_stages=2``, ``placement='v'``, always split backward; its
   rows are a greedy list schedule under ``costs`` capped at 1F1B's peak activation memory.
+* ``periodic``: a periodic pattern (``pattern=("F0+0", "B0+2", ...)``, MadPipe Sec. 3: one period's passes in
+  order, each with its index shift) unrolled over M microbatches; ``jaxhybrid partition --out`` writes the
+  pattern of its allocation (1F1B*'s groups, or the ILP's for a special processor holding several stages).
 
 Virtual stages: ``stages`` is the number of pipeline RANKS p; with ``virtual_stages=v`` the model is cut
 into p x v logical stages (``costs`` has one entry per logical stage) and :func:`stage_placement` gives
 ``stage_to_rank``: ``loop`` puts stage s on rank s % p (Megatron's interleaving), ``v`` (v = 2 only) puts
 stages r and 2p - 1 - r on rank r (ZB-V's V shape). ``naive``, ``gpipe`` and ``myelin`` run over any
-placement; ``1f1b``, ``1f1b-K``, ``zb-h1`` and ``1f1b-star`` are one stage per rank.
+placement; ``1f1b``, ``1f1b-K``, ``zb-h1`` and ``1f1b-star`` are one stage per rank. An explicit
+``stage_to_rank`` (a MadPipe allocation: any number of stages per rank, in any order) replaces the placement
+for ``naive``, ``gpipe``, ``myelin`` and ``periodic``.
 
 ``split_backward=True`` applies 2BP: B becomes BI, and BWs run when a rank would otherwise idle (not
 for ``gpipe``, where 2BP delays them all, Sec. 3.2; override with ``fill_idle``), with those left after a
@@ -44,14 +49,17 @@ from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.policies import FillPolicy, MessageDrivenPolicy, ZeroBubbleVPolicy
 from jaxhybrid.parallel.pipeline.simcore import Core, describe_deadlock
 from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule
+from jaxhybrid.parallel.pipeline.validate import validate_schedule
 
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "1f1b-1", "1f1b-2", "zb-h1", "1f1b-star", "myelin",
-                  "interleaved-1f1b", "zb-v")
+                  "interleaved-1f1b", "zb-v", "periodic")
 PLACEMENTS = ("loop", "v")
 # Schedules defined over several stages per rank; the others order one stage per rank.
-CHUNKED = ("naive", "gpipe", "myelin", "interleaved-1f1b", "zb-v")
+CHUNKED = ("naive", "gpipe", "myelin", "interleaved-1f1b", "zb-v", "periodic")
+# Those that run any stage-to-rank map (a MadPipe allocation), not only the placements.
+ANY_MAP = ("naive", "gpipe", "myelin", "periodic")
 _COMMON = {"costs", "fill_idle", "memory_saving", "bw_flush_every"}
-_OPTS = {"1f1b-star": {"stage_costs", "period", "groups"}}
+_OPTS = {"1f1b-star": {"stage_costs", "period", "groups"}, "periodic": {"pattern"}}
 
 
 def _check_sizes(name: str, stages, microbatches) -> None:
@@ -89,6 +97,18 @@ def stage_placement(ranks: int, virtual_stages: int = 1, placement: str = "loop"
     return tuple(s % ranks for s in range(ranks * virtual_stages))
 
 
+def check_stage_map(stage_to_rank, ranks: int) -> tuple[int, ...]:
+    """An explicit stage-to-rank map: one rank in ``0..ranks-1`` per logical stage, every rank holding one."""
+    placed = tuple(stage_to_rank)
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ranks for r in placed):
+        raise ValueError(f"stage_to_rank={list(placed)} must name a rank in 0..{ranks - 1} for each stage")
+    idle = sorted(set(range(ranks)) - set(placed))
+    if idle:
+        raise ValueError(f"stage_to_rank={list(placed)} gives rank{'s' if len(idle) > 1 else ''} "
+                         f"{', '.join(map(str, idle))} no stage; each of the {ranks} ranks needs one")
+    return placed
+
+
 def _k_of(name: str) -> int | None:
     m = re.fullmatch(r"1f1b-(\d+)", name)
     return int(m.group(1)) if m else None
@@ -111,13 +131,16 @@ def _check_chunked(key: str, stages: int, microbatches: int, virtual_stages: int
 
 
 def make_schedule(name: str, stages: int, microbatches: int | None, split_backward: bool = False,
-                  pipeline_limit: int = 0, *, virtual_stages: int = 1, placement: str = "loop", **opts) -> Schedule:
+                  pipeline_limit: int = 0, *, virtual_stages: int = 1, placement: str = "loop",
+                  stage_to_rank=None, **opts) -> Schedule:
     """Builds the named schedule; see the module docstring for names and options.
 
     Args:
       stages: pipeline ranks p; the schedule has ``stages x virtual_stages`` logical stages.
       virtual_stages: stages per rank (chunks), v.
       placement: ``loop`` or ``v``, see :func:`stage_placement`.
+      stage_to_rank: an explicit map instead of the placement (``virtual_stages`` then stays 1); the
+        identity map is one stage per rank, as without it.
 
     Raises:
       ValueError: unknown name (listing the valid ones), stages < 1, microbatches < 1 or not fitting
@@ -136,7 +159,17 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     if unknown:
         raise ValueError(f"schedule {key!r} got unknown options {sorted(unknown)}; valid: "
                          f"{sorted(_COMMON | _OPTS.get(key, set()))}")
-    _check_chunked(key, stages, microbatches, virtual_stages, placement)
+    if stage_to_rank is not None and len(stage_to_rank):
+        if (virtual_stages, placement) != (1, "loop"):
+            raise ValueError(f"an explicit stage_to_rank={list(stage_to_rank)} places the stages itself; leave "
+                             f"virtual_stages=1 and placement='loop' (got {virtual_stages}, {placement!r})")
+        placed = check_stage_map(stage_to_rank, stages)
+        if placed != tuple(range(stages)) and key not in ANY_MAP:
+            raise ValueError(f"schedule {key!r} cannot run stage_to_rank={list(placed)} (several stages on a rank, "
+                             f"or out of order); schedules over any map: {', '.join(ANY_MAP)}")
+    else:
+        placed = None
+        _check_chunked(key, stages, microbatches, virtual_stages, placement)
     if k is not None and microbatches != k * stages:
         raise ValueError(f"schedule {key!r} is 2BP's 1F1B-{k}: microbatches must be {k} x stages = "
                          f"{k * stages}, got {microbatches}; set microbatches={k * stages} or use "
@@ -144,7 +177,7 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
     if key == "zb-h1" and microbatches < stages:
         raise ValueError(f"schedule 'zb-h1' needs microbatches >= stages, got microbatches="
                          f"{microbatches} < stages={stages}; raise microbatches or use '1f1b'")
-    placed = stage_placement(stages, virtual_stages, placement)
+    placed = placed or stage_placement(stages, virtual_stages, placement)
     costs = opts.get("costs") or Costs.uniform(len(placed))
     if costs.num_stages != len(placed):
         raise ValueError(f"costs cover {costs.num_stages} stages, the schedule has {len(placed)}"
@@ -170,6 +203,11 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
         rows = gen.gpipe_rows(stages, microbatches, back, placed)
     elif key == "interleaved-1f1b":
         rows = gen.interleaved_1f1b_rows(stages, virtual_stages, microbatches, back)
+    elif key == "periodic":
+        if not opts.get("pattern"):
+            raise ValueError("schedule 'periodic' needs its pattern (pipeline.pattern; `jaxhybrid partition --out` "
+                             "writes one)")
+        rows = gen.periodic_rows(gen.parse_pattern(opts["pattern"], len(placed)), placed, microbatches, back)
     elif key == "1f1b-star":
         rows = gen.one_f_one_b_star_rows(_star_groups(stages, opts, costs), microbatches, back)
     else:
@@ -183,7 +221,10 @@ def make_schedule(name: str, stages: int, microbatches: int | None, split_backwa
         rows = _run(FillPolicy(rows, fill_idle=fill, flush_every=flush), placed, costs, key)
     elif opts.get("memory_saving") or opts.get("bw_flush_every"):
         raise ValueError("memory_saving / bw_flush_every need split_backward=True (2BP Fig. 5)")
-    return Schedule(key, _freeze(rows), placed, microbatches, split_backward, "static", pipeline_limit)
+    out = Schedule(key, _freeze(rows), placed, microbatches, split_backward, "static", pipeline_limit)
+    if key == "periodic":  # a user's pattern (the other generators' rows are checked by their tests)
+        validate_schedule(out, costs=costs)
+    return out
 
 
 def _star_groups(stages: int, opts, costs: Costs) -> tuple[int, ...]:
@@ -222,3 +263,23 @@ def _run(policy, stage_to_rank, costs: Costs, name: str):
 
 def _freeze(rows):
     return tuple(tuple(r) for r in rows)
+
+
+def configured_schedule(pl, ranks: int, name: str | None = None, split_backward: bool | None = None,
+                        pipeline_limit: int | None = None, microbatches: int | None = None) -> Schedule:
+    """The schedule of a run's ``pipeline`` config (a :class:`~jaxhybrid.core.config.schema.PipelineConfig`) on
+    ``ranks`` pipeline ranks, with its placement or stage map and pattern; the keywords replace its fields."""
+    name = pl.schedule if name is None else name
+    opts = {"pattern": pl.pattern} if str(name).lower() == "periodic" else {}
+    return make_schedule(name, ranks, pl.microbatches if microbatches is None else microbatches,
+                         split_backward=pl.split_backward if split_backward is None else split_backward,
+                         pipeline_limit=pl.pipeline_limit if pipeline_limit is None else pipeline_limit,
+                         virtual_stages=pl.virtual_stages, placement=pl.placement,
+                         stage_to_rank=pl.stage_to_rank or None, **opts)
+
+
+def configured_placement(pl, ranks: int) -> tuple[int, ...]:
+    """``stage_to_rank`` of a run's ``pipeline`` config: its explicit map, or its placement's."""
+    if pl.stage_to_rank:
+        return check_stage_map(pl.stage_to_rank, ranks)
+    return stage_placement(ranks, pl.virtual_stages, pl.placement)

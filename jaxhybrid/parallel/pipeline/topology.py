@@ -19,7 +19,7 @@ from jaxhybrid.core.config.schema import Config
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.parallel.pipeline.generators import rank_stages
-from jaxhybrid.parallel.pipeline.schedule import stage_placement
+from jaxhybrid.parallel.pipeline.schedule import configured_placement
 
 
 def partition_blocks(n_layers: int, stages: int, partition: tuple[int, ...] | list[int] = ()
@@ -122,7 +122,7 @@ class Topology:
         base = comm if comm is not None else MPI.COMM_WORLD
         dims, pl = cfg.layout, cfg.pipeline
         dims.check_world(base.Get_size())
-        placed = stage_placement(dims.pipeline, pl.virtual_stages, pl.placement)
+        placed = configured_placement(pl, dims.pipeline)
         blocks = partition_blocks(cfg.model.n_layers, len(placed), cfg.parallel.partition)
         return cls(dims, blocks, base, placed)
 

@@ -219,4 +219,19 @@ def write_measured(per_rank: list[list[Event]], run_dir: str | Path, title: str)
     write_chrome_trace(tl, out / "trace.json")
     save_gantt(tl, out / "trace.png", title=title)
     busy = sum(tl.busy(r) for r in range(tl.num_ranks))
-    return {"bubble_ratio": 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12), "makespan_s": tl.makespan}
+    return {"bubble_ratio": 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12), "makespan_s": tl.makespan,
+            "period_s": steady_period(tl.events)}
+
+
+def steady_period(events: list[Event]) -> float | None:
+    """The measured period of a pipelined step (MadPipe Sec. 3: the time between consecutive microbatches in
+    the steady state): the median gap between the forwards' starts on the last stage. Under a periodic
+    schedule (MadPipe's, 1F1B*, 1F1B) the last stage runs each microbatch's forward and backward in turn, so
+    that gap is one period; under GPipe it is only a forward's time. None with fewer than two microbatches."""
+    fwd = [e for e in events if e.kind == "F" and e.stage >= 0]
+    if not fwd:
+        return None
+    last = max(e.stage for e in fwd)
+    starts = sorted(e.start for e in fwd if e.stage == last)
+    gaps = sorted(b - a for a, b in zip(starts, starts[1:]))
+    return gaps[len(gaps) // 2] if gaps else None

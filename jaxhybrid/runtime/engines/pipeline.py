@@ -28,7 +28,7 @@ from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
-from jaxhybrid.parallel.pipeline.schedule import make_schedule
+from jaxhybrid.parallel.pipeline.schedule import configured_schedule
 from jaxhybrid.parallel.pipeline.trace import Event, write_measured
 from jaxhybrid.parallel.pipeline.transport import InProcessHub
 from jaxhybrid.parallel.pipeline.watchdog import Watchdog, install_abort_on_exception
@@ -61,9 +61,7 @@ class PipelineEngine(GradEngine):
         self.microbatches = pl.microbatches
         self.ranks = topology.dims.pipeline
         # Pure checks first: a bad schedule/microbatch count raises the same ValueError on every rank.
-        self.schedule = make_schedule(pl.schedule, self.ranks, pl.microbatches, split_backward=pl.split_backward,
-                                      pipeline_limit=pl.pipeline_limit, virtual_stages=pl.virtual_stages,
-                                      placement=pl.placement)
+        self.schedule = configured_schedule(pl, self.ranks)
         self.who = topology.who
         if abort_on_error:
             install_abort_on_exception(self.who, topology.world)
@@ -134,9 +132,7 @@ class PipelineEngine(GradEngine):
         The microbatch size stays fixed (the transport's message shape); ``microbatches`` may change,
         and with it the global batch. Pure check first: a bad combination raises on every rank alike."""
         m = self.microbatches if microbatches is None else microbatches
-        pl = self.cfg.pipeline
-        self.schedule = make_schedule(name, self.ranks, m, split_backward=split_backward, pipeline_limit=pipeline_limit,
-                                      virtual_stages=pl.virtual_stages, placement=pl.placement)
+        self.schedule = configured_schedule(self.cfg.pipeline, self.ranks, name, split_backward, pipeline_limit, m)
         self.loop.policy = loop_policy(self.schedule)  # the loop runs a schedule of its own policy's kind
         self.microbatches = m
 

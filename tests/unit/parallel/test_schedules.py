@@ -7,6 +7,7 @@ import pytest
 
 from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.generators import madpipe_groups
+from jaxhybrid.parallel.pipeline.generators import star_pattern
 from jaxhybrid.parallel.pipeline.schedule import SCHEDULE_NAMES, make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.parallel.pipeline.tasks import Kind, Schedule, task
@@ -199,6 +200,8 @@ def test_every_generated_schedule_validates(name, split):
         if name == "interleaved-1f1b":
             m = -(-m // p) * p  # Megatron's interleaving takes whole groups of p microbatches
         chunks = {"virtual_stages": 2, "placement": "v"} if name == "zb-v" else {}
+        if name == "periodic":  # 1F1B as MadPipe's periodic pattern: stage s in group p - s
+            chunks = {"pattern": star_pattern(range(p, 0, -1))}
         sch = make_schedule(name, p, m, split, **chunks)
         validate_schedule(sch)
         v = chunks.get("virtual_stages", 1)
