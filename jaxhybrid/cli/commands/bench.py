@@ -9,7 +9,7 @@ from jaxhybrid.core.argtypes import DefaultsHelp
 BENCHES = {
     "step": "trainer step vs a plain jit(value_and_grad) + optax step",
     "stage": "2BP stage kernels: forward, fused backward, input and weight gradients",
-    "pipeline": "pipeline throughput with and without 2BP under mpirun",
+    "pipeline": "pipeline throughput with and without 2BP, or with several stages per rank against 1F1B, under mpirun",
     "offload": "host-offloaded optimizer: device bytes, step time, all-reduce overlap sweep",
     "tensor": "AxoNN 3D tensor parallelism: per-factorization step time and collective bytes",
     "partition": "MadPipe vs PipeDream + 1F1B* periods on layer chains",
