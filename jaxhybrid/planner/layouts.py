@@ -4,6 +4,11 @@ AxoNN's G_c x G_r x G_d mesh under it, a microbatch size, a schedule, 2BP, recom
 A layout is kept only where the config validation would accept it, by the same rules: the schedule's
 (microbatches >= stages) and the tensor engines' divisibility rules (:func:`tensor_fits`). :func:`search`
 walks it for the planner, scoring a larger Myelin limit (V-A) only where it may pay.
+
+Several stages per rank (``pipeline.virtual_stages`` v, :data:`VIRTUAL_STAGES`): interleaved 1F1B (loop
+placement, Narayanan et al. SC'21: a bubble of (p - 1) / (v m + p - 1) for more stashed activations) with and
+without 2BP where M is a multiple of p, and ZB-V (Qi et al., ICLR'24: v = 2, V placement, split); each
+only where the p v stages have a block each, the config validation's rule.
 """
 from __future__ import annotations
 
@@ -19,8 +24,12 @@ from jaxhybrid.planner.step_model import Layout
 
 # What the pipeline engine runs from a plan's overrides, any pipeline and microbatch count >= stages: GPipe,
 # 1F1B, Myelin Alg. 2 (at the limits of :func:`myelin_limits`) with and without 2BP; ZB-H1 (Qi et al.)
-# splits always.
-PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin", "zb-h1")
+# splits always; over several stages per rank (:func:`chunkings`) interleaved 1F1B with and without 2BP, and
+# ZB-V, split.
+PLANNED_SCHEDULES = ("1f1b", "gpipe", "myelin", "zb-h1", "interleaved-1f1b", "zb-v")
+# Interleaved 1F1B's stages per rank searched: each halves the bubble again for more messages and a longer
+# warm-up's activations; past 4 the messages outweigh what is left of the bubble.
+VIRTUAL_STAGES = (2, 4)
 
 
 # A larger Myelin limit is scored only where the pipeline time exceeds its floor by more than this, the
@@ -41,6 +50,17 @@ def myelin_limits(p: int, m: int, split: bool) -> tuple[int, ...]:
     best plan: it is not searched."""
     larger = {min(m, k * p // 2) for k in ((3,) if split else (3, 4))}
     return (0,) + tuple(sorted(lim for lim in larger if lim > p))
+
+
+def chunkings(sched: str, n_layers: int, p: int, m: int) -> tuple[tuple[int, str], ...]:
+    """The ``(virtual_stages, placement)`` a schedule is searched with at p ranks and m microbatches: one
+    stage per rank for the schedules of one, :data:`VIRTUAL_STAGES` for interleaved 1F1B (M a multiple of
+    p), ZB-V's (2, v); only where the p v stages have a block each (else none)."""
+    if sched == "interleaved-1f1b":
+        return tuple((v, "loop") for v in VIRTUAL_STAGES if p * v <= n_layers and m % p == 0)
+    if sched == "zb-v":
+        return ((2, "v"),) if 2 * p <= n_layers else ()
+    return ((1, "loop"),)
 
 
 def divisors(n: int) -> list[int]:
@@ -71,29 +91,39 @@ def layouts(cfg: ModelConfig, gpus: int, global_batch: int, tensor: bool = True,
                         continue
                     scheds = schedules if pipe > 1 else ("1f1b",)  # one stage: gradient accumulation
                     for sched, split, remat, off in itertools.product(scheds, (False, True), remats, offloads):
-                        # 2BP needs a pipeline to fill; ZB-H1 always splits.
-                        if (split and pipe == 1) or (sched == "zb-h1" and not split):
+                        # 2BP needs a pipeline to fill; ZB-H1 and ZB-V always split.
+                        if (split and pipe == 1) or (sched in ("zb-h1", "zb-v") and not split):
                             continue
-                        for lim in myelin_limits(pipe, m, split) if sched == "myelin" else (0,):
-                            yield Layout(ParallelDims(pipe, data, gc, gr, gd), b, m, sched, split, off, remat, lim)
+                        for v, place in chunkings(sched, cfg.n_layers, pipe, m):
+                            for lim in myelin_limits(pipe, m, split) if sched == "myelin" else (0,):
+                                yield Layout(ParallelDims(pipe, data, gc, gr, gd), b, m, sched, split, off, remat,
+                                             lim, v, place)
+
+
+def _chain_start(lay: Layout) -> Layout:
+    """The first of the layouts :func:`search` scores in a row, each only where the one before it pays:
+    the default Myelin limit, or the fewest virtual stages searched."""
+    return dataclasses.replace(lay, pipeline_limit=0, virtual_stages=min(lay.virtual_stages, VIRTUAL_STAGES[0]))
 
 
 def search(cfg: ModelConfig, gpus: int, global_batch: int, score, memory_bytes: float, tensor: bool = True,
            offload: bool | None = None):
     """``(layout, score(layout), fits)`` for the :func:`layouts` worth scoring; ``fits``: within
-    ``memory_bytes`` and, for a larger Myelin limit, faster than the limit before it (else it holds more
-    for nothing). A larger limit is scored only where the one before it fits, is faster than its own
-    predecessor (or is the default), and is more than :data:`LIMIT_SLACK` above the pipeline time no limit
-    beats (``pipeline_floor_s``). Each is a simulation, and few larger limits gain much: the floor skips
-    most of those that cannot, so the search costs little more than with the default limit alone."""
-    last = (None, False, 0.0)  # (layout at the default limit, worth a larger limit, step time)
+    ``memory_bytes`` and, for a larger Myelin limit or more virtual stages, faster than the one before it
+    (else it holds more for nothing). A larger limit (more virtual stages) is scored only where the one
+    before it fits, is faster than its own predecessor (or is the first), and is more than
+    :data:`LIMIT_SLACK` above the pipeline time no limit beats (``pipeline_floor_s``). Each is a
+    simulation, and few larger limits gain much: the floor skips most of those that cannot, so the search
+    costs little more than with the default limit alone; interleaving's 4 stages per rank (the longest
+    simulations) are scored only where 2 fit."""
+    last = (None, False, 0.0)  # (the chain's first layout, worth the next one, step time)
     for lay in layouts(cfg, gpus, global_batch, tensor, offload):
-        base = dataclasses.replace(lay, pipeline_limit=0)
-        if lay.pipeline_limit and not (last[0] == base and last[1]):
-            continue  # layouts() yields a layout's limits in a row, the default first
+        base = _chain_start(lay)
+        larger = lay != base
+        if larger and not (last[0] == base and last[1]):
+            continue  # layouts() yields a chain in a row, its first layout first
         r = score(lay)
-        fits = r["memory_per_device_bytes"] <= memory_bytes and \
-            (not lay.pipeline_limit or r["predicted_step_s"] < last[2])
+        fits = r["memory_per_device_bytes"] <= memory_bytes and (not larger or r["predicted_step_s"] < last[2])
         last = (base, fits and r["pipeline_s"] > (1 + LIMIT_SLACK) * r["pipeline_floor_s"], r["predicted_step_s"])
         yield lay, r, fits
 

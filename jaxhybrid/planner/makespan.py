@@ -22,7 +22,7 @@ def sig2(x: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fixed_schedule(schedule: str, p: int, m: int, split: bool, limit: int = 0):
+def _fixed_schedule(schedule: str, p: int, m: int, split: bool, limit: int = 0, v: int = 1, placement: str = "loop"):
     """A schedule whose rows do not depend on the costs, built once per shape for every ratio: any without
     2BP, and Myelin's, whose rows are only each rank's pool of tasks: the simulator's message-driven policy
     re-derives the order under the costs and ``limit`` (Alg. 2) and reads the rows only as a pool, so
@@ -31,27 +31,37 @@ def _fixed_schedule(schedule: str, p: int, m: int, split: bool, limit: int = 0):
     if schedule == "myelin":
         rows = tuple(map(tuple, gpipe_rows(p, m, Kind.BI if split else Kind.B)))
         return Schedule("myelin", rows, tuple(range(p)), m, split, "message-driven", limit)
-    return make_schedule(schedule, p, m, split)
+    return make_schedule(schedule, p, m, split, virtual_stages=v, placement=placement)
 
 
-def makespan_floor(p: int, m: int, split: bool, bi: float, bw: float, msg: float) -> float:
+def makespan_floor(p: int, m: int, split: bool, bi: float, bw: float, msg: float, v: int = 1) -> float:
     """A makespan (F = 1) that no schedule or limit beats: the last stage starts only once the first
     forward has crossed the p - 1 stages and messages before it; it then runs all m microbatches' F and
     B (or BI, and BW: m (1 + bi + bw)), and its last backward still crosses the p - 1 stages back, with
     stage 0's BW of it after that under 2BP. Where a simulated makespan is within 1% of it, a larger
-    Myelin limit (V-A) can gain at most 1% (the planner's search does not try one then)."""
+    Myelin limit (V-A) can gain at most 1% (the planner's search does not try one then).
+
+    With ``v`` stages per rank (costs per chunk, F = 1): rank p - 1 holds no stage below p - 1 under
+    either placement, so it starts after p - 1 forwards and messages, then runs its v m chunks' work."""
     if not split:
         bi, bw = bi + bw, 0.0
+    if v > 1:
+        return (p - 1) * (1 + msg) + v * m * (1 + bi + bw)
     return (p - 1) * (1 + msg) + max(m * (1 + bi + bw), m * (1 + bi) + (p - 1) * (bi + msg) + bw)
 
 
-def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def memory_states(core, p: int, v: int = 1) -> tuple[tuple[tuple, ...], ...]:
     """Per rank, the (stashed activations, held weight residuals) counts it passes through that no other
     state of it dominates (2BP Sec. 4.2: a microbatch's activations live from its F to its BI, or B, and
     its weight residuals from BI to BW). A rank's peak bytes are the largest ``a A + r R`` over its states,
     for any per-microbatch activation bytes ``A`` and residual bytes ``R``: its two separate peaks, which
-    may fall at different times (under GPipe + 2BP they never meet), would overstate it."""
+    may fall at different times (under GPipe + 2BP they never meet), would overstate it.
 
+    With ``v`` > 1 stages per rank a state is a pair of per-chunk count tuples (the rank's stages in
+    ascending order): its chunks keep different bytes (the last stage's head), so a rank's peak is the
+    largest ``sum_c a_c A_c + r_c R_c``; the states kept are those no other dominates in every count."""
+    if v > 1:
+        return _chunk_states(core, p, v)
     records: list[list] = [[] for _ in range(p)]
     for rec in core.records:
         records[rec.rank].append(rec)
@@ -71,21 +81,56 @@ def memory_states(core, p: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(out)
 
 
-def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float, limit: int = 0):
+def _chunk_states(core, p: int, v: int) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]:
+    """:func:`memory_states` of a schedule with ``v`` stages per rank: per-chunk counts, undominated."""
+    owner = core.stage_to_rank
+    chunk = [owner[:s].count(owner[s]) for s in range(len(owner))]  # a stage's index among its rank's
+    records: list[list] = [[] for _ in range(p)]
+    for rec in core.records:
+        records[rec.rank].append(rec)
+    out = []
+    for rank in records:
+        a, r = [0] * v, [0] * v
+        seen = {((0,) * v, (0,) * v)}
+        for _, _, s, da, dr in memory_deltas(rank):
+            a[chunk[s]] += da
+            r[chunk[s]] += dr
+            seen.add((tuple(a), tuple(r)))
+        flat = sorted(seen, key=lambda x: -sum(x[0]) - sum(x[1]))
+        front: list = []
+        for st in flat:  # most held first: one dominated by a kept state is left out
+            if not any(all(x <= y for x, y in zip(st[0] + st[1], f[0] + f[1])) for f in front):
+                front.append(st)
+        out.append(tuple(sorted(front)))
+    return tuple(out)
+
+
+def _simulate(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float, limit: int = 0,
+              v: int = 1, placement: str = "loop"):
     """One simulation at these ratios. The schedule is built with them too, as ``jaxhybrid simulate
     --costs`` builds it: 2BP places its weight passes in the idle time the costs leave (unit costs
-    placed them elsewhere: 35.5 against 34 for 1F1B + 2BP, 4 stages, 8 microbatches, costs 1, 2, 0.5)."""
+    placed them elsewhere: 35.5 against 34 for 1F1B + 2BP, 4 stages, 8 microbatches, costs 1, 2, 0.5).
 
-    costs = Costs(forward=(1.0,) * p, backward_input=(bi,) * p, backward_weight=(bw,) * p,
-                  message_bytes=(msg,) * p, bandwidth=1.0)
-    fixed = not split or schedule in ("myelin", "zb-h1")  # ZB-H1 places its BWs by rule, not by costs
+    ``v`` stages per rank (``placement``): p v logical stages, each with the ratios of one chunk; a message
+    crosses every boundary whose two stages are on different ranks (the simulator keeps a V placement's
+    turn at rank p - 1 local)."""
+
+    n = p * v
+    costs = Costs(forward=(1.0,) * n, backward_input=(bi,) * n, backward_weight=(bw,) * n,
+                  message_bytes=(msg,) * n, bandwidth=1.0)
+    # ZB-H1 places its BWs by rule, not by costs. Several stages per rank: the rows the engine runs, built at
+    # unit costs and free links, once per shape (ZB-V's greedy order is made for free messages: with slow
+    # ones a rank would fill its memory cap with its first chunk's forwards while its second chunk's first
+    # one is on its way).
+    fixed = not split or schedule in ("myelin", "zb-h1") or v > 1
+    chunks = {"virtual_stages": v, "placement": placement} if v > 1 else {}
     # The engine builds 1F1B* from unit costs and free links (runner.py): equal stages, one per group, which
     # these ratios' links would regroup; only where its weight passes go follows the costs.
     star = {"groups": tuple(range(p, 0, -1))} if schedule == "1f1b-star" else {}
-    order = (_fixed_schedule(schedule, p, m, split, limit) if fixed
-             else make_schedule(schedule, p, m, split, costs=costs, **star))
+    order = (_fixed_schedule(schedule, p, m, split, limit, v, placement) if fixed
+             else make_schedule(schedule, p, m, split, costs=costs, **star, **chunks))
     core = run_order(order, costs)
-    return max(r.end for r in core.records), memory_states(core, p)
+    return max(r.end for r in core.records), memory_states(core, p, v)
 
 
 def _extrapolation_points(schedule: str, p: int, m: int, limit: int = 0) -> tuple[int, int]:
@@ -109,8 +154,9 @@ def _extrapolation_points(schedule: str, p: int, m: int, limit: int = 0) -> tupl
 
 @functools.lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw: float, msg: float,
-                      limit: int = 0) -> tuple[float, tuple[tuple[tuple[int, int], ...], ...]]:
-    """(makespan with F = 1, per-rank :func:`memory_states`); rank r runs stage r.
+                      limit: int = 0, v: int = 1, placement: str = "loop") -> tuple[float, tuple[tuple[tuple, ...], ...]]:
+    """(makespan with F = 1, per-rank :func:`memory_states`); rank r runs stage r, or with ``v`` > 1 the
+    stages ``placement`` gives it (F = 1 is then one chunk's forward).
 
     Up to :data:`MAX_SIMULATED` tasks, one run of the schedule simulator. Longer schedules: the makespan
     is extrapolated linearly in ``m`` from two simulated ones (:func:`_extrapolation_points`; the tests
@@ -122,13 +168,22 @@ def pipeline_makespan(schedule: str, p: int, m: int, split: bool, bi: float, bw:
     residuals (:mod:`~jaxhybrid.parallel.pipeline.message_driven`): both bounds, counted as if held together.
 
     ``limit``: Myelin's ``pipeline_limit`` (V-A; 0, the engine's default, is p), as a run sets it; the
-    other schedules have none."""
+    other schedules have none.
+
+    Several stages per rank (interleaved 1F1B, ZB-V): the long schedule's memory is the later simulated
+    point's states (their warm-up stashes do not grow with m: Narayanan et al. SC'21's interleaving keeps
+    (v - 1) p more chunk activations than 1F1B whatever m; ZB-V caps them at 1F1B's), with interleaved 2BP's
+    weight residuals bounded by all m per chunk (its weight passes wait for idle time, as 1F1B + 2BP's)."""
     limit = 0 if schedule != "myelin" or limit == p else limit  # one cache entry for the default
     m1, m2 = _extrapolation_points(schedule, p, m, limit)
-    if p * m <= MAX_SIMULATED or m <= m2:
-        return _simulate(schedule, p, m, split, bi, bw, msg, limit)
-    (t1, _), (t2, _) = (_simulate(schedule, p, k, split, bi, bw, msg, limit) for k in (m1, m2))
+    if p * v * m <= MAX_SIMULATED or m <= m2:
+        return _simulate(schedule, p, m, split, bi, bw, msg, limit, v, placement)
+    (t1, _), (t2, late) = (_simulate(schedule, p, k, split, bi, bw, msg, limit, v, placement) for k in (m1, m2))
     make = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
+    if v > 1:
+        if split and schedule != "zb-v":
+            late = tuple(tuple(sorted({(a, (m,) * v) for a, _ in st})) for st in late)
+        return make, late
     if schedule == "myelin":  # a later stage may hold all in flight (p - rank is 1F1B's bound, not Alg. 2's)
         return make, tuple(((min(m, limit or p), min(m, p) if split else 0),) for _ in range(p))
     live = [m if schedule == "gpipe" else min(m, p - r) for r in range(p)]

@@ -2,7 +2,8 @@
 
 A layout (:mod:`jaxhybrid.planner.layouts`) is pipeline x data x G_c x G_r x G_d = G, a microbatch size, a
 schedule (GPipe, 1F1B or Myelin's message-driven Alg. 2 at a few pipeline limits, V-A, each with or without
-the 2BP split; ZB-H1 with it), activation recomputation (none, dots, or Myelin's checkpoint interval) and
+the 2BP split; ZB-H1 with it; interleaved 1F1B and ZB-V over several stages per rank, with the activations
+their schedules stash), activation recomputation (none, dots, or Myelin's checkpoint interval) and
 optimizer offload. Each is scored by :func:`jaxhybrid.planner.step_model.evaluate`; layouts whose memory
 per device exceeds the hardware's are dropped. A plan file (``--out``) carries the config overrides that
 ``jaxhybrid train --set plan.file=PLAN.json`` applies (:func:`load_plan_overrides`).
@@ -22,7 +23,8 @@ from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (plan
 from jaxhybrid.planner.step_model import Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
-             "pipeline_limit", "split_backward", "offload", "predicted_step_s", "comm_s", "memory_per_device_bytes")
+             "pipeline_limit", "virtual_stages", "placement", "split_backward", "offload", "predicted_step_s", "comm_s",
+             "memory_per_device_bytes")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
@@ -88,6 +90,30 @@ def latency_notes(plans: list[dict]) -> list[str]:
             f"ignores latency, so such small configurations are not ranked meaningfully"]
 
 
+def _sizes(p: dict) -> tuple[int, ...]:
+    return tuple(p[k] for k in ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth"))
+
+
+def virtual_stage_notes(plans: list[dict]) -> list[str]:
+    """A note when the best of ``plans`` (feasible ones, best first, as :func:`rank_plans` returns them) runs
+    several stages per rank: whether it needs them to fit (no plan of one stage per rank with its
+    pipeline, data and tensor sizes fits) or wins on time, by how much against the best such plan."""
+    if not plans or plans[0].get("virtual_stages", 1) == 1:
+        return []
+    best = plans[0]
+    what = (f"the best plan runs {best['virtual_stages']} stages per pipeline rank ({best['schedule']}, "
+            f"placement {best['placement']})")
+    ones = [p for p in plans if p.get("virtual_stages", 1) == 1]
+    faster = "" if not ones else (
+        f"{1 - best['predicted_step_s'] / ones[0]['predicted_step_s']:.1%} faster than the best plan of one stage "
+        f"per rank ({ones[0]['schedule']}, {ones[0]['predicted_step_s']:.4g} s against {best['predicted_step_s']:.4g} s)")
+    if not any(_sizes(p) == _sizes(best) for p in ones):
+        sizes = "x".join(map(str, _sizes(best)))
+        return [f"{what}: it needs them to fit, no plan of one stage per rank with its pipeline x data x tensor "
+                f"sizes ({sizes}) fits in memory" + (f"; it is {faster}" if faster else "")]
+    return [f"{what}: it wins on time, {faster}"]
+
+
 def _describe(lay: Layout) -> str:
     d = lay.dims
     return (f"pipeline={d.pipeline} data={d.data} tensor={d.tensor_col}x{d.tensor_row}x"
@@ -133,7 +159,8 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
     axes = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")
     partition = list(plan["partition"]) if plan["pipeline"] > 1 else []
     pipe = {"schedule": plan["schedule"], "split_backward": plan["split_backward"],
-            "microbatches": plan["microbatches"]}
+            "microbatches": plan["microbatches"], "virtual_stages": plan.get("virtual_stages", 1),
+            "placement": plan.get("placement", "loop")}
     # The limit it was modelled with (0: stages), whatever the run set; 0 under the other schedules, which
     # have no limit (a run config's own Myelin limit would be an error with them).
     pipe["pipeline_limit"] = plan.get("pipeline_limit", 0) if plan["schedule"] == "myelin" else 0
@@ -152,11 +179,13 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
 def config_layout(cfg) -> Layout:
     """The :class:`Layout` a run config trains with (the inverse of :func:`plan_overrides`), so the step
     model can score a hand-written config beside the planner's own plans. The step model splits the blocks
-    its own way (:func:`~jaxhybrid.planner.step_model.partition_blocks`), not by ``parallel.partition``.
-    ``pipeline.pipeline_limit`` counts only under Myelin's message-driven schedule (the engine's rule)."""
+    its own way (:func:`~jaxhybrid.planner.step_model.chunk_partition`), not by ``parallel.partition``.
+    ``pipeline.pipeline_limit`` counts only under Myelin's message-driven schedule (the engine's rule);
+    ``pipeline.virtual_stages`` and ``placement`` are the run's."""
     dims, pl = cfg.layout, cfg.pipeline
     return Layout(dims, cfg.microbatch_size, pl.microbatches, pl.schedule, pl.split_backward and dims.pipeline > 1,
-                  cfg.optim.offload, cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0)
+                  cfg.optim.offload, cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0,
+                  pl.virtual_stages, pl.placement)
 
 
 def score_config(cfg, machine: Machine, seq: int) -> dict:

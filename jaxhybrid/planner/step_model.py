@@ -11,13 +11,14 @@ with the activations the stage kernels keep (:func:`~jaxhybrid.planner.memory.bl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from jaxhybrid.core.config.model import ModelConfig, block_matmuls
 from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
 from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.model.flops import attention_core_flops, forward_flops
+from jaxhybrid.parallel.pipeline.schedule import stage_placement
 from jaxhybrid.parallel.tensor.mesh import reduce_data_once
 from jaxhybrid.planner.comm_model import Network, comm_time, group_bandwidths, layer_comm_volumes
 from jaxhybrid.planner.makespan import makespan_floor, pipeline_makespan, sig2
@@ -45,6 +46,8 @@ class Layout:
     offload: bool
     remat: str
     pipeline_limit: int = 0  # Myelin's microbatches in flight (V-A); 0: stages, the engine's default
+    virtual_stages: int = 1  # stages per pipeline rank, v (pipeline.virtual_stages)
+    placement: str = "loop"  # which stages a rank holds (pipeline.placement): loop, or v (ZB-V's V shape)
 
     def to_dict(self) -> dict:
         """The flat record a plan (and ``jaxhybrid plan --json``) shows: the five sizes, then the rest."""
@@ -54,17 +57,20 @@ class Layout:
 
     @classmethod
     def from_dict(cls, plan: dict) -> "Layout":
-        """The layout of a plan's record (:meth:`to_dict`; other keys are ignored)."""
+        """The layout of a plan's record (:meth:`to_dict`; other keys are ignored; a record from before a
+        field with a default, e.g. ``virtual_stages``, has that default)."""
         dims = ParallelDims(*(plan[k] for k in ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth")))
-        return cls(dims, *(plan[f.name] for f in fields(cls)[1:]))
+        return cls(dims, **{f.name: plan[f.name] if f.default is MISSING else plan.get(f.name, f.default)
+                            for f in fields(cls)[1:]})
 
 
-def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple[int, ...]:
-    """Blocks per stage minimising the largest stage, the last stage also carrying the head."""
+def partition_blocks(n_layers: int, stages: int, head_in_blocks: float, least: int = 1) -> tuple[int, ...]:
+    """Blocks per stage minimising the largest stage, the last stage also carrying the head; each stage
+    at least ``least`` blocks."""
     if stages == 1:
         return (n_layers,)
     best = None
-    for last in range(1, n_layers - stages + 2):
+    for last in range(least, n_layers - least * (stages - 1) + 1):
         rest = n_layers - last
         per = math.ceil(rest / (stages - 1))
         load = max(last + head_in_blocks, per)
@@ -74,6 +80,23 @@ def partition_blocks(n_layers: int, stages: int, head_in_blocks: float) -> tuple
     rest = n_layers - last
     q, r = divmod(rest, stages - 1)
     return tuple([q + 1] * r + [q] * (stages - 1 - r) + [last])
+
+
+def chunk_partition(n_layers: int, ranks: int, virtual_stages: int, placement: str,
+                    head_in_blocks: float) -> tuple[int, ...]:
+    """Blocks of each of the ``ranks x virtual_stages`` stages (in stage order) balancing the ranks' loads,
+    not the stages': blocks per rank by :func:`partition_blocks` (the rank holding the last stage also
+    carries the head, at least one block per stage it holds), then each rank's split over its stages as
+    evenly as they go, the head's stage again taking fewer."""
+    v = virtual_stages
+    if v == 1:
+        return partition_blocks(n_layers, ranks, head_in_blocks)
+    owner = stage_placement(ranks, v, placement)
+    per_rank = partition_blocks(n_layers, ranks, head_in_blocks, least=v)  # the head's rank last
+    ordered = [r for r in range(ranks) if r != owner[-1]] + [owner[-1]]
+    split = {r: partition_blocks(k, v, head_in_blocks if r == owner[-1] else 0.0) for r, k in zip(ordered, per_rank)}
+    held = [owner[:s].count(owner[s]) for s in range(len(owner))]  # a stage's index among its rank's
+    return tuple(split[owner[s]][held[s]] for s in range(len(owner)))
 
 
 def block_bytes_per_device(cfg: ModelConfig, lay: Layout, seq: int, dtype_bytes: int, flash: bool) -> dict:
@@ -140,7 +163,16 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A); ``allreduce_dtype``
     (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves. ``param_state_bytes``
     is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
-    ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`)."""
+    ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`).
+
+    Several stages per rank (``virtual_stages`` v, ``placement``): the blocks are split over p v stages and a
+    rank's time, parameters and gradients are those of its stages together; the schedule is simulated over
+    the chunks, each costing its share of the rank's (1/v of F, BI, BW), with a message at every boundary
+    between two ranks: v times as many as one stage per rank, less the V placement's local turn. Interleaving
+    cuts the bubble to (p - 1) / (v m + p - 1) of the step (Narayanan et al., SC'21, Sec. 2.2) but stashes
+    more: the simulated schedule holds each chunk's microbatches from its F to its backward, counted per
+    chunk at that chunk's bytes (Megatron's warm-up runs (v - 1) p more chunk forwards than 1F1B's). ZB-V
+    (Qi et al., ICLR'24) keeps 1F1B's activation peak with ZB-H1's nearly empty bubble."""
     dims = lay.dims
     b, ts, db = lay.microbatch_size, dims.tensor_size, machine.dtype_bytes
     tokens = b * seq
@@ -151,7 +183,10 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     f_head = 2 * tokens * d * cfg.vocab_size / (machine.flops_per_s * ts)
     o_f, o_b = machine.block_overhead_s  # per block and device, whatever the tensor split (each runs every kernel)
     # The head in blocks of a stage's whole work (forward + backward: 3 x the forward flops, + the overheads).
-    parts = partition_blocks(cfg.n_layers, dims.pipeline, f_head / (f_blk + (o_f + o_b) / 3))
+    v = lay.virtual_stages
+    parts = chunk_partition(cfg.n_layers, dims.pipeline, v, lay.placement, f_head / (f_blk + (o_f + o_b) / 3))
+    owner = stage_placement(dims.pipeline, v, lay.placement)
+    chunks = [[s_ for s_ in range(len(parts)) if owner[s_] == r_] for r_ in range(dims.pipeline)]  # by rank
     bw_ = group_bandwidths(machine.net, dims.tensor_col, dims.tensor_row, dims.tensor_depth, dims.data)
     # Ranks: tensor grid innermost, then pipeline stages, then data replicas (the launch order), so a data
     # group's stride includes the pipeline: treat the stages as an extra inner level for its bandwidth.
@@ -190,12 +225,18 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
             comm["BI"] += 0.0 if g["kept"] else n_ * per_blk["all_gather"]
         return comp, comm
 
-    # Bottleneck stage: the last stage's head can outweigh several blocks (GPT-2 small's: 4.5), so the most
-    # blocks is not the slowest stage then. On a tie, the stage with more blocks (more collectives).
-    loads = [phases(n_, s_ == last_s) for s_, n_ in enumerate(parts)]
-    slow = max(range(len(parts)), key=lambda s_: (sum(loads[s_][0].values()) + sum(loads[s_][1].values()), parts[s_]))
+    # Bottleneck rank: the last stage's head can outweigh several blocks (GPT-2 small's: 4.5), so the most
+    # blocks is not the slowest stage then. On a tie, the rank with more blocks (more collectives).
+    def rank_load(r_: int) -> tuple[dict, dict]:  # its stages' phases together
+        each = [phases(parts[s_], s_ == last_s) for s_ in chunks[r_]]
+        return tuple({k: sum(e[i][k] for e in each) for k in each[0][i]} for i in (0, 1))
+
+    loads = [rank_load(r_) for r_ in range(dims.pipeline)]
+    blocks = [sum(parts[s_] for s_ in c) for c in chunks]
+    slow = max(range(dims.pipeline), key=lambda r_: (sum(loads[r_][0].values()) + sum(loads[r_][1].values()),
+                                                     blocks[r_]))
     comp, comm_ = loads[slow]
-    F, BI, BW = (comp[k] + comm_[k] for k in ("F", "BI", "BW"))
+    F, BI, BW = (comp[k] + comm_[k] for k in ("F", "BI", "BW"))  # the rank's; a chunk runs 1/v of them
     # Pipeline messages: each tensor rank sends its shard of the hidden state to the next stage.
     msg_bytes = tokens * d * db / (dims.tensor_depth * dims.tensor_row)
     span = 2 * ts
@@ -203,6 +244,7 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     p2p_bw = machine.net.intra_bandwidth(span) if span <= gpn and gpn % span == 0 else \
         machine.net.inter_node / min(ts, gpn)
     msg = msg_bytes / p2p_bw if dims.pipeline > 1 else 0.0
+    crossings = sum(owner[s_] != owner[s_ + 1] for s_ in range(len(owner) - 1))  # messages each way per microbatch
     # Ratios to 2 significant digits: the simulated makespan is scale-free, and the cache then serves
     # the thousands of layouts of a search with a few hundred simulations.
     # One stage runs its microbatches as gradient accumulation (jaxhybrid.runtime.engines.base.accumulated_step: forward
@@ -212,15 +254,17 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         makespan, states = lay.microbatches * (F + BI + BW), (((1, 0),),)
         floor = makespan
     else:
-        ratios = sig2(BI / F), sig2(BW / F), sig2(msg / F)
+        ratios = sig2(BI / F), sig2(BW / F), sig2(v * msg / F)  # to one chunk's forward, F / v
         make, states = pipeline_makespan(lay.schedule, dims.pipeline, lay.microbatches, lay.split_backward,
-                                         *ratios, lay.pipeline_limit)
-        makespan, floor = make * F, makespan_floor(dims.pipeline, lay.microbatches, lay.split_backward, *ratios) * F
+                                         *ratios, lay.pipeline_limit, *((v, lay.placement) if v > 1 else ()))
+        floor = makespan_floor(dims.pipeline, lay.microbatches, lay.split_backward, *ratios, v) * F / v
+        makespan = make * F / v
     # Each leaf as the trainer shards it: vectors are not split over the whole grid (param_shards).
-    stage_phi = stage_params_per_device(cfg, parts, dims.tensor_col, dims.tensor_row, dims.tensor_depth, letters)
-    # Every stage all-reduces its own gradients over the replicas at once: the step waits for the largest.
-    data_ar = max(n_ * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
-                  for s_, n_ in enumerate(parts))
+    part_phi = stage_params_per_device(cfg, parts, dims.tensor_col, dims.tensor_row, dims.tensor_depth, letters)
+    stage_phi = [sum(part_phi[s_] for s_ in c) for c in chunks]  # per rank: v does not change the whole
+    # Every rank all-reduces its own gradients over the replicas at once: the step waits for the largest.
+    data_ar = max(sum(parts[s_] * per_blk["all_reduce_data"] + (head["all_reduce_data"] if s_ == last_s else 0.0)
+                      for s_ in c) for c in chunks)
     # Replicas that are MPI ranks reduce float32 (MPI reduces no half floats; optim/allreduce.py) unless the
     # offloaded optimizer's half-precision gradients travel as they are (optim.allreduce_dtype: compute, the
     # sendrecvs of optim/half_allreduce.py). The tensor engine reduces float32 where it accumulates each replica's float32
@@ -238,21 +282,19 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     # is reduced before the first bucket updates, and only ``prefetch`` buckets are fetched meanwhile.
     step = makespan + data_ar + offload_s
     # remat full runs each forward's collectives again in the backward (phases' BI).
-    tensor_comm = (lay.microbatches + dims.pipeline - 1) * sum(comm_.values())
-    comm = tensor_comm + 2 * (dims.pipeline - 1) * msg + data_ar
+    tensor_comm = (lay.microbatches + (dims.pipeline - 1) / v) * sum(comm_.values())
+    comm = tensor_comm + 2 * crossings * msg + data_ar
     # Memory: parameter state, stashed activations, transient (recomputed segment, logits).
     blk = block_bytes_per_device(cfg, lay, seq, db, flash)
     blk_none, blk_kept, residual, blk_gathered = blk["none"], blk["kept"], blk["weight_residuals"], blk["gathered_w"]
     act_shard = dims.tensor_depth * min(dims.tensor_row, dims.tensor_col)
     bnd = boundary_bytes(seq, b, d, db) / act_shard
-    head_act, head_res = (v / act_shard for v in head_residual_bytes(cfg, seq, b, db))  # dots: as none
-    mem = param_state = 0.0
-    for s, (n_, phi) in enumerate(zip(parts, stage_phi)):
-        last = s == len(parts) - 1
-        state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
-        param_state = max(param_state, state)
+    head_act, head_res = (x / act_shard for x in head_residual_bytes(cfg, seq, b, db))  # dots: as none
+    ac = optimal_checkpoint_interval(cfg.n_layers, dims.pipeline * v)
+
+    def stage_bytes(n_: int, last: bool) -> tuple[float, float, float]:
+        """(stash, weight residuals) per microbatch and the transient bytes of one stage of ``n_`` blocks."""
         if lay.remat == "full":  # a stage's head is in its last segment: recomputed with it
-            ac = optimal_checkpoint_interval(cfg.n_layers, dims.pipeline)
             if g["cached_full"]:  # E: every block's gathered W is saved from the forward to its backward
                 stash, transient = math.ceil(n_ / ac) * bnd + n_ * blk_gathered, min(ac, n_) * blk_none
             else:
@@ -265,7 +307,19 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         wres = n_ * residual + (head_res if last else 0.0)
         if last:
             transient += tokens * cfg.vocab_size * 4 / ts  # the backward's float32 logits gradient
-        mem = max(mem, state + max(a * stash + r * wres for a, r in states[s]) + transient)
+        return stash, wres, transient
+
+    mem = param_state = 0.0
+    for r_, (c, phi) in enumerate(zip(chunks, stage_phi)):
+        state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
+        param_state = max(param_state, state)
+        each = [stage_bytes(parts[s_], s_ == last_s) for s_ in c]
+        transient = max(t for _, _, t in each)  # one stage's pass runs at a time
+        if v == 1:
+            held = max(a * each[0][0] + r * each[0][1] for a, r in states[r_])
+        else:  # per-chunk counts, each at its own stage's bytes
+            held = max(sum(x * e[0] + y * e[1] for x, y, e in zip(a, r, each)) for a, r in states[r_])
+        mem = max(mem, state + held + transient)
     # The largest single collective or message (eqs. 1-9 have no latency term to weigh small ones).
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"] * ar_dtype, msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,

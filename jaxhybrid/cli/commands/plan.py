@@ -1,7 +1,8 @@
 """``jaxhybrid plan``: rank parallel layouts of a model on a cluster by predicted step time (no devices).
 
 Prints per plan the predicted step time, the exposed communication time and the memory per device, then
-any notes (e.g. that latency, which the model ignores, would dominate); ``--json`` prints ``{"plans":
+any notes (e.g. that latency, which the model ignores, would dominate, or that the best plan needs
+several stages per rank to fit or wins with them); ``--json`` prints ``{"plans":
 [...], "notes": [...]}``, plans best first (feasible ones only); ``--out PLAN.json`` writes the best plan
 with the config overrides that ``jaxhybrid train --set plan.file=PLAN.json`` applies.
 """
@@ -26,6 +27,7 @@ from jaxhybrid.planner.plan import (
     machine_from_hardware,
     rank_plans,
     score_config,
+    virtual_stage_notes,
     write_plan,
 )
 from jaxhybrid.runtime.config_load import load_config
@@ -107,8 +109,9 @@ def _overhead_text(over: tuple[float, float]) -> str:
 def _row(label: str, p: dict) -> str:
     yes = {True: "y", False: "n"}
     limit = (p["pipeline_limit"] or p["pipeline"]) if p["schedule"] == "myelin" and p["pipeline"] > 1 else "-"
+    vstages = f"{p['virtual_stages']}{p['placement'][0]}" if p["virtual_stages"] > 1 else "1"
     return (f"{label:>2} {p['pipeline']:4d} {p['data']:4d} {p['tensor_col']:3d} {p['tensor_row']:3d} "
-            f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>9} {limit:>3} "
+            f"{p['tensor_depth']:3d} {p['microbatch_size']:3d} {p['schedule']:>16} {limit:>3} {vstages:>2} "
             f"{yes[p['split_backward']]:>3} "
             f"{p['remat']:>5} {yes[p['offload']]:>4} {p['predicted_step_s']:9.4g} {p['comm_s']:9.4g} "
             f"{p['memory_per_device_bytes'] / 1e9:7.3g}")
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket,
                         **own_settings)  # all
     plans = ranked[:args.top]
-    notes, own = latency_notes(plans), None
+    notes, own = latency_notes(plans) + virtual_stage_notes(ranked), None
     if cfg is not None:
         if cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (None, None):
             notes.append(f"{args.model}'s own layout ({cfg.num_devices} devices, global batch "
@@ -159,9 +162,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model.name} on {args.gpus} x {hw['name']} ({args.gpus_per_node}/node), global batch {gb} x {seq} "
           f"tokens, {dtype} at {efficiency:.0%} of peak{_overhead_text(machine.block_overhead_s)}; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
           f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch; lim: Myelin's "
-          f"microbatches in flight (pipeline_limit)")
-    print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>9} {'lim':>3} "
-          f"{'2BP':>3} {'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
+          f"microbatches in flight (pipeline_limit); v: stages per rank (virtual_stages), l or v their placement "
+          f"(loop or V)")
+    print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>16} {'lim':>3} "
+          f"{'v':>2} {'2BP':>3} {'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):
         print(_row(str(i), p))
     if own is not None:

@@ -561,7 +561,8 @@ def test_ample_memory_ranks_the_faster_limit_and_tight_memory_one_that_fits():
 
 def test_the_plan_table_and_json_show_myelin_limits(capsys):
     """The table's lim column: Myelin's limit in flight (the default as the stage count), '-' for the other
-    schedules; the JSON carries pipeline_limit (0: the default)."""
+    schedules; its v column the stages per rank (with l or v for the placement); the JSON carries
+    pipeline_limit (0: the default) and virtual_stages."""
     from jaxhybrid.cli.main import build_parser
 
     argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", "h100-node",
@@ -572,10 +573,11 @@ def test_the_plan_table_and_json_show_myelin_limits(capsys):
     table, js = capsys.readouterr().out.split("\n{", 1)
     plans = json.loads("{" + js)["plans"]
     rows = [line.split() for line in table.splitlines() if line[:2].strip().isdigit()]
-    assert table.splitlines()[1].split()[7:10] == ["schedule", "lim", "2BP"] and len(rows) == len(plans) == 12
+    assert table.splitlines()[1].split()[7:11] == ["schedule", "lim", "v", "2BP"] and len(rows) == len(plans) == 12
     for row, p in zip(rows, plans):
         assert row[7] == p["schedule"]
         assert row[8] == (str(p["pipeline_limit"] or p["pipeline"]) if p["schedule"] == "myelin" else "-")
+        assert row[9] == (f"{p['virtual_stages']}{p['placement'][0]}" if p["virtual_stages"] > 1 else "1")
     assert {p["pipeline_limit"] for p in plans if p["schedule"] == "myelin"} == {0, 3}
     assert all(p["pipeline_limit"] == 0 for p in plans if p["schedule"] != "myelin")
 
