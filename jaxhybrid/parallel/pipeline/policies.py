@@ -255,6 +255,12 @@ class ZeroBubbleVPolicy:
         pick = self._ready(rank, Kind.BI, t, sim)
         if pick is None and self.held[rank] < self.limit:
             pick = self._ready(rank, Kind.F, t, sim)
+            if pick is not None and pick.stage != self.stages[rank][-1] and self.held[rank] + 1 >= self.limit \
+                    and self._upper_due(rank) and not self.bw.pending[rank]:
+                # The last slot goes to the upper chunk: filled by lower-chunk forwards while a microbatch is
+                # on its way back up the V, with no weight pass left to free one, the rank could never run
+                # that microbatch's upper F, nor its BI (a deadlock whenever messages take time).
+                pick = None
         if pick is not None:
             self.next[pick.stage, pick.kind] += 1
             if pick.kind is Kind.BI:
@@ -266,6 +272,11 @@ class ZeroBubbleVPolicy:
             self.held[rank] -= 1  # freed when this BW ends; the rank decides nothing before then
             return self.bw.emit(rank, self.bw.pop_single(rank))
         return None
+
+    def _upper_due(self, rank: int) -> bool:
+        """Whether a microbatch whose lower-chunk F ran here still owes this rank its upper-chunk F."""
+        lower, upper = self.stages[rank][0], self.stages[rank][-1]
+        return self.next[upper, Kind.F] < self.next[lower, Kind.F]
 
     def _left(self, rank: int) -> list[Task]:
         return [task(kind, m, s) for s in self.stages[rank] for kind in (Kind.F, Kind.BI)

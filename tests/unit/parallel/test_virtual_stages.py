@@ -220,3 +220,16 @@ def test_gantt_tells_the_chunks_apart(tmp_path):
     assert all(a >= b for a, b in zip(_shade("#4c78a8", 1, 2), _shade("#4c78a8", 0, 2)))  # lighter
     path = save_gantt(res.timeline, tmp_path / "g.png", title="zb-v")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zb_v_builds_its_rows_when_messages_take_time(p):
+    """With messages that cost, a rank's lower chunk could fill its memory cap while a microbatch is on its
+    way back up the V; the rank keeps its last slot for the upper chunk, so the greedy schedule never stalls
+    (make_schedule raises on a generator deadlock) and stays capped at 1F1B's peak."""
+    for m in (2, p, 2 * p + 1):
+        for latency in (0.05, 0.5, 3.0):
+            for f, bi, bw in ((1, 1, 1), (1, 2, 0.5), (2, 1, 1)):
+                costs = Costs.uniform(2 * p, f, bi, bw, latency=latency)
+                sch = make_schedule("zb-v", p, m, costs=costs, **ZBV)
+                validate_schedule(sch, max_stashed=2 * p, costs=costs)
