@@ -138,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
     plans = ranked[:args.top]
     notes, own = latency_notes(plans) + virtual_stage_notes(ranked), None
     if cfg is not None:
-        if cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (None, None):
+        if cfg.pipeline.stage_to_rank:  # the step model splits blocks evenly over ranks x virtual stages
+            notes.append(f"{args.model}'s own layout places its stages by pipeline.stage_to_rank (a MadPipe "
+                         f"allocation), which the step model does not score; `jaxhybrid partition` predicted its "
+                         f"period")
+        elif cfg.num_devices != args.gpus or (args.global_batch, args.seq_len) != (None, None):
             notes.append(f"{args.model}'s own layout ({cfg.num_devices} devices, global batch "
                          f"{cfg.train.global_batch} x {cfg.data.seq_len}) is scored only with --gpus "
                          f"{cfg.num_devices} and the config's own batch and sequence")

@@ -6,7 +6,8 @@ import pytest
 from jaxhybrid.cli.main import main
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
-from jaxhybrid.parallel.pipeline.trace import Event, Timeline, save_gantt, to_chrome_trace, write_chrome_trace
+from jaxhybrid.parallel.pipeline.trace import (Event, Timeline, save_gantt, steady_period, to_chrome_trace,
+                                               write_chrome_trace)
 
 
 def test_merge_per_rank_events_with_clock_offsets():
@@ -69,3 +70,12 @@ def test_cli_errors_list_choices(capsys):
     assert main(["simulate", "--schedule", "1f1b-star", "--stages", "3", "--microbatches", "6",
                  "--period", "9", "--json"]) == 0
     assert [r["peak_stashed"] for r in json.loads(capsys.readouterr().out)["per_rank"]] == [1, 1, 1]
+
+
+def test_the_measured_period_is_the_last_stages_median_gap_between_forwards():
+    """MadPipe's period in a traced step: one period between the last stage's forwards in the steady state;
+    the first gap (its warm-up) and the other stages' back-to-back forwards do not count."""
+    last = [Event(1, f"F{m}", "F", start, start + 0.1, (m,), 1) for m, start in enumerate((0.2, 0.3, 0.8, 1.3, 1.8))]
+    first = [Event(0, f"F{m}", "F", 0.1 * m, 0.1 * m + 0.1, (m,), 0) for m in range(5)]
+    assert steady_period(first + last) == pytest.approx(0.5)
+    assert steady_period(first[:1]) is None and steady_period([]) is None

@@ -19,6 +19,7 @@ from jaxhybrid.planner.ilp import schedule_allocation
 from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.pattern import pattern_entries, pattern_to_schedule
 from jaxhybrid.planner.pipedream import pipedream, stage_groups
+from jaxhybrid.planner.plan import trace_line
 from jaxhybrid.runtime.config_load import load_config
 
 PROFILE = Path(__file__).resolve().parents[2] / "golden" / "madpipe_special_profile.json"
@@ -138,3 +139,27 @@ def test_gpipe_and_myelin_run_any_stage_map():
         cfg = load_config(None, [*MODEL, "parallel.pipeline=2", "pipeline.stage_to_rank=[1,0,1,0]",
                                  f"pipeline.schedule={name}"])
         assert configured_schedule(cfg.pipeline, 2).stage_to_rank == (1, 0, 1, 0)
+
+
+def test_plan_notes_that_an_allocations_own_layout_is_partitions_to_predict(allocation, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(_nested_yaml([*MODEL, f"plan.file={allocation}"]))
+    assert _run("plan", "--model", str(cfg), "--gpus", "2", "--gpus-per-node", "2", "--hardware", "h100-node",
+                "--top", "1") == 0
+    assert "places its stages by pipeline.stage_to_rank (a MadPipe allocation)" in capsys.readouterr().out
+
+
+def _nested_yaml(pairs) -> str:
+    tree: dict = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        section, name = key.split(".")
+        tree.setdefault(section, {})[name] = value
+    return "".join(f"{s}: {{{', '.join(f'{k}: {v}' for k, v in kv.items())}}}\n" for s, kv in tree.items())
+
+
+def test_a_traced_step_prints_its_period_beside_the_allocations(allocation):
+    line = trace_line({"makespan_s": 0.18, "bubble_ratio": 0.3, "period_s": 0.019}, str(allocation))
+    predicted = json.loads(allocation.read_text())["valid_period_s"]
+    assert "period 0.019 s per microbatch" in line and f"predicted a period of {predicted:.4g} s (madpipe" in line
+    assert "predicted" not in trace_line({"makespan_s": 0.18, "bubble_ratio": 0.3, "period_s": None})
