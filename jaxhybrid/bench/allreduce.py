@@ -22,6 +22,7 @@ import time
 
 from jaxhybrid.bench import add_mpirun_arguments, relaunch
 from jaxhybrid.core.argtypes import nonnegative_int, positive_int
+from jaxhybrid.runtime import distributed
 
 BACKENDS = ("mpi", "xla")
 
@@ -60,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from jaxhybrid.runtime import distributed
-
     distributed.initialize()  # before any JAX computation; process index = MPI world rank
     import jax
     import jax.numpy as jnp

@@ -54,6 +54,7 @@ from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.schedule import PLACEMENTS, make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.parallel.pipeline.validate import peak_stashed
 
 KINDS = ("F", "B", "BI", "BW")  # stage kernels: forward, fused backward, input and weight gradients
 
@@ -177,7 +178,6 @@ def activation_bytes(cfg, split_backward: bool = True) -> float:
     """What the busiest rank stashes under ``cfg``'s schedule (with 2BP: every microbatch until its weight
     pass): the planner's per-block count (:func:`~jaxhybrid.planner.memory.block_residual_bytes`, float32,
     XLA attention) times the largest stage's blocks, per microbatch a stage keeps, plus the head's."""
-    from jaxhybrid.parallel.pipeline.validate import peak_stashed
     from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes
 
     pl, mb, seq, p = cfg.pipeline, cfg.microbatch_size, cfg.data.seq_len, cfg.parallel.pipeline
