@@ -44,19 +44,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-from jaxhybrid.cli.commands.launch import find_mpiexec, job_cpus, rank_environment
+from jaxhybrid.bench import add_mpirun_arguments, relaunch
 from jaxhybrid.core.argtypes import nonnegative_int, positive_int
 from jaxhybrid.core.config.model import resolve_model
 from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.schedule import PLACEMENTS, make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.parallel.pipeline.validate import peak_stashed
 
-WORKER_FLAG = "--worker"
 KINDS = ("F", "B", "BI", "BW")  # stage kernels: forward, fused backward, input and weight gradients
 
 
@@ -82,10 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline.weight_join: how a deferred weight pass takes several microbatches")
     p.add_argument("--rounds", type=positive_int, default=5, help="timed rounds, each running every variant once")
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first (compiling)")
-    p.add_argument("--cores", type=positive_int, default=None, help="cores shared by the ranks (default: all)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds the mpirun job may take (MPIEXEC_TIMEOUT)")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    add_mpirun_arguments(p)
 
 
 def default_microbatches(schedule: str, p: int, virtual_stages: int = 1) -> int:
@@ -175,18 +171,13 @@ def kernel_ms(costs: Costs, kinds=KINDS) -> dict[str, list[float]]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    cpus = job_cpus(args.cores or 0)  # each rank pinned to its share, as `jaxhybrid launch` runs them
-    env = rank_environment(args.stages, cpus, args.timeout)
-    cmd = [find_mpiexec(), "-n", str(args.stages), sys.executable, "-m", "mpi4py", "-m", "jaxhybrid", "bench",
-           "pipeline", *argv, WORKER_FLAG]
-    return subprocess.call(cmd, env=env)
+    return relaunch("pipeline", args.stages, args, argv)
 
 
 def activation_bytes(cfg, split_backward: bool = True) -> float:
     """What the busiest rank stashes under ``cfg``'s schedule (with 2BP: every microbatch until its weight
     pass): the planner's per-block count (:func:`~jaxhybrid.planner.memory.block_residual_bytes`, float32,
     XLA attention) times the largest stage's blocks, per microbatch a stage keeps, plus the head's."""
-    from jaxhybrid.parallel.pipeline.validate import peak_stashed
     from jaxhybrid.planner.memory import block_residual_bytes, head_residual_bytes
 
     pl, mb, seq, p = cfg.pipeline, cfg.microbatch_size, cfg.data.seq_len, cfg.parallel.pipeline

@@ -80,7 +80,7 @@ class OffloadedOptimizer:
         self.inner, self.bucket_size, self.grad_clip = inner, int(bucket_size), float(grad_clip)
         self.compute_dtype, self.prefetch = DTYPES[compute_dtype], int(prefetch)
         self.split = check_bucketable(inner, name)
-        self.device = device or jax.devices()[0]
+        self.device = device or jax.local_devices()[0]  # under jax.distributed, jax.devices()[0] is process 0's
         self.store = make_store(backend, self.device)
         self.decay = decay
         self.spec: FlatSpec | None = None

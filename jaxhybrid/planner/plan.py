@@ -44,20 +44,21 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
                tensor: bool = True, offload: bool | None = None, bucket_size: int = OptimConfig.bucket_size,
                letters: str = TensorConfig.optimizations, allreduce_dtype: str = OptimConfig.allreduce_dtype,
-               ) -> list[dict]:
+               allreduce_backend: str = OptimConfig.allreduce_backend) -> list[dict]:
     """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix, or when
     ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`). Offloaded layouts hold buckets
     of ``bucket_size`` elements (the run's ``optim.bucket_size``: a plan file leaves it as it is). ``letters``
-    (``tensor.optimizations``) and ``allreduce_dtype`` (``optim.allreduce_dtype``: Myelin IV-B's
-    half-precision all-reduce) are the run's too, as :func:`score_config` scores its own layout: a plan file
-    leaves them as they are, and the config's layout is ranked among plans scored the same way."""
+    (``tensor.optimizations``), ``allreduce_dtype`` (``optim.allreduce_dtype``: Myelin IV-B's
+    half-precision all-reduce) and ``allreduce_backend`` (``optim.allreduce_backend``: MPI through host
+    memory, or XLA's collectives) are the run's too, as :func:`score_config` scores its own layout: a plan
+    file leaves them as they are, and the config's layout is ranked among plans scored the same way."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
 
     def score(lay: Layout) -> dict:
-        return evaluate(cfg, lay, machine, seq, bucket_size, letters, allreduce_dtype)
+        return evaluate(cfg, lay, machine, seq, bucket_size, letters, allreduce_dtype, allreduce_backend)
 
     for lay, r, fits in search(cfg, gpus, global_batch, score, machine.memory_bytes, tensor, offload):
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
@@ -188,10 +189,11 @@ def config_layout(cfg) -> Layout:
                   pl.virtual_stages, pl.placement)
 
 
-def score_config(cfg, machine: Machine, seq: int) -> dict:
-    """The step model's prediction for a run config's own layout, with its own offload bucket size."""
+def score_config(cfg, machine: Machine, seq: int, allreduce_backend: str | None = None) -> dict:
+    """The step model's prediction for a run config's own layout, with its own offload bucket size and
+    all-reduce (``allreduce_backend`` replaces ``optim.allreduce_backend``)."""
     return evaluate(cfg.model, config_layout(cfg), machine, seq, cfg.optim.bucket_size, cfg.tensor.optimizations,
-                    cfg.optim.allreduce_dtype)
+                    cfg.optim.allreduce_dtype, allreduce_backend or cfg.optim.allreduce_backend)
 
 
 def write_plan(path: str | Path, plan: dict, meta: dict) -> None:

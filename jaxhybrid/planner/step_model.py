@@ -157,11 +157,16 @@ class Machine:
 
 def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
              bucket_size: int = OptimConfig.bucket_size, letters: str = TensorConfig.optimizations,
-             allreduce_dtype: str = OptimConfig.allreduce_dtype) -> dict:
+             allreduce_dtype: str = OptimConfig.allreduce_dtype,
+             allreduce_backend: str = OptimConfig.allreduce_backend) -> dict:
     """Predicted step time, exposed communication and peak memory per device of one layout; with offload
     the optimizer's buckets hold ``bucket_size`` elements (``optim.bucket_size``, default the config's);
     ``letters`` (``tensor.optimizations``) decide which axis splits each bias (A); ``allreduce_dtype``
-    (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves. ``param_state_bytes``
+    (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves, and ``allreduce_backend``
+    (``optim.allreduce_backend``) how: ``xla`` is the collective alone at the hardware file's bandwidths
+    (NCCL), ``mpi`` (mpi4jax on host buffers, no CUDA-aware MPI assumed) adds the gradient's copy to the host
+    and back at ``host_to_device`` (``allreduce_staging_s``; Myelin Sec. IV-B reduces on the GPUs instead). The
+    reduction runs after the pipeline phase on both, not beside the backward. ``param_state_bytes``
     is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
     ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`).
 
@@ -275,6 +280,10 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
         not mpi and reduce_data_once(dims.data, lay.microbatches, db))
     ar_dtype = 4 / db if f32 else 1.0
     data_ar *= ar_dtype if f32 or mpi else lay.microbatches
+    staging = 0.0
+    if mpi and dims.data > 1 and allreduce_backend == "mpi":  # device -> host, reduce, host -> device
+        staging = 2 * max(stage_phi) * (4 if f32 else db) / machine.net.host_to_device
+        data_ar += staging
     offload_s = 0.0
     if lay.offload:  # fp32 theta + Adam state in, back out, over the host link (Myelin V-B)
         offload_s = 2 * 12 * max(stage_phi) / machine.net.host_to_device
@@ -324,5 +333,5 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     largest = max([v for t in times for key, v in t.items() if key != "total"] + [head["all_reduce_data"] * ar_dtype, msg])
     return {"predicted_step_s": step, "comm_s": comm, "memory_per_device_bytes": mem, "max_collective_s": largest,
             "compute_s": makespan - tensor_comm, "pipeline_s": makespan, "pipeline_floor_s": floor,
-            "data_allreduce_s": data_ar, "offload_s": offload_s, "param_state_bytes": param_state,
+            "data_allreduce_s": data_ar, "allreduce_staging_s": staging, "offload_s": offload_s, "param_state_bytes": param_state,
             "partition": list(parts)}

@@ -174,6 +174,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
             errors.append("optim.allreduce_dtype=compute applies to data replicas that are MPI ranks (a pipeline, "
                           "or parallel.pipeline=1 without a mesh); tensor mode reduces over its mesh's data axis "
                           "with XLA collectives: set optim.allreduce_dtype=float32")
+    if backend_error := _allreduce_backend_error(cfg):
+        errors.append(backend_error)
     if cfg.checkpoint.keep < 2 and cfg.world_size > 1:
         # Each rank's manager deletes its older step once its newer one is saved: a save that some ranks
         # finished and others did not (a crash, a kill) would leave no step that every rank holds.
@@ -187,6 +189,38 @@ def _cross_field_errors(cfg: Config) -> list[str]:
     if cfg.tensor_size > 1 and not errors:  # the sizes below assume the batch rules above hold
         errors += _tensor_layout_errors(cfg)
     return errors
+
+
+def _allreduce_backend_error(cfg: Config) -> str | None:
+    """``optim.allreduce_backend``: the sum over data replicas that are MPI ranks, by mpi4jax or by an XLA
+    collective over a JAX mesh of each data column (:mod:`jaxhybrid.parallel.data.xla_allreduce`)."""
+    backend, p = cfg.optim.allreduce_backend, cfg.parallel
+    if backend not in ("mpi", "xla"):
+        return (f"optim.allreduce_backend={backend!r}; choose mpi (mpi4jax) or xla (XLA collectives over a JAX "
+                f"mesh of each data column: NCCL on GPUs, gloo on CPU)")
+    if backend == "mpi":
+        return None
+    if cfg.on_mesh:
+        return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "
+                "parallel.pipeline=1 without a mesh); tensor mode already reduces over its mesh's data axis with "
+                "XLA collectives: set optim.allreduce_backend=mpi")
+    if p.data < 2:
+        return (f"optim.allreduce_backend=xla reduces gradients over data replicas that are MPI ranks; with "
+                f"parallel.data={p.data} there is nothing to reduce: set optim.allreduce_backend=mpi or "
+                f"parallel.data >= 2")
+    if cfg.tensor_size > 1:
+        return (f"optim.allreduce_backend=xla reduces one device's gradients per rank; a hybrid rank's tensor "
+                f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
+                f"supported: set optim.allreduce_backend=mpi or the tensor axes to 1")
+    c = cfg.checkpoint
+    if c.every or c.at_end or cfg.run.resume:
+        # Every rank joins one JAX distributed runtime, and orbax then writes numpy leaves from JAX process 0
+        # only: the other ranks' per-rank checkpoints would hold no arrays (found on CPU, orbax 0.12).
+        return (f"optim.allreduce_backend=xla does not checkpoint yet: its ranks share one JAX distributed "
+                f"runtime, where orbax saves only process 0's per-rank state; set checkpoint.every=0 and "
+                f"checkpoint.at_end=false (got every={c.every}, at_end={c.at_end}, run.resume={cfg.run.resume}), "
+                f"or optim.allreduce_backend=mpi")
+    return None
 
 
 def _interval_errors(cfg: Config) -> list[str]:

@@ -287,10 +287,17 @@ class Trainer:
                         self.save(ckpt, st, finite=not guard.streak)
                     # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
                     if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
-                        if st.step > (ckpt.latest() or 0):
-                            self.save(ckpt, st, finite=not guard.streak)
-                        print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved step "
-                              f"{st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
+                        if cfg.optim.allreduce_backend == "xla" and cfg.world_size > 1:
+                            # One JAX runtime over every rank: orbax would write rank 0's arrays only, a step
+                            # no rank could resume from (config_checks refuses checkpoints for this backend).
+                            print(f"jaxhybrid: stopped by {stop.requested or 'another rank'} at step {st.step}; "
+                                  f"rank {self.rank} saved nothing: checkpoints are not supported with "
+                                  f"optim.allreduce_backend=xla", file=sys.stderr, flush=True)
+                        else:
+                            if st.step > (ckpt.latest() or 0):
+                                self.save(ckpt, st, finite=not guard.streak)
+                            print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved "
+                                  f"step {st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
                         # Under `python -m mpi4py` the first rank to exit with status 130 aborts the job: every
                         # rank closes its files, then they meet, so none is killed inside its save or plot.
                         ckpt.close()

@@ -32,6 +32,7 @@ from jaxhybrid.optim import device_updater
 from jaxhybrid.parallel.pipeline.topology import Topology
 from jaxhybrid.planner.plan import load_plan_overrides
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
+from jaxhybrid.runtime import distributed
 from jaxhybrid.runtime.config_load import config_from_dict
 from jaxhybrid.runtime.engines.base import LocalEngine
 from jaxhybrid.runtime.engines.pipeline import PipelineEngine, make_transport
@@ -193,6 +194,8 @@ def grid_parser() -> argparse.ArgumentParser:
                     "mesh (the launcher gives each rank D*R*C devices)")
     ap.add_argument("--plan", default="", help="an allocation plan file (jaxhybrid partition --out) that the "
                     "cases marked :alloc train")
+    ap.add_argument("--allreduce-backend", choices=("mpi", "xla"), default="mpi",
+                    help="optim.allreduce_backend of the grid's cases (xla: the job joins jax.distributed at start)")
     ap.add_argument("--bad-input", action="store_true")
     ap.add_argument("--trace", action="store_true", help="write and check a merged trace of the 1f1b:2bp case")
     return ap
@@ -223,7 +226,10 @@ def run_grid(a, refs: dict) -> int:
         m = p if name == "1f1b-1" else 2 * p
         placed = ({k: v for k, v in PLAN.items() if name == "periodic" or k != "pipeline.pattern"} if chunks == "alloc"
                   else {"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
-        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters}, **placed)
+        # The xla backend does not checkpoint (config_checks); these cases save nothing either way.
+        backend = {"optim.allreduce_backend": a.allreduce_backend, "checkpoint.at_end": a.allreduce_backend == "mpi"}
+        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters}, **backend,
+                       **placed)
         if chunks not in topos:  # every rank runs the cases in one order: the collective splits match
             topos[chunks] = Topology.from_config(cfg)
         topo = topos[chunks]
@@ -291,6 +297,9 @@ def main(argv: list[str]) -> int:
             cur.append(tok)
     groups.append(cur)
     grids = [grid_parser().parse_args(g) for g in groups]
+    if any(a.allreduce_backend == "xla" for a in grids):  # before any JAX computation, as `jaxhybrid train`
+        distributed.initialize()
+        jax.devices()  # the backend starts collectively: every process now, not rank 0 alone in reference()
     # The session's persistent compilation cache (tests/conftest.py): the grids share programs.
     enable_compilation_cache("auto")
     refs, failures = {}, 0

@@ -84,6 +84,9 @@ PARITY_JOBS = {
     "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
                                  [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE"])]),
     "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),
+    # optim.allreduce_backend=xla: the job joins jax.distributed and each data column sums over a JAX mesh of
+    # its processes (gloo on CPU): the static and the message-driven loop on one stage x 2 replicas.
+    "2-ranks-xla": (1, [(1, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp"])]),
 }
 PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for p, d, _, cases in grids
                 for case in cases]

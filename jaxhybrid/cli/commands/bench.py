@@ -11,6 +11,7 @@ BENCHES = {
     "stage": "2BP stage kernels: forward, fused backward, input and weight gradients",
     "pipeline": "pipeline throughput with and without 2BP, or with several stages per rank against 1F1B, under mpirun",
     "offload": "host-offloaded optimizer: device bytes, step time, all-reduce overlap sweep",
+    "allreduce": "data-parallel gradient all-reduce over MPI ranks: mpi4jax (mpi) vs XLA collectives (xla), under mpirun",
     "tensor": "AxoNN 3D tensor parallelism: per-factorization step time and collective bytes",
     "partition": "MadPipe vs PipeDream + 1F1B* periods on layer chains",
     "curve": "the planner's compute curve: stage passes' time against microbatch size, fitted for a hardware file",

@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: the plans, notes and the config's own layout (config_layout)")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
+    p.add_argument("--allreduce-backend", choices=("mpi", "xla"), default=None,
+                   help="how MPI data replicas sum gradients, as optim.allreduce_backend (default: a run config's, "
+                        "else mpi): mpi pays the copies to the host and back, xla (NCCL) the collective alone")
 
 
 def _overheads(text: str) -> tuple[float, float]:
@@ -92,11 +95,11 @@ def model_and_config(spec: str, flag: str = "--model"):
     return cfg.model, cfg
 
 
-def _own_layout(cfg, machine, seq: int, plans: list[dict]) -> dict:
+def _own_layout(cfg, machine, seq: int, plans: list[dict], backend: str) -> dict:
     """The config's own layout scored by the same step model, and where it would rank among all feasible
     ``plans`` (0: none predicted faster)."""
     lay = config_layout(cfg)
-    r = {**lay.to_dict(), **score_config(cfg, machine, seq)}
+    r = {**lay.to_dict(), **score_config(cfg, machine, seq, backend)}
     r["fits"] = r["memory_per_device_bytes"] <= machine.memory_bytes
     r["rank"] = sum(p["predicted_step_s"] < r["predicted_step_s"] for p in plans)
     return r
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold
     # The run's own settings, with which score_config scores its layout (defaults for a preset).
     own_settings = {"letters": cfg.tensor.optimizations, "allreduce_dtype": cfg.optim.allreduce_dtype} if cfg else {}
+    backend = args.allreduce_backend or (cfg.optim.allreduce_backend if cfg else "mpi")
+    own_settings["allreduce_backend"] = backend
     ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket,
                         **own_settings)  # all
     plans = ranked[:args.top]
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{cfg.train.global_batch} x {cfg.data.seq_len}) is scored only with --gpus "
                          f"{cfg.num_devices} and the config's own batch and sequence")
         else:
-            own = _own_layout(cfg, machine, seq, ranked)
+            own = _own_layout(cfg, machine, seq, ranked, backend)
             if not own["fits"]:
                 notes.append(f"{args.model}'s own layout needs {own['memory_per_device_bytes'] / 1e9:.3g} GB per "
                              f"device, more than the {machine.memory_bytes / 1e9:.3g} GB usable of {hw['name']}'s "
@@ -157,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                                         "hardware": hw["name"], "global_batch": gb, "seq_len": seq, "dtype": dtype,
                                         "model_config": asdict(model)})  # a run of other sizes is refused
     keys = PLAN_KEYS + ("microbatches", "remat", "partition", "compute_s", "max_collective_s", "pipeline_s",
-                        "data_allreduce_s", "offload_s")
+                        "data_allreduce_s", "allreduce_staging_s", "offload_s")
     if args.json:
         print(json.dumps({"plans": [{k: p[k] for k in keys} for p in plans], "notes": notes, "efficiency": efficiency,
                           "block_overhead_s": list(machine.block_overhead_s),
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
           f"tokens, {dtype} at {efficiency:.0%} of peak{_overhead_text(machine.block_overhead_s)}; a plan fills at most {machine.memory_bytes / 1e9:.3g} "
           f"of each device's {float(hw['memory_bytes']) / 1e9:.3g} GB; mb: sequences per microbatch; lim: Myelin's "
           f"microbatches in flight (pipeline_limit); v: stages per rank (virtual_stages), l or v their placement "
-          f"(loop or V)")
+          f"(loop or V); data replicas of a pipeline sum gradients by {backend} (optim.allreduce_backend)")
     print(f"{'#':>2} {'pipe':>4} {'data':>4} {'Gc':>3} {'Gr':>3} {'Gd':>3} {'mb':>3} {'schedule':>16} {'lim':>3} "
           f"{'v':>2} {'2BP':>3} {'remat':>5} {'offl':>4} {'step_s':>9} {'comm_s':>9} {'mem_GB':>7}")
     for i, p in enumerate(plans):

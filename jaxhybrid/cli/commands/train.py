@@ -154,7 +154,7 @@ def check_mpi4jax(cfg, ranks: int) -> None:
     p, uses = cfg.parallel, []
     if ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax":
         uses.append(f"pipeline.transport=mpi4jax (activations between parallel.pipeline={p.pipeline} stages)")
-    if ranks > 1 and p.data > 1:
+    if ranks > 1 and p.data > 1 and cfg.optim.allreduce_backend == "mpi":
         uses.append(f"the all-reduce over parallel.data={p.data} MPI replicas")
     if uses and importlib.util.find_spec("mpi4jax") is None:
         hint = "" if p.data > 1 else "; or --set pipeline.transport=mpi4py"
@@ -201,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         ids = gpu_block(cfg.num_devices // world)
         if ids is not None:
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
+        if cfg.optim.allreduce_backend == "xla":  # each data column is a JAX mesh of the ranks' processes
+            distributed.initialize()
     from jaxhybrid.runtime.memory_check import check_device_memory
     from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer

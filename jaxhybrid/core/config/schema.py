@@ -80,6 +80,7 @@ class OptimConfig:
     # What the MPI data replicas' all-reduce moves: float32 (MPI reduces no half floats), or compute: the
     # offloaded optimizer's half-precision gradients as they are (Myelin IV-B; optim/half_allreduce.py).
     allreduce_dtype: str = "float32"
+    allreduce_backend: str = "mpi"  # data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL/gloo)
 
 
 @dataclass(frozen=True)

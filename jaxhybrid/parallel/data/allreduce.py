@@ -21,6 +21,9 @@ Two entry points, for two kinds of caller:
   would dispatch once per leaf.
 * :func:`iter_reduced_chunks` (the offloaded optimizer, V-C) consumes chunks as they finish, so it keeps
   the chunks of ``chunk_elems``: its seam for overlapping bucket updates with the next reduction.
+
+``optim.allreduce_backend: xla`` runs the same two entry points as XLA collectives over a JAX mesh of the
+column's processes instead (:mod:`~jaxhybrid.parallel.data.xla_allreduce`).
 """
 from __future__ import annotations
 
@@ -192,6 +195,12 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half
     def dispatch(s: int, e: int) -> jax.Array:  # no slice reaches past n: dynamic_slice never clamps
         return _chunk_program(comm, e - s, dtype, half_wire)(flat_grads, np.int32(s))
 
+    yield from dispatched_ahead(bounds, dispatch)
+
+
+def dispatched_ahead(bounds: list[tuple[int, int]], dispatch) -> Iterator[tuple[int, int, Any]]:
+    """``(start, end, dispatch(start, end))`` for each of ``bounds`` (not empty), chunk ``k + 1`` dispatched
+    before chunk ``k`` is yielded."""
     pending = dispatch(*bounds[0])
     for k, (s, e) in enumerate(bounds):
         current = pending
@@ -206,4 +215,4 @@ def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)] if n else []
 
 
-__all__ = ["allreduce_tree", "bucket_bounds", "iter_reduced_chunks"]
+__all__ = ["allreduce_tree", "bucket_bounds", "dispatched_ahead", "iter_reduced_chunks"]

@@ -23,6 +23,7 @@ from jaxhybrid.core.config.schema import Config
 from jaxhybrid.model import Model
 from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
 from jaxhybrid.parallel.data.flat import release
+from jaxhybrid.parallel.data.xla_allreduce import XlaColumn
 from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
@@ -101,6 +102,9 @@ class PipelineEngine(GradEngine):
                               synced=synced_dispatch(pl.dispatch, jax.devices()[0].platform))
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
+        # optim.allreduce_backend=xla: the column is a JAX mesh (every rank joined jax.distributed at start-up).
+        self.xla_column = (XlaColumn.of(topology) if cfg.optim.allreduce_backend == "xla" and self.replicas > 1
+                           else None)
         self.microbatch_size = mb
 
     @property
@@ -183,7 +187,9 @@ class PipelineEngine(GradEngine):
         try:
             loss, grads = self._pipeline_phase(params, batch, loss_scale)
             self.watchdog.beat("data-parallel all-reduce")
-            if self.replicas > 1:
+            if self.xla_column is not None:
+                grads = self.xla_column.allreduce_tree(grads, self.chunk, half_wire=self.half_wire)
+            elif self.replicas > 1:
                 grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
         finally:
             self.watchdog.disarm()
@@ -223,8 +229,9 @@ class PipelineEngine(GradEngine):
             self.watchdog.disarm()
         flat = flatten(grads)
         release(grads)
-        return loss, self._watched(iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire),
-                                   "data-parallel all-reduce streamed into the optimizer")
+        chunks = (self.xla_column.iter_reduced_chunks(flat, self.chunk, self.half_wire) if self.xla_column
+                  else iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire))
+        return loss, self._watched(chunks, "data-parallel all-reduce streamed into the optimizer")
 
     def _watched(self, chunks, what: str):
         """The chunk iterator under the watchdog: a dead peer mid-reduction ends the job, as in the phase."""

@@ -1,0 +1,163 @@
+"""The data column's gradient all-reduce as an XLA collective (``optim.allreduce_backend: xla``).
+
+The MPI path (:mod:`~jaxhybrid.parallel.data.allreduce`) moves host-staged buffers with mpi4jax. Here every
+process of the MPI job has joined JAX's distributed runtime (``jaxhybrid.runtime.distributed.initialize``
+with process index == MPI world rank), and each rank's data column is one JAX mesh: the first local device
+of each of the column's processes, in replica order, on one axis ``data``. A jitted computation over a
+mesh of some processes' devices runs when only those processes call it, so every column reduces on its
+own, as with its MPI communicator: NCCL on GPUs, gloo on CPU.
+
+A reduction puts this process's flat vector as its row of a global ``[replicas, n]`` array sharded over
+the mesh, sums the rows with a ``shard_map`` ``psum`` (replicated out) and takes this process's copy back.
+The wire dtype follows the MPI path: half-precision vectors are summed in float32 and cast back, or as
+they are with ``half_wire`` (``optim.allreduce_dtype: compute``; XLA reduces bfloat16 and float16). The
+collective program is cached per (column, length, wire dtype); the flatten and unflatten around it are
+local jitted programs cached per gradient structure.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxhybrid.parallel.data.allreduce import (_HALF, _check_chunk, _check_flat, _scaled, bucket_bounds,
+                                              dispatched_ahead)
+from jaxhybrid.parallel.data.flat import FlatSpec
+
+
+def column_devices(world_ranks: list[int]) -> list[Any]:
+    """The first device of each process in ``world_ranks`` (JAX process index == MPI world rank), in that
+    order; ValueError naming the cause when the distributed runtime does not hold those processes."""
+    if jax.process_count() <= max(world_ranks):
+        raise ValueError(f"optim.allreduce_backend=xla reduces over JAX processes {world_ranks}, but JAX's "
+                         f"distributed runtime has {jax.process_count()} process(es): every MPI rank must call "
+                         f"jaxhybrid.runtime.distributed.initialize() before any JAX computation")
+    by_process: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        by_process.setdefault(d.process_index, d)
+    return [by_process[r] for r in world_ranks]
+
+
+class XlaColumn:
+    """This rank's data column as a one-axis JAX mesh; the reductions of :mod:`allreduce` over it.
+
+    Args:
+      world_ranks: the MPI world ranks of the column, in replica order (the same list on each of them).
+      rank: this process's MPI world rank, which must be its JAX process index.
+    """
+
+    def __init__(self, world_ranks: list[int], rank: int):
+        if jax.process_index() != rank:
+            raise ValueError(f"optim.allreduce_backend=xla: MPI world rank {rank} is JAX process "
+                             f"{jax.process_index()}; initialize jax.distributed with process_id = MPI rank")
+        self.size = len(world_ranks)
+        devices = column_devices(list(world_ranks))
+        self.device = devices[world_ranks.index(rank)]
+        self.mesh = Mesh(np.array(devices), ("data",))
+        self._rows = NamedSharding(self.mesh, P("data", None))
+        self._programs: dict[tuple, Any] = {}
+
+    @classmethod
+    def of(cls, topology: Any) -> "XlaColumn":
+        """The column of a :class:`~jaxhybrid.parallel.pipeline.topology.Topology` rank."""
+        return cls(list(topology.column.allgather(topology.rank)), topology.rank)
+
+    def _program(self, key: tuple, make):
+        if key not in self._programs:
+            self._programs[key] = make()
+        return self._programs[key]
+
+    def _psum(self, n: int, dtype: Any):
+        """Jitted ``[replicas, n] -> [n]`` sum over the mesh, replicated out."""
+        def body(rows):
+            return jax.lax.psum(rows[0], "data")
+
+        return self._program(("psum", n, str(dtype)), lambda: jax.jit(
+            jax.shard_map(body, mesh=self.mesh, in_specs=P("data", None), out_specs=P())))
+
+    def reduce_row(self, row: jax.Array) -> jax.Array:
+        """``row`` (``[1, n]`` on this process's column device) summed over the column: ``[n]``, same dtype."""
+        n = int(row.shape[1])
+        whole = jax.make_array_from_single_device_arrays((self.size, n), self._rows, [row])
+        return self._psum(n, row.dtype)(whole).addressable_data(0)
+
+    def _flatten(self, wire: Any, common: Any):
+        """Local jitted ``tree -> [1, n]`` in the wire dtype, on this process's column device."""
+        def run(tree):
+            spec = FlatSpec(tree)
+            flat = spec.ravel(jax.tree.map(lambda x: jnp.asarray(x).astype(common), tree))
+            return flat.astype(wire)[None]
+
+        return jax.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(self.device))
+
+    @staticmethod
+    def _unflatten(shapes: Any, common: Any):
+        """Local jitted ``([n], scale) -> tree`` shaped as ``shapes`` (ShapeDtypeStructs), each leaf's dtype
+        back, times ``scale`` unless None."""
+        leaves, treedef = jax.tree.flatten(shapes)
+        sizes = [int(np.prod(x.shape)) for x in leaves]
+        offsets = np.cumsum([0] + sizes[:-1]).tolist()
+
+        def run(flat, scale):
+            flat = flat.astype(common)
+            if scale is not None:
+                flat = flat * scale
+            return treedef.unflatten([flat[o:o + n].reshape(x.shape).astype(x.dtype)
+                                      for o, n, x in zip(offsets, sizes, leaves)])
+
+        return jax.jit(run)
+
+    def allreduce_tree(self, tree: Any, chunk_elems: int, scale: float | None = None, half_wire: bool = False
+                       ) -> Any:
+        """:func:`~jaxhybrid.parallel.data.allreduce.allreduce_tree` over the column mesh: same structure,
+        dtypes and devices. Leaves must each live on one device (tensor axes > 1 are refused by the config)."""
+        _check_chunk(chunk_elems)
+        leaves = jax.tree.leaves(tree)
+        if self.size == 1 or not leaves or not sum(int(np.size(x)) for x in leaves):
+            return _scaled(tree, scale)
+        common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
+        wire = common if (half_wire and common in _HALF) or common not in _HALF else jnp.float32
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
+        key = ("tree", jax.tree.structure(tree), tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
+               str(wire), scale is None)
+        flatten, unflatten = self._program(key, lambda: (self._flatten(wire, common),
+                                                         self._unflatten(shapes, common)))
+        summed = self.reduce_row(flatten(tree))
+        return unflatten(summed, None if scale is None else np.asarray(scale, common))
+
+    def iter_reduced_chunks(self, flat_grads: jax.Array, chunk_elems: int, half_wire: bool = False
+                            ) -> Iterator[tuple[int, int, jax.Array]]:
+        """:func:`~jaxhybrid.parallel.data.allreduce.iter_reduced_chunks` over the column mesh: chunk
+        ``k + 1`` is dispatched before chunk ``k`` is yielded (XLA's dispatch returns at once, so the
+        caller's update of chunk ``k`` can run beside the next reduction)."""
+        flat_grads = jnp.asarray(flat_grads)
+        _check_flat(flat_grads)
+        bounds = bucket_bounds(int(flat_grads.shape[0]), chunk_elems)
+        if not bounds:
+            return
+        if self.size == 1:
+            for s, e in bounds:
+                yield s, e, flat_grads[s:e]
+            return
+        dtype = flat_grads.dtype
+        wire = dtype if half_wire or dtype not in _HALF else jnp.float32
+
+        def dispatch(s: int, e: int) -> jax.Array:
+            cut = self._program(("slice", e - s, str(dtype), str(wire)), lambda: jax.jit(
+                partial(_row_slice, size=e - s, wire=wire),
+                out_shardings=jax.sharding.SingleDeviceSharding(self.device)))
+            return self.reduce_row(cut(flat_grads, np.int32(s))).astype(dtype)
+
+        yield from dispatched_ahead(bounds, dispatch)
+
+
+def _row_slice(flat: jax.Array, start: jax.Array, size: int, wire: Any) -> jax.Array:
+    """``flat[start:start + size]`` in the wire dtype, as a ``[1, size]`` row (no slice reaches past the end)."""
+    return jax.lax.dynamic_slice(flat, (start,), (size,)).astype(wire)[None]
+
+
+__all__ = ["XlaColumn", "column_devices"]
