@@ -65,7 +65,8 @@ class Topology:
       dims: the layout (:class:`~jaxhybrid.core.layout.ParallelDims`) whose grid this rank belongs to.
       rank, stage, replica: coordinates of this process (``stage``: its place in the pipeline row).
       stage_to_rank: the row rank of every logical stage (one per rank, or several: virtual stages placed
-        by :func:`~jaxhybrid.parallel.pipeline.schedule.stage_placement`).
+        by :func:`~jaxhybrid.parallel.pipeline.schedule.stage_placement`, or a MadPipe allocation's
+        ``pipeline.stage_to_rank``; :func:`~jaxhybrid.parallel.pipeline.schedule.configured_placement`).
       stages: the logical stages this rank runs, lowest first; ``blocks``: ``(first, last)`` blocks of each;
         ``held``: every row rank's stages.
       world, row, p2p, column: mpi4py communicators (see module docstring).
