@@ -100,3 +100,13 @@ class Stage:
     first: int
     last: int
     processor: int
+
+
+def chain_ranks(stages) -> dict[int, int]:
+    """``{processor: rank}`` numbering processors as they first appear along the chain (rank 0 holds the
+    input layers), the order the engine's ranks take; MadPipe's DP numbers its special processor last
+    wherever its layers are."""
+    rank: dict[int, int] = {}
+    for s in sorted(stages, key=lambda s: s.first):
+        rank.setdefault(s.processor, len(rank))
+    return rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
 from jaxhybrid.parallel.pipeline.tasks import Schedule
-from jaxhybrid.planner.chain import Chain
+from jaxhybrid.planner.chain import Chain, chain_ranks
 from jaxhybrid.planner.ilp import Pattern, build_ops, processor_constants, stored_bytes
 
 _TOL = 1e-9
@@ -78,13 +78,10 @@ def validate_pattern(chain: Chain, pattern: Pattern, batches: int | None = None)
 def pattern_entries(pattern: Pattern) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The pattern as the engine runs it: ``pipeline.pattern`` (forward and backward passes by start time in
     the period, ``"F<stage>+<shift>"``; transfers are the messages between them) and ``pipeline.stage_to_rank``,
-    with stages in chain order and processors numbered as they first appear along it (rank 0 holds the
-    input layers; MadPipe's DP numbers its special processor last wherever its layers are)."""
+    with stages in chain order and processors numbered as they first appear along it (:func:`chain_ranks`)."""
     order = sorted(range(len(pattern.stages)), key=lambda i: pattern.stages[i].first)
     chain_index = {i: k for k, i in enumerate(order)}
-    rank: dict[int, int] = {}
-    for i in order:
-        rank.setdefault(pattern.stages[i].processor, len(rank))
+    rank = chain_ranks(pattern.stages)
     base = min(pattern.shift)
     ops = sorted((pattern.start[i], i) for i, o in enumerate(pattern.ops) if o.kind in ("F", "B"))
     entries = tuple(f"{pattern.ops[i].kind}{chain_index[pattern.ops[i].stage]}+{pattern.shift[i] - base}"

@@ -23,7 +23,7 @@ import math
 
 from jaxhybrid.cli.commands.plan import model_and_config
 from jaxhybrid.core.argtypes import check_seq_len, check_writable, positive_int
-from jaxhybrid.planner.chain import Chain, check_platform, check_processors
+from jaxhybrid.planner.chain import Chain, chain_ranks, check_platform, check_processors
 from jaxhybrid.planner.costs import load_profile, save_profile
 from jaxhybrid.planner.madpipe import madpipe
 from jaxhybrid.planner.madpipe_dp import grid_sizes
@@ -66,9 +66,7 @@ def result_json(alloc) -> dict:
     pipeline's first rank): MadPipe's DP numbers its special processor last wherever its layers sit."""
     fin = (lambda x: x if math.isfinite(x) else None)
     stages = sorted(alloc.stages, key=lambda s: s.first)
-    rank: dict[int, int] = {}
-    for s in stages:
-        rank.setdefault(s.processor, len(rank))
+    rank = chain_ranks(stages)
     return {"algorithm": alloc.algorithm, "period_s": fin(alloc.period), "valid_period_s": fin(alloc.valid_period),
             "stages": [{"layers": [s.first - 1, s.last - 1], "processor": rank[s.processor]} for s in stages],
             "pattern": list(alloc.pattern), "note": alloc.note}
