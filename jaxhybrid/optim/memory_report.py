@@ -20,7 +20,8 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: bool = False,
-                      bucket_size: int = 0, state_bytes_per_param: int = 8, prefetch: int = 1) -> dict:
+                      bucket_size: int = 0, state_bytes_per_param: int = 8, prefetch: int = 1,
+                      optimizer_shards: int = 1) -> dict:
     """Bytes held for parameters, gradients and optimizer state, by location and component.
 
     Args:
@@ -29,23 +30,27 @@ def model_state_bytes(params: int, *, compute_dtype: str = "float32", offload: b
       offload: masters and optimizer state on host in buckets of ``bucket_size`` elements.
       state_bytes_per_param: optimizer state bytes per parameter (Adam: 8).
       prefetch: buckets fetched ahead (each adds a master + state bucket on the device).
+      optimizer_shards: data replicas the optimizer is sharded over (``optim.shard_optimizer``, ZeRO-1): each
+        holds the optimizer state of ``ceil(phi / shards)`` parameters, and with offload their masters only.
     """
     if compute_dtype not in _BYTES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; choose one of {', '.join(_BYTES)}")
     c = _BYTES[compute_dtype]
     half = c < 4
+    owned = -(-params // optimizer_shards)  # the optimizer's shard of this device's parameters
     if not offload:
         device = {"params_master": 4 * params, "params_compute": c * params if half else 0,
                   "grads_compute": c * params if half else 0, "grads_fp32": 4 * params,
-                  "optimizer_state": state_bytes_per_param * params}
+                  "optimizer_state": state_bytes_per_param * owned}
         host = {}
     else:
         bucket = (4 + state_bytes_per_param) * bucket_size
         device = {"params_compute": c * params, "grads_compute": c * params,
                   "buckets": bucket + 4 * bucket_size + prefetch * bucket}
-        host = {"params_master": 4 * params, "optimizer_state": state_bytes_per_param * params}
+        host = {"params_master": 4 * owned, "optimizer_state": state_bytes_per_param * owned}
     return {"params": params, "compute_dtype": compute_dtype, "offload": offload, "bucket_size": bucket_size,
-            "device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values())}
+            "optimizer_shards": optimizer_shards, "device": device, "host": host,
+            "device_total": sum(device.values()), "host_total": sum(host.values())}
 
 
 def params_per_device(params) -> int:
@@ -145,8 +150,9 @@ def summary_line(report: dict) -> str:
 def report_from_config(cfg, params: int) -> dict:
     """The report for one device's ``params`` under ``cfg`` (optim.offload, optim.bucket_size,
     precision.compute_dtype), with the other choice alongside so the saving is visible at start-up."""
-    kw = dict(compute_dtype=cfg.precision.compute_dtype)
-    b = min(cfg.optim.bucket_size, params)
+    shards = cfg.parallel.data if cfg.optim.shard_optimizer else 1
+    kw = dict(compute_dtype=cfg.precision.compute_dtype, optimizer_shards=shards)
+    b = min(cfg.optim.bucket_size, -(-params // shards))
     chosen = model_state_bytes(params, offload=cfg.optim.offload, bucket_size=b if cfg.optim.offload else 0, **kw)
     other = model_state_bytes(params, offload=not cfg.optim.offload, bucket_size=0 if cfg.optim.offload else b, **kw)
     report = {**chosen, "alternative": other}

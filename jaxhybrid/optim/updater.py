@@ -106,6 +106,8 @@ class Updater(abc.ABC):
 
     # Whether apply_streamed takes the all-reduce's reduced chunks (Myelin V-C); else the gradients come whole.
     streams_chunks: bool = False
+    # Whether apply_local takes this rank's unreduced gradients and reduces them itself (optim.shard_optimizer).
+    reduces_over_replicas: bool = False
 
     def stats(self, grads) -> tuple[jax.Array, jax.Array]:
         """This process's squared gradient norm and overflow flag (1.0 if any is non-finite), which the
@@ -136,6 +138,11 @@ class Updater(abc.ABC):
     def apply_streamed(self, params, opt_state, chunks, scale, global_sum, global_max, norm_view=None):
         """The step fed by reduced gradient chunks; only where :attr:`streams_chunks`."""
         raise ValueError(f"{type(self).__name__} takes whole gradients (streams_chunks is false): call apply")
+
+    def apply_local(self, params, opt_state, grads, scale, global_sum, global_max, norm_view=None):
+        """The step on this rank's gradients before the data-parallel reduction; only where
+        :attr:`reduces_over_replicas`. Returns ``(params, state, grad_norm, nonfinite)``."""
+        raise ValueError(f"{type(self).__name__} takes reduced gradients (reduces_over_replicas is false): call apply")
 
     def restore_like(self, opt_state, read_saved: Callable[[], Any]) -> Any:
         """The restore target of a checkpoint; ``read_saved()`` reads its optimizer state's tree of metadata.

@@ -23,7 +23,7 @@ __all__ = ["param_state_bytes", "myelin_activation_units", "optimal_checkpoint_i
 
 
 def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0, tensor_size: int = 1,
-                      dtype_bytes: int = 2) -> float:
+                      dtype_bytes: int = 2, optimizer_shards: int = 1) -> float:
     """Bytes of parameters, gradients and Adam state on one device (Myelin Sec. V-B), by the trainer's own
     count (:func:`jaxhybrid.optim.memory_report.model_state_bytes`, which its ``memory.json`` reports): with
     offload ``4 phi + 16 bsize`` plus ``12 bsize`` for the bucket the offloaded optimizer prefetches.
@@ -37,13 +37,15 @@ def param_state_bytes(phi: float, offload: bool = False, bucket_size: float = 0,
       tensor_size: G_c x G_r x G_d to divide all of ``phi`` evenly over; the trainer does so only for
         matrices (its vectors are held in full over some axes), hence the step model's per-device phi.
       dtype_bytes: the compute dtype's (float32 keeps no separate compute copies: 16 phi without offload).
+      optimizer_shards: data replicas the optimizer state is sharded over (``optim.shard_optimizer``).
     """
     if phi < 0 or bucket_size < 0 or tensor_size < 1:
         raise ValueError(f"phi={phi}, bucket_size={bucket_size} must be >= 0 and tensor_size={tensor_size} >= 1")
     shard = phi / tensor_size
     dtype = "float32" if dtype_bytes == 4 else "bfloat16"  # bfloat16 and float16 count alike
-    bsize = min(bucket_size, shard) if offload else 0
-    return float(model_state_bytes(shard, compute_dtype=dtype, offload=offload, bucket_size=bsize)["device_total"])
+    bsize = min(bucket_size, shard / optimizer_shards) if offload else 0
+    return float(model_state_bytes(shard, compute_dtype=dtype, offload=offload, bucket_size=bsize,
+                                   optimizer_shards=optimizer_shards)["device_total"])
 
 
 def myelin_activation_units(n_layers: int, g_inter: int, ac: int) -> float:

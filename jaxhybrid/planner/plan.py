@@ -168,7 +168,8 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
     # Myelin V-C's coarsening and IV-B's half-precision wire exist only for the offloaded optimizer, the
     # latter on MPI replicas in half precision (config_checks): where the plan has none, it resets the run's
     # to what it was scored with, so a plan of a config like myelin-50b-offload.yaml applies to it.
-    optim = {"offload": plan["offload"]} | ({} if plan["offload"] else {"allreduce_coarsening": 1})
+    optim = ({"offload": plan["offload"]} | ({} if plan["offload"] else {"allreduce_coarsening": 1})
+             | ({"shard_optimizer": True} if plan.get("shard_optimizer") else {}))
     if not plan["offload"] or dtype == "float32" or (plan["pipeline"] == 1 and any(plan[k] > 1 for k in axes[2:])):
         optim["allreduce_dtype"] = "float32"
     out = {"parallel": {k: plan[k] for k in axes} | {"partition": partition}, "pipeline": pipe, "optim": optim,
@@ -182,11 +183,11 @@ def config_layout(cfg) -> Layout:
     model can score a hand-written config beside the planner's own plans. The step model splits the blocks
     its own way (:func:`~jaxhybrid.planner.step_model.chunk_partition`), not by ``parallel.partition``.
     ``pipeline.pipeline_limit`` counts only under Myelin's message-driven schedule (the engine's rule);
-    ``pipeline.virtual_stages`` and ``placement`` are the run's."""
+    ``pipeline.virtual_stages``, ``placement`` and ``optim.shard_optimizer`` are the run's."""
     dims, pl = cfg.layout, cfg.pipeline
     return Layout(dims, cfg.microbatch_size, pl.microbatches, pl.schedule, pl.split_backward and dims.pipeline > 1,
                   cfg.optim.offload, cfg.train.remat, pl.pipeline_limit if pl.schedule == "myelin" else 0,
-                  pl.virtual_stages, pl.placement)
+                  pl.virtual_stages, pl.placement, cfg.optim.shard_optimizer)
 
 
 def score_config(cfg, machine: Machine, seq: int, allreduce_backend: str | None = None) -> dict:

@@ -48,6 +48,7 @@ class Layout:
     pipeline_limit: int = 0  # Myelin's microbatches in flight (V-A); 0: stages, the engine's default
     virtual_stages: int = 1  # stages per pipeline rank, v (pipeline.virtual_stages)
     placement: str = "loop"  # which stages a rank holds (pipeline.placement): loop, or v (ZB-V's V shape)
+    shard_optimizer: bool = False  # ZeRO-1 over the data replicas (optim.shard_optimizer)
 
     def to_dict(self) -> dict:
         """The flat record a plan (and ``jaxhybrid plan --json``) shows: the five sizes, then the rest."""
@@ -320,7 +321,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
 
     mem = param_state = 0.0
     for r_, (c, phi) in enumerate(zip(chunks, stage_phi)):
-        state = param_state_bytes(phi, lay.offload, bucket_size, 1, db)  # phi is per device already
+        state = param_state_bytes(phi, lay.offload, bucket_size, 1, db,  # phi is per device already
+                                  lay.dims.data if lay.shard_optimizer else 1)
         param_state = max(param_state, state)
         each = [stage_bytes(parts[s_], s_ == last_s) for s_ in c]
         transient = max(t for _, _, t in each)  # one stage's pass runs at a time

@@ -176,6 +176,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
                           "with XLA collectives: set optim.allreduce_dtype=float32")
     if backend_error := _allreduce_backend_error(cfg):
         errors.append(backend_error)
+    if o.shard_optimizer and (shard_error := _shard_optimizer_error(cfg)):
+        errors.append(shard_error)
     if cfg.checkpoint.keep < 2 and cfg.world_size > 1:
         # Each rank's manager deletes its older step once its newer one is saved: a save that some ranks
         # finished and others did not (a crash, a kill) would leave no step that every rank holds.
@@ -220,6 +222,24 @@ def _allreduce_backend_error(cfg: Config) -> str | None:
                 f"runtime, where orbax saves only process 0's per-rank state; set checkpoint.every=0 and "
                 f"checkpoint.at_end=false (got every={c.every}, at_end={c.at_end}, run.resume={cfg.run.resume}), "
                 f"or optim.allreduce_backend=mpi")
+    return None
+
+
+def _shard_optimizer_error(cfg: Config) -> str | None:
+    """``optim.shard_optimizer`` (ZeRO-1, :mod:`jaxhybrid.optim.zero`): data replicas that are MPI ranks of one
+    device each, whose flat stage vectors it cuts into shards."""
+    p = cfg.parallel
+    if cfg.on_mesh:
+        return ("optim.shard_optimizer=true shards the optimizer over data replicas that are MPI ranks (a pipeline, "
+                "or parallel.pipeline=1 without a mesh); tensor mode keeps its data axis on one mesh, which it does "
+                "not support: set optim.shard_optimizer=false")
+    if p.data < 2 or cfg.world_size < 2:
+        return (f"optim.shard_optimizer=true divides the optimizer state over data replicas; with parallel.data="
+                f"{p.data} there is one replica: set parallel.data >= 2 or optim.shard_optimizer=false")
+    if cfg.tensor_size > 1:
+        return (f"optim.shard_optimizer=true shards one device's flat parameters per rank; a hybrid rank's tensor "
+                f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
+                f"supported: set optim.shard_optimizer=false or the tensor axes to 1")
     return None
 
 

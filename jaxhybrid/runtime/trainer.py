@@ -86,6 +86,9 @@ class Trainer:
         o = self.cfg.optim
         if not (o.offload and o.stream_allreduce and self.cfg.world_size > 1 and self.cfg.parallel.data > 1):
             return None
+        if o.shard_optimizer:
+            return ("optim.stream_allreduce: with optim.shard_optimizer the gradients are reduce-scattered in one "
+                    "program before this replica's shard updates; nothing streams")
         if not self.streamed:
             unused = (f"; optim.allreduce_coarsening={o.allreduce_coarsening} is unused" if o.allreduce_coarsening != 1
                       else "")
@@ -188,7 +191,11 @@ class Trainer:
         batch = self.sampler.batch(st.step)
         # Engines whose ranks hold duplicated leaves (tied embeddings) say which to count in the norm.
         norm_view = self.engine.norm_view
-        if self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
+        if self.updater.reduces_over_replicas:  # ZeRO-1: the updater reduce-scatters and all-gathers
+            loss, grads = self.engine.loss_and_local_grads(st.params, batch, scale)
+            params, opt_state, gnorm, nonfinite = self.updater.apply_local(
+                st.params, st.opt_state, grads, scale, self.engine.global_sum, self.engine.global_max, norm_view)
+        elif self.streamed:  # Myelin V-C: the offloaded update consumes the all-reduce chunk by chunk
             loss, chunks = self.engine.loss_and_grad_chunks(st.params, batch, scale, self.updater.opt.flatten)
             params, opt_state, gnorm, nonfinite = self.updater.apply_streamed(
                 st.params, st.opt_state, chunks, scale, self.engine.global_sum, self.engine.global_max, norm_view)

@@ -29,6 +29,7 @@ from jaxhybrid.cli.commands.train import enable_compilation_cache
 from jaxhybrid.model import Model
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import device_updater
+from jaxhybrid.runtime.engines.build import build_updater
 from jaxhybrid.parallel.pipeline.topology import Topology
 from jaxhybrid.planner.plan import load_plan_overrides
 from jaxhybrid.parallel.pipeline.transport import Envelope, MsgKind, wait_message
@@ -78,13 +79,23 @@ def train(engine, cfg, data):
     losses, the first step's gradients, the parameters after the last step and their validation loss
     (``eval_loss``) on the first batch."""
     key = (cfg.optim, cfg.train.steps)
-    if key not in _UPDATERS:  # one compiled optimizer per configuration, shared by the cases
-        _UPDATERS[key] = device_updater(cfg)
-    updater = _UPDATERS[key]
+    if cfg.optim.shard_optimizer or cfg.optim.offload:  # the trainer's, built on this engine's stage and column
+        updater = build_updater(cfg, engine)
+    else:  # one compiled optimizer per configuration, shared by the cases
+        if key not in _UPDATERS:
+            _UPDATERS[key] = device_updater(cfg)
+        updater = _UPDATERS[key]
     params = engine.init_params(jax.random.key(cfg.train.seed))
     state = updater.init(params)
+    params = updater.compute_params(params)
     losses, first, val = [], None, None
     for b in data:
+        if updater.reduces_over_replicas:  # ZeRO-1, as Trainer.step: its step-1 gradients are shards, unchecked
+            loss, grads = engine.loss_and_local_grads(params, b, 1.0)
+            params, state, _, _ = updater.apply_local(params, state, grads, 1.0, engine.global_sum, engine.global_max,
+                                                      engine.norm_view)
+            losses.append(float(loss))
+            continue
         loss, grads = engine.loss_and_grads(params, b, 1.0)
         first = jax.tree.map(np.asarray, grads) if first is None else first
         sq, nonfinite = updater.stats(engine.norm_view(grads))  # as Trainer.step: tied copies counted once
@@ -106,7 +117,8 @@ def quiet_barrier(comm) -> None:
 def reference(cfg, data):
     """Single device, computed on rank 0 and broadcast (other ranks skip its compilation)."""
     out = None
-    if WORLD.rank == 0:
+    if WORLD.rank == 0:  # AdamW on the device, whatever optimizer the case's layout runs
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, shard_optimizer=False, offload=False))
         out = train(LocalEngine(Model(cfg.model)), cfg, data)
     quiet_barrier(WORLD)
     return WORLD.bcast(out, root=0)
@@ -169,18 +181,21 @@ PLAN: dict = {}  # the stage map, partition and pattern of --plan's allocation (
 
 
 def parse_case(token: str) -> tuple:
-    """``schedule[:2bp][:mpi4py][:tied][:llama][:v2|:vee][:LETTERS]`` -> (schedule, 2bp, transport, tied, model
-    kind, tensor optimizations, (virtual stages, placement)); the defaults are fused backward, mpi4jax,
-    untied, GPT-2, one stage per rank and ABCDE (``v2``: two stages per rank, loop placement; ``vee``: the V;
-    ``alloc``: ``--plan``'s MadPipe allocation)."""
+    """``schedule[:2bp][:mpi4py][:tied][:llama][:v2|:vee][:zero][:offload][:LETTERS]`` -> (schedule, 2bp,
+    transport, tied, model kind, tensor optimizations, (virtual stages, placement), optim keys); the defaults
+    are fused backward, mpi4jax, untied, GPT-2, one stage per rank, ABCDE and AdamW on the device (``v2``: two
+    stages per rank, loop placement; ``vee``: the V; ``alloc``: ``--plan``'s MadPipe allocation; ``zero``:
+    optim.shard_optimizer; ``offload``: optim.offload)."""
     name, *opts = token.split(":")
-    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama", *CHUNKS) and not o.isupper()]
+    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama", "zero", "offload", *CHUNKS)
+           and not o.isupper()]
     if bad or (name in ("zb-h1", "zb-v") and "2bp" not in opts):  # the zero-bubble schedules always split
         raise SystemExit(f"drive_parity.py: bad case {token!r}")
     letters = next((o for o in opts if o.isupper()), "ABCDE")
     chunks = next((CHUNKS[o] for o in opts if o in CHUNKS), (1, "loop"))
+    optim = {"optim.shard_optimizer": "zero" in opts, "optim.offload": "offload" in opts}
     return (name, "2bp" in opts, "mpi4py" if "mpi4py" in opts else "mpi4jax", "tied" in opts,
-            "llama" if "llama" in opts else "gpt2", letters, chunks)
+            "llama" if "llama" in opts else "gpt2", letters, chunks, optim)
 
 
 def grid_parser() -> argparse.ArgumentParser:
@@ -222,14 +237,14 @@ def run_grid(a, refs: dict) -> int:
     if a.bad_input:
         bf16_round_trip(topos[1, "loop"])
     engines, failures = {}, 0
-    for token, (name, split, transport, tied, kind, letters, chunks) in zip(tokens, cases):
+    for token, (name, split, transport, tied, kind, letters, chunks, optim) in zip(tokens, cases):
         m = p if name == "1f1b-1" else 2 * p
         placed = ({k: v for k, v in PLAN.items() if name == "periodic" or k != "pipeline.pattern"} if chunks == "alloc"
                   else {"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
         # The xla backend does not checkpoint (config_checks); these cases save nothing either way.
         backend = {"optim.allreduce_backend": a.allreduce_backend, "checkpoint.at_end": a.allreduce_backend == "mpi"}
         cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters}, **backend,
-                       **placed)
+                       **placed, **optim)
         if chunks not in topos:  # every rank runs the cases in one order: the collective splits match
             topos[chunks] = Topology.from_config(cfg)
         topo = topos[chunks]
@@ -257,7 +272,8 @@ def run_grid(a, refs: dict) -> int:
             assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
             # slice_params of the reference gives the tied copy the whole table's gradient (both uses).
             mine = engine.slice_params
-            assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
+            if grads is not None:
+                assert_tree_close(grads, mine(ref_grads), "fp32_parity", what + " step-1 grads")
             assert_tree_close(params, mine(ref_params), "fp32_parity", what + " params")
             assert_tree_close(np.float32(val), np.float32(ref_val), "fp32_parity", what + " eval loss")
             if traced:

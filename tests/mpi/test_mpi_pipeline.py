@@ -73,6 +73,9 @@ CHUNKED = ["interleaved-1f1b:v2", "interleaved-1f1b:2bp:v2", "myelin:2bp:v2", "z
 # A MadPipe allocation (`jaxhybrid partition --out` of tests/golden/madpipe_special_profile.json): the special
 # processor, rank 0, holds the first and the last stage, and the ILP's periodic pattern orders them.
 ALLOCATION = ["periodic:alloc", "periodic:2bp:alloc:tied"]
+# optim.shard_optimizer (ZeRO-1) on 2 x 2: AdamW on the device with the tied embedding's copies in two stages'
+# shards, and the host-offloaded buckets of each replica's shard under Myelin's loop.
+ZERO = ["1f1b:2bp:zero:tied", "myelin:2bp:zero:offload"]
 PARTITION_ARGS = ("--profile", str(ROOT / "tests/golden/madpipe_special_profile.json"), "--processors", "2",
                   "--memory", "6e8", "--bandwidth", "1e9")
 PARITY_JOBS = {
@@ -80,13 +83,14 @@ PARITY_JOBS = {
                      _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True) + CHUNKED),
                     (2, 1, ["--plan", "ALLOCATION"], ALLOCATION),
                     (1, 2, [], _cases(["1f1b", "myelin"]))]),
-    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4]), (4, 1, [], _cases(DEEP))]),
+    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4] + ZERO), (4, 1, [], _cases(DEEP))]),
     "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
                                  [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE"])]),
     "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),
     # optim.allreduce_backend=xla: the job joins jax.distributed and each data column sums over a JAX mesh of
-    # its processes (gloo on CPU): the static and the message-driven loop on one stage x 2 replicas.
-    "2-ranks-xla": (1, [(1, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp"])]),
+    # its processes (gloo on CPU): the static and the message-driven loop, and the sharded optimizer's
+    # reduce-scatter and all-gather as XLA collectives.
+    "4-ranks-xla": (1, [(2, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp", *ZERO])]),
 }
 PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for p, d, _, cases in grids
                 for case in cases]

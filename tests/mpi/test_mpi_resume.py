@@ -67,7 +67,11 @@ def streamed_2x2(tmp_path_factory):
     (2, 1, "pipeline_2x2.yaml", ["parallel.data=1", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
                                  "pipeline.placement=v", "model.tie_embeddings=true", "optim.offload=true",
                                  "optim.bucket_size=20000"]),
-], ids=["hybrid-2x1-col2", "pipeline-2x2-offload", "zb-v-2x1-offload-tied"])
+    # ZeRO-1 on 2 x 2: each replica's host holds its shard of the masters and moments (the export puts the
+    # shards together); the tied table's copies sit in different shards of the two stages
+    (4, 1, "pipeline_2x2.yaml", ["optim.shard_optimizer=true", "optim.offload=true", "optim.bucket_size=20000",
+                                 "model.tie_embeddings=true"]),
+], ids=["hybrid-2x1-col2", "pipeline-2x2-offload", "zb-v-2x1-offload-tied", "pipeline-2x2-zero-offload"])
 def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
     if sets is STREAMED_2X2:
@@ -75,6 +79,11 @@ def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     else:
         _launch(n, devices, config, a, *sets)
     _check_export(a, tmp_path / "export")
+    if "optim.shard_optimizer=true" in sets:  # memory.json: each replica's host state is half the stage's
+        report = json.loads((a / "memory.json").read_text())
+        host, phi = report["host"], report["params"]
+        assert report["optimizer_shards"] == 2, report
+        assert host["optimizer_state"] == 8 * -(-phi // 2) and host["params_master"] == 4 * -(-phi // 2), report
     _check_resume(a, b, n, lambda: _launch(n, devices, config, b, *sets, resume=True))
 
 

@@ -81,6 +81,9 @@ class OptimConfig:
     # offloaded optimizer's half-precision gradients as they are (Myelin IV-B; optim/half_allreduce.py).
     allreduce_dtype: str = "float32"
     allreduce_backend: str = "mpi"  # data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL/gloo)
+    # ZeRO-1 over data replicas that are MPI ranks: reduce-scatter the gradients, each replica updates 1/G_data of the
+    # optimizer state (and of the host masters with offload), all-gather the parameters.
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)

@@ -215,4 +215,61 @@ def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)] if n else []
 
 
-__all__ = ["allreduce_tree", "bucket_bounds", "dispatched_ahead", "iter_reduced_chunks"]
+def shard_length(n: int, replicas: int) -> int:
+    """Elements per replica's shard of an ``n``-element vector (ZeRO-1): the vector is padded with zeros to
+    ``replicas`` equal shards, replica ``j`` owning ``[j * c, (j + 1) * c)``."""
+    return -(-n // replicas)
+
+
+def _reduce_scatter_program(comm: Any, n: int, dtype: Any, half_wire: bool):
+    """Jitted ``flat [n] -> this rank's shard [c]`` of the sum over ``comm``: one ``MPI_Alltoall`` of the
+    padded ``[p, c]`` vector, then the ``p`` received slices summed in float32 in rank order and rounded
+    once, as :mod:`~jaxhybrid.parallel.data.half_allreduce` does (the same bits on every replica, wherever
+    an element sits). Half floats travel as ``uint16`` bit patterns with ``half_wire``, else as float32."""
+    import mpi4jax
+
+    p = comm.Get_size()
+    c = shard_length(n, p)
+    half = jnp.dtype(dtype) in _HALF
+
+    def run(flat: jax.Array) -> jax.Array:
+        rows = jnp.pad(flat, (0, c * p - n)).reshape(p, c)
+        if half and half_wire:
+            got = jax.lax.bitcast_convert_type(
+                mpi4jax.alltoall(jax.lax.bitcast_convert_type(rows, jnp.uint16), comm=comm), rows.dtype)
+        else:
+            got = mpi4jax.alltoall(rows.astype(jnp.float32) if half else rows, comm=comm)
+        total = got[0].astype(jnp.float32)
+        for q in range(1, p):
+            total = total + got[q].astype(jnp.float32)
+        return total.astype(dtype)
+
+    return _cached(("scatter", comm.py2f(), n, str(dtype), half_wire), lambda: jax.jit(run))
+
+
+def reduce_scatter(flat: jax.Array, comm: Any, half_wire: bool = False) -> jax.Array:
+    """This rank's shard (:func:`shard_length` elements) of ``flat`` summed over ``comm`` (ZeRO-1's
+    reduce-scatter; every rank of ``comm`` calls it with the same length and dtype)."""
+    _check_flat(flat)
+    return _reduce_scatter_program(comm, int(flat.shape[0]), flat.dtype, half_wire)(flat)
+
+
+def all_gather(shard: jax.Array, comm: Any) -> jax.Array:
+    """Every rank's ``shard`` concatenated in rank order (``p x c`` elements: trim the padding). Half floats
+    move as their ``uint16`` bits (MPI has no half type), so the copies are bit-identical."""
+    import mpi4jax
+
+    _check_flat(shard)
+    dtype = shard.dtype
+
+    def run(x: jax.Array) -> jax.Array:
+        if dtype in _HALF:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        got = mpi4jax.allgather(x, comm=comm).reshape(-1)
+        return jax.lax.bitcast_convert_type(got, dtype) if dtype in _HALF else got
+
+    return _cached(("gather", comm.py2f(), int(shard.shape[0]), str(dtype)), lambda: jax.jit(run))(shard)
+
+
+__all__ = ["all_gather", "allreduce_tree", "bucket_bounds", "dispatched_ahead", "iter_reduced_chunks",
+           "reduce_scatter", "shard_length"]

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxhybrid.parallel.data.allreduce import (_HALF, _check_chunk, _check_flat, _scaled, bucket_bounds,
-                                              dispatched_ahead)
+                                              dispatched_ahead, shard_length)
 from jaxhybrid.parallel.data.flat import FlatSpec
 
 
@@ -128,6 +128,40 @@ class XlaColumn:
                                                          self._unflatten(shapes, common)))
         summed = self.reduce_row(flatten(tree))
         return unflatten(summed, None if scale is None else np.asarray(scale, common))
+
+    def reduce_scatter(self, flat: jax.Array, half_wire: bool = False) -> jax.Array:
+        """:func:`~jaxhybrid.parallel.data.allreduce.reduce_scatter` over the column mesh: a ``shard_map``
+        ``psum_scatter`` of the zero-padded vector; this process's shard of the sum, ``flat``'s dtype."""
+        _check_flat(flat)
+        n, dtype = int(flat.shape[0]), flat.dtype
+        c = shard_length(n, self.size)
+        wire = dtype if half_wire or dtype not in _HALF else jnp.float32
+
+        def make():
+            pad = jax.jit(lambda x: jnp.pad(x.astype(wire), (0, c * self.size - n))[None],
+                          out_shardings=jax.sharding.SingleDeviceSharding(self.device))
+            scatter = jax.jit(jax.shard_map(
+                lambda rows: jax.lax.psum_scatter(rows[0], "data", scatter_dimension=0, tiled=True),
+                mesh=self.mesh, in_specs=P("data", None), out_specs=P("data")))
+            return pad, scatter
+
+        pad, scatter = self._program(("scatter", n, str(dtype), str(wire)), make)
+        row = pad(flat)
+        whole = jax.make_array_from_single_device_arrays((self.size, c * self.size), self._rows, [row])
+        return scatter(whole).addressable_data(0).astype(dtype)
+
+    def all_gather(self, shard: jax.Array) -> jax.Array:
+        """:func:`~jaxhybrid.parallel.data.allreduce.all_gather` over the column mesh (``shard_map``
+        ``all_gather``): every process's shard in replica order."""
+        _check_flat(shard)
+        c = int(shard.shape[0])
+        # check_vma off: a tiled all_gather is the same on every device, which jax 0.10 does not infer.
+        gather = self._program(("gather", c, str(shard.dtype)), lambda: jax.jit(jax.shard_map(
+            lambda x: jax.lax.all_gather(x, "data", tiled=True), mesh=self.mesh, in_specs=P("data"),
+            out_specs=P(), check_vma=False)))
+        whole = jax.make_array_from_single_device_arrays((c * self.size,), NamedSharding(self.mesh, P("data")),
+                                                         [jax.device_put(shard, self.device)])
+        return gather(whole).addressable_data(0)
 
     def iter_reduced_chunks(self, flat_grads: jax.Array, chunk_elems: int, half_wire: bool = False
                             ) -> Iterator[tuple[int, int, jax.Array]]:

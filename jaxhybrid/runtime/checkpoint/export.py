@@ -75,11 +75,15 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
         raise ValueError(f"step {step} of {run_dir} {why}; steps all ranks hold: "
                          f"{', '.join(map(str, common)) or 'none'} ({_held(steps)})")
     full: dict = {}
-    for rank in sorted(steps, key=lambda r: int(r.split("_")[1])):
-        path = run_dir / "checkpoints" / rank / str(step) / "state"
+    paths = [run_dir / "checkpoints" / rank / str(step) / "state"
+             for rank in sorted(steps, key=lambda r: int(r.split("_")[1]))]
+    for path in paths:
         if set(_saved_parts(path)) - {TIED_KEY} <= set(full):
             continue  # a data replica of parts already read: skip its weights (from the metadata alone)
-        for key, part in master_params(read_state(path), cfg.optim.offload).items():
+        state = read_state(path)
+        if cfg.optim.offload and cfg.optim.shard_optimizer:
+            state = _whole_master(state, [q for q in paths if _saved_parts(q) == _saved_parts(path)])
+        for key, part in master_params(state, cfg.optim.offload).items():
             if key != TIED_KEY:
                 full.setdefault(key, part)
     names = Model(cfg.model).names
@@ -88,6 +92,21 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
         raise ValueError(f"the checkpoints of step {step} in {run_dir} lack {missing}: a rank's folder is "
                          f"missing ({', '.join(steps)} found)")
     return {k: jax.tree.map(lambda x: np.asarray(x, np.float32), full[k]) for k in names}, step, cfg
+
+
+def _whole_master(state: dict, replicas: list[Path]) -> dict:
+    """``state`` with the offloaded masters of its stage whole: with ``optim.shard_optimizer`` each data
+    replica saved its shard (``opt_state.shard`` = replica, replicas, parameters), put together here."""
+    shards = {}
+    for path in replicas:
+        opt = read_state(path)["opt_state"]
+        j, count, n = (int(v) for v in np.asarray(opt["shard"]))
+        shards[j] = np.asarray(opt["master"])
+    if sorted(shards) != list(range(count)):
+        raise ValueError(f"the sharded optimizer's masters of parts {sorted(state['params'])} come in {count} "
+                         f"shards; the checkpoints hold shards {sorted(shards)}")
+    master = np.concatenate([shards[j] for j in range(count)])[:n]
+    return {**state, "opt_state": {**state["opt_state"], "master": master}}
 
 
 def _saved_parts(path: Path) -> list[str]:

@@ -70,6 +70,17 @@ class GradEngine(abc.ABC):
         raise ValueError(f"{type(self).__name__} does not stream reduced gradient chunks "
                          f"(streams_reduced_chunks is false): call loss_and_grads")
 
+    @property
+    def data_column(self) -> Any:
+        """This process's data replicas as a :class:`~jaxhybrid.parallel.data.column.ReplicaColumn` for an
+        optimizer sharded over them (``optim.shard_optimizer``). Default: None, no replicas that are ranks."""
+        return None
+
+    def loss_and_local_grads(self, params: Params, batch: np.ndarray, loss_scale: float):
+        """``(loss, grads)`` as :meth:`loss_and_grads` but before the sum over data replicas, which the sharded
+        optimizer does as a reduce-scatter; only where :attr:`data_column` is not None."""
+        raise ValueError(f"{type(self).__name__} has no data replicas to shard an optimizer over (data_column is None)")
+
     def norm_view(self, grads: Params) -> Params:
         """The gradients this process contributes to the global norm. Default: all of them (no leaf is
         held twice)."""

@@ -13,6 +13,7 @@ from jaxhybrid.model.remat import whole_model_interval
 from jaxhybrid.optim import build_transform, device_updater
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
+from jaxhybrid.optim.zero import ZeroUpdater
 from jaxhybrid.parallel.pipeline.topology import Topology
 from jaxhybrid.runtime.engines.base import LocalEngine
 from jaxhybrid.runtime.engines.pipeline import PipelineEngine
@@ -32,10 +33,13 @@ def build_engine(cfg: Config, model: Model):
 
 def build_updater(cfg: Config, engine):
     """The optimizer for the configured layout: AdamW on the device, or Myelin's host-offloaded buckets (V-B),
-    per device over the shards it owns when the parameters are sharded."""
+    per device over the shards it owns when the parameters are sharded; with ``optim.shard_optimizer`` each
+    data replica updates its shard of either (ZeRO-1)."""
+    transform = build_transform(cfg.optim, cfg.train.steps)
+    if cfg.optim.shard_optimizer:
+        return ZeroUpdater(transform, cfg, engine.data_column)
     if not cfg.optim.offload:
         return device_updater(cfg)
-    transform = build_transform(cfg.optim, cfg.train.steps)
     if cfg.tensor_size > 1 or cfg.on_mesh:  # each device offloads the shards it owns
 
         return ShardedOffloadUpdater(transform, cfg)

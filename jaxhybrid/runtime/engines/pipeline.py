@@ -22,6 +22,7 @@ import numpy as np
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.model import Model
 from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.parallel.data.column import ReplicaColumn
 from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.parallel.data.xla_allreduce import XlaColumn
 from jaxhybrid.parallel.pipeline import tied
@@ -194,6 +195,20 @@ class PipelineEngine(GradEngine):
         finally:
             self.watchdog.disarm()
         return loss, grads
+
+    @property
+    def data_column(self) -> ReplicaColumn | None:
+        """This stage's data replicas on the configured backend, under this rank's watchdog."""
+        if self.replicas < 2:
+            return None
+        return ReplicaColumn(self.topo.column, self.xla_column, self.watchdog.watching)
+
+    def loss_and_local_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
+        self.watchdog.arm("pipeline phase")
+        try:
+            return self._pipeline_phase(params, batch, loss_scale)
+        finally:
+            self.watchdog.disarm()
 
     def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float):
         """The schedule over this replica's microbatches: (global mean loss, this rank's gradients with

@@ -85,6 +85,13 @@ BAD = [
     (["optim.allreduce_backend=xla", "parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2",
       "pipeline.microbatches=2", "checkpoint.at_end=false"], ["tensor depth x row x col = 1 x 1 x 2) is not supported"]),
     (["optim.allreduce_backend=xla", "parallel.data=2"], ["does not checkpoint yet", "checkpoint.at_end=false"]),
+    # ZeRO-1: data replicas that are MPI ranks of one device each.
+    (["optim.shard_optimizer=true"], ["with parallel.data=1 there is one replica", "parallel.data >= 2"]),
+    (["optim.shard_optimizer=true", "parallel.data=2", "parallel.mesh_data=true"],
+     ["tensor mode keeps its data axis on one mesh", "set optim.shard_optimizer=false"]),
+    (["optim.shard_optimizer=true", "parallel.pipeline=2", "parallel.data=2", "parallel.tensor_row=2",
+      "pipeline.microbatches=2"], ["optim.shard_optimizer=true shards one device's flat parameters per rank",
+                                   "1 x 2 x 1) is not supported"]),
     (["pipeline.dispatch=eager"], ["pipeline.dispatch='eager'; choose auto, async or sync"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     # Found when the first attention was traced: in every MPI rank after mpiexec started, aborting the job.

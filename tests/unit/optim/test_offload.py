@@ -292,6 +292,18 @@ def test_memory_report_matches_myelin_formulas():
         model_state_bytes(phi, compute_dtype="int8")
 
 
+def test_memory_report_divides_the_optimizer_state_over_its_shards():
+    """optim.shard_optimizer (ZeRO-1): each of G_data replicas holds ceil(phi / G_data) parameters' Adam state,
+    and with offload their host masters too; the device keeps the whole parameters and gradients."""
+    phi, b = 10_001, 1000
+    whole, sharded = (model_state_bytes(phi, optimizer_shards=d) for d in (1, 4))
+    assert sharded["device"]["optimizer_state"] == 8 * 2501 and whole["device"]["optimizer_state"] == 8 * phi
+    assert {k: v for k, v in sharded["device"].items() if k != "optimizer_state"} == \
+        {k: v for k, v in whole["device"].items() if k != "optimizer_state"}
+    off = model_state_bytes(phi, compute_dtype="bfloat16", offload=True, bucket_size=b, optimizer_shards=4)
+    assert off["host"] == {"params_master": 4 * 2501, "optimizer_state": 8 * 2501} and off["optimizer_shards"] == 4
+
+
 def test_memory_report_from_config_is_written(tmp_path):
     import json
 
