@@ -396,3 +396,23 @@ def test_bench_pipeline_prints_side_by_side_json():
     med = out["step_s_median"]
     assert set(out["async_over_sync"]) == {"fused", "split"} and min(med.values()) > 0
     assert all(out["async_over_sync"][k] == pytest.approx(med[f"{k}_async"] / med[k]) for k in ("fused", "split"))
+
+
+def test_bench_allreduce_prints_both_backends_and_the_vc_overlap():
+    """`jaxhybrid bench allreduce` starts its own ranks and prints, per size, both backends' all-reduce and
+    the sharded optimizer's reduce-scatter + all-gather (their sums checked equal before timing), and the
+    V-C step streamed against apart on each backend (presence and consistency only, never timings; the ratios are of unrounded medians, the times
+    rounded to the microsecond)."""
+    cmd = [sys.executable, "-m", "jaxhybrid", "bench", "allreduce", "--ranks", "2", "--sizes", "64K", "--rounds", "1",
+           "--warmup", "0", "--vc-elements", "64K", "--bucket-size", "8192", "--json"]
+    r = subprocess.run(cmd, env=_env(300), cwd=ROOT, capture_output=True, text=True, timeout=330)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (row,) = out["results"]
+    assert row["elements"] == 65536 and row["xla_over_mpi"] == pytest.approx(row["xla_s"] / row["mpi_s"], rel=0.05)
+    for k in ("mpi", "xla"):
+        assert row[f"{k}_zero_over_allreduce"] == pytest.approx(row[f"{k}_zero_s"] / row[f"{k}_s"], rel=0.05)
+        vc = out["vc"][k]
+        assert min(vc["streamed_s"], vc["apart_s"]) > 0
+        assert vc["streamed_over_apart"] == pytest.approx(vc["streamed_s"] / vc["apart_s"], rel=0.05)
+    assert out["vc"]["elements"] == 65536 and out["vc"]["bucket_size"] == 8192
