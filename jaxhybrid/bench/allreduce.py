@@ -15,7 +15,8 @@ backend ``*_zero_s``, the sharded optimizer's reduce-scatter plus all-gather (``
 with ``*_zero_over_allreduce``.
 
 ``vc`` (Myelin V-C, ``--vc-elements`` parameters): the host-offloaded AdamW step fed chunk by chunk by the
-reduction (``iter_reduced_chunks``, chunks of ``--coarsening`` x ``--bucket-size``) against the same step
+reduction (``iter_reduced_chunks``, chunks of ``--coarsening`` x ``--bucket-size``, reduced by a thread of
+their own beside the updates as in training: ``reduced_beside``) against the same step
 after the whole vector is reduced (reduction plus update apart), per backend: ``streamed_s``, ``apart_s``
 and ``streamed_over_apart`` (< 1: the chunked reduction and the bucket updates overlap).
 """
@@ -154,15 +155,16 @@ def _vc_overlap(args: argparse.Namespace, world, column) -> dict:
     from mpi4py import MPI
 
     from jaxhybrid.optim.offload import OffloadedOptimizer
-    from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
+    from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks, reduced_beside
 
     size, rank = args.vc_elements[0], world.Get_rank()
     opt = OffloadedOptimizer(optax.adamw(1e-3), args.bucket_size, device=column.device)
     state = opt.init({"w": np.linspace(-1, 1, size, dtype=np.float32)})
     grads = jax.device_put(jnp.linspace(0, 1, size, dtype=jnp.float32) * (rank + 1), column.device)
     chunk = args.bucket_size * args.coarsening
-    chunks = {"mpi": lambda g: iter_reduced_chunks(g, world, chunk),
-              "xla": lambda g: column.iter_reduced_chunks(g, chunk)}
+    # As the pipeline engine feeds the trainer: the reductions in a thread of their own, beside the updates.
+    chunks = {"mpi": lambda g: reduced_beside(iter_reduced_chunks(g, world, chunk, ahead=False)),
+              "xla": lambda g: reduced_beside(column.iter_reduced_chunks(g, chunk, ahead=False))}
     whole = {"mpi": lambda g: allreduce_tree(g, world, chunk), "xla": lambda g: column.allreduce_tree(g, chunk)}
     ways = {"streamed": lambda k: opt.step(state, chunks=chunks[k](grads)),
             "apart": lambda k: opt.step(state, grads=whole[k](grads))}

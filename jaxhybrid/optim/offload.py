@@ -9,13 +9,11 @@ memory for model state is ``4 phi + 16 bsize`` bytes for half precision (V-B) pl
 prefetched bucket.
 
 V-C: with ``chunks=iter_reduced_chunks(flat_local_grads, comm, k * bsize)`` the ``k`` buckets of a
-chunk update once it is reduced, without waiting for the whole vector. They do not run beside a
-reduction: a jitted mpi4jax all-reduce returns to Python only when it is done on CPU, and on GPU it
-synchronises the compute stream first, and the iterator issues chunk ``k + 1``'s reduction before it
-yields chunk ``k``. What may overlap a reduction is the buckets' host-to-device prefetch and device-to-host
-write-back (asynchronous copies). Global-norm clipping needs every reduced gradient first, so with
-``grad_clip > 0`` the chunks are all reduced before the first update, the first ``prefetch + 1`` fetches
-issued before them.
+chunk update once it is reduced, without waiting for the whole vector. The pipeline engine hands over
+chunks reduced by a thread of their own (``allreduce.reduced_beside``), so chunk ``k + 1``'s reduction
+runs while chunk ``k``'s buckets are fetched, updated and written back (Fig. 7). Global-norm clipping
+needs every reduced gradient first, so with ``grad_clip > 0`` the chunks are all reduced before the first
+update, the first ``prefetch + 1`` fetches issued before them.
 
 The state is host data only (:class:`OffloadState`), and ``step`` is functional: it never modifies its
 input state, so a skipped step (overflow agreed across ranks) simply keeps the old state, and

@@ -416,3 +416,25 @@ def test_bench_allreduce_prints_both_backends_and_the_vc_overlap():
         assert min(vc["streamed_s"], vc["apart_s"]) > 0
         assert vc["streamed_over_apart"] == pytest.approx(vc["streamed_s"] / vc["apart_s"], rel=0.05)
     assert out["vc"]["elements"] == 65536 and out["vc"]["bucket_size"] == 8192
+
+
+def test_vc_trace_shows_the_reduction_beside_the_update(tmp_path):
+    """Myelin V-C in the trainer (2 replicas, the offloaded optimizer without clipping, chunks of one
+    bucket): the traced step's Chrome trace has an all-reduce lane and an optimizer lane per rank, and on
+    each rank some chunk's reduction runs while an earlier chunk's buckets update."""
+    run = tmp_path / "vc"
+    sets = ["parallel.data=2", "optim.offload=true", "optim.bucket_size=20000", "optim.grad_clip=0",
+            "metrics.trace=true", "train.steps=2", "train.eval_every=0", "checkpoint.at_end=false",
+            "metrics.tensorboard=false", f"run.dir={run}"]
+    cmd = [sys.executable, "-m", "jaxhybrid", "launch", "-n", "2", "--timeout", "150", "--config",
+           str(ROOT / "configs" / "runs" / "tiny.yaml"), *[a for kv in sets for a in ("--set", kv)]]
+    r = subprocess.run(cmd, env=_env(150), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert {"rank 0 all-reduce", "rank 0 optimizer", "rank 1 all-reduce", "rank 1 optimizer"} <= lanes, lanes
+    for rank in (0, 1):
+        spans = {k: [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("cat") == k and e["tid"] % 1000 == rank]
+                 for k in ("reduce", "update")}
+        assert len(spans["reduce"]) == len(spans["update"]) > 2, spans
+        assert any(rs < ue and us < re for rs, re in spans["reduce"] for us, ue in spans["update"]), spans

@@ -27,7 +27,10 @@ column's processes instead (:mod:`~jaxhybrid.parallel.data.xla_allreduce`).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -164,8 +167,8 @@ def _chunk_program(comm: Any, chunk: int, dtype: Any, half_wire: bool):
     return _cached(("chunk", comm.py2f(), chunk, str(dtype), half_wire), lambda: jax.jit(reduce))
 
 
-def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half_wire: bool = False
-                        ) -> Iterator[tuple[int, int, jax.Array]]:
+def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half_wire: bool = False,
+                        ahead: bool = True) -> Iterator[tuple[int, int, jax.Array]]:
     """Yield ``(start, end, reduced)`` for consecutive chunks of ``flat_grads`` summed over ``comm``.
 
     ``reduced`` has ``end - start`` elements and the dtype of ``flat_grads``. Every rank of ``comm``
@@ -180,6 +183,8 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half
       comm: an mpi4py communicator made on all its ranks at start-up (the data column).
       chunk_elems: elements per chunk; the last chunk may be shorter.
       half_wire: half-precision chunks travel as half precision (:func:`allreduce_tree`).
+      ahead: dispatch chunk ``k + 1`` before yielding chunk ``k``; off when a thread of its own runs the
+        iterator (:func:`reduced_beside`), which is then the one ahead.
     """
     flat_grads = jnp.asarray(flat_grads)
     _check_flat(flat_grads)
@@ -195,18 +200,68 @@ def iter_reduced_chunks(flat_grads: jax.Array, comm: Any, chunk_elems: int, half
     def dispatch(s: int, e: int) -> jax.Array:  # no slice reaches past n: dynamic_slice never clamps
         return _chunk_program(comm, e - s, dtype, half_wire)(flat_grads, np.int32(s))
 
-    yield from dispatched_ahead(bounds, dispatch)
+    yield from dispatched_ahead(bounds, dispatch, ahead)
 
 
-def dispatched_ahead(bounds: list[tuple[int, int]], dispatch) -> Iterator[tuple[int, int, Any]]:
+def dispatched_ahead(bounds: list[tuple[int, int]], dispatch, ahead: bool = True) -> Iterator[tuple[int, int, Any]]:
     """``(start, end, dispatch(start, end))`` for each of ``bounds`` (not empty), chunk ``k + 1`` dispatched
-    before chunk ``k`` is yielded."""
+    before chunk ``k`` is yielded (``ahead``; else each when it is asked for)."""
+    if not ahead:
+        for s, e in bounds:
+            yield s, e, dispatch(s, e)
+        return
     pending = dispatch(*bounds[0])
     for k, (s, e) in enumerate(bounds):
         current = pending
         if k + 1 < len(bounds):
             pending = dispatch(*bounds[k + 1])
         yield s, e, current
+
+
+Record = Callable[[str, str, float, float], None]
+
+
+def reduced_beside(chunks: Iterable[tuple[int, int, Any]], record: Record | None = None, depth: int = 2
+                   ) -> Iterator[tuple[int, int, Any]]:
+    """Myelin V-C's overlap (Fig. 7): the chunks of ``chunks`` (an :func:`iter_reduced_chunks` with
+    ``ahead=False``) reduced by a thread of its own while the caller updates the buckets of the chunks
+    already reduced, at most ``depth`` reduced chunks waiting (the device holds no more than that beyond
+    Myelin's footprint). A blocking mpi4jax reduction then runs beside the update instead of before it
+    (MPI is initialised thread-multiple by mpi4py); an XLA one is waited for in that thread.
+
+    ``record(name, kind, start, end)``: each chunk's reduction as kind ``"reduce"`` (in the thread, until its
+    result is ready) and the caller's time on each chunk, between receiving it and asking for the next, as
+    kind ``"update"``: the two lanes of a step's trace. An exception in the thread is raised to the caller."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def reduce() -> None:
+        try:
+            it = iter(chunks)
+            while True:
+                t0 = time.perf_counter()
+                item = next(it, done)
+                if item is done:
+                    break
+                jax.block_until_ready(item[2])
+                if record is not None:
+                    record(f"all-reduce [{item[0]}, {item[1]})", "reduce", t0, time.perf_counter())
+                ready.put(item)
+        except BaseException as e:  # noqa: BLE001 (handed to the caller, which raises it)
+            ready.put(e)
+            return
+        ready.put(done)
+
+    thread = threading.Thread(target=reduce, name="jaxhybrid-allreduce", daemon=True)
+    thread.start()
+    while (item := ready.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        t0 = time.perf_counter()
+        yield item
+        if record is not None:
+            record(f"update [{item[0]}, {item[1]})", "update", t0, time.perf_counter())
+    thread.join()
 
 
 def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
@@ -272,4 +327,4 @@ def all_gather(shard: jax.Array, comm: Any) -> jax.Array:
 
 
 __all__ = ["all_gather", "allreduce_tree", "bucket_bounds", "dispatched_ahead", "iter_reduced_chunks",
-           "reduce_scatter", "shard_length"]
+           "reduce_scatter", "reduced_beside", "shard_length"]

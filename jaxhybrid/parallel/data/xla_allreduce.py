@@ -163,8 +163,8 @@ class XlaColumn:
                                                          [jax.device_put(shard, self.device)])
         return gather(whole).addressable_data(0)
 
-    def iter_reduced_chunks(self, flat_grads: jax.Array, chunk_elems: int, half_wire: bool = False
-                            ) -> Iterator[tuple[int, int, jax.Array]]:
+    def iter_reduced_chunks(self, flat_grads: jax.Array, chunk_elems: int, half_wire: bool = False,
+                            ahead: bool = True) -> Iterator[tuple[int, int, jax.Array]]:
         """:func:`~jaxhybrid.parallel.data.allreduce.iter_reduced_chunks` over the column mesh: chunk
         ``k + 1`` is dispatched before chunk ``k`` is yielded (XLA's dispatch returns at once, so the
         caller's update of chunk ``k`` can run beside the next reduction)."""
@@ -186,7 +186,7 @@ class XlaColumn:
                 out_shardings=jax.sharding.SingleDeviceSharding(self.device)))
             return self.reduce_row(cut(flat_grads, np.int32(s))).astype(dtype)
 
-        yield from dispatched_ahead(bounds, dispatch)
+        yield from dispatched_ahead(bounds, dispatch, ahead)
 
 
 def _row_slice(flat: jax.Array, start: jax.Array, size: int, wire: Any) -> jax.Array:

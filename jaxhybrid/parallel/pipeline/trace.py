@@ -6,7 +6,9 @@ The one timeline type serves the simulator and the engine's measurements:
   ``rank``: pipeline rank (one Gantt row). ``kind``: ``"F"``, ``"B"``, ``"BI"``, ``"BW"`` for compute;
   ``"wait"`` for time a rank spent blocked on a message; ``"dispatch"`` for a task the event loop
   queued without waiting for its kernel (never counted as compute); ``"send"`` / ``"recv"`` for a message in
-  flight (``rank`` is the sender / receiver); anything else is drawn as ``"other"``. ``start`` and
+  flight (``rank`` is the sender / receiver); ``"reduce"`` / ``"update"`` for a data-parallel reduction and the
+  optimizer's update of what it reduced (Myelin V-C: lanes of their own, which may overlap); anything else
+  is drawn as ``"other"``. ``start`` and
   ``end`` are seconds (simulated timelines use cost units, shown as seconds). ``microbatches`` are
   the microbatch numbers written in the box (several for a concatenated BW); ``stage`` is the
   logical stage (-1: none).
@@ -25,7 +27,10 @@ from typing import Iterable, Sequence
 
 COMPUTE_KINDS = ("F", "B", "BI", "BW")
 COLORS = {"F": "#4c78a8", "B": "#e45756", "BI": "#f58518", "BW": "#54a24b", "wait": "#d9d9d9",
-          "send": "#b279a2", "recv": "#9d755d", "other": "#bab0ac"}
+          "send": "#b279a2", "recv": "#9d755d", "reduce": "#72b7b2", "update": "#eeca3b", "other": "#bab0ac"}
+# The lanes of a rank beside its compute row (Chrome trace thread ids: offset + rank).
+LANES = {"send": (1000, "messages"), "recv": (1000, "messages"), "reduce": (2000, "all-reduce"),
+         "update": (3000, "optimizer")}
 
 
 @dataclass(frozen=True)
@@ -118,14 +123,18 @@ class Timeline:
 
 def to_chrome_trace(timeline: Timeline, process_name: str = "pipeline") -> dict:
     """Chrome/Perfetto ``traceEvents``: one thread per rank for compute and waits, one more per rank
-    for messages (``tid = 1000 + rank``); times in microseconds."""
+    for messages (``tid = 1000 + rank``), and where a step has them its all-reduce (2000 + rank) and
+    optimizer (3000 + rank) lanes; times in microseconds."""
     out = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process_name}}]
+    kinds = {e.kind for e in timeline.events}
+    lanes = sorted({lane for k, lane in LANES.items() if k in kinds or k == "send"})
     for r in range(timeline.num_ranks):
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
-        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1000 + r,
-                    "args": {"name": f"rank {r} messages"}})
+        for offset, lane in lanes:
+            out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": offset + r,
+                        "args": {"name": f"rank {r} {lane}"}})
     for e in timeline.events:
-        tid = 1000 + e.rank if e.kind in ("send", "recv") else e.rank
+        tid = LANES[e.kind][0] + e.rank if e.kind in LANES else e.rank
         out.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": tid,
                     "ts": e.start * 1e6, "dur": e.duration * 1e6,
                     "args": {"microbatches": list(e.microbatches), "stage": e.stage, "kind": e.kind}})
@@ -158,7 +167,8 @@ def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
 
 def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
     """Gantt chart, one row per rank (rank 0 on top), boxes coloured by kind with their microbatch
-    numbers, waits in light grey; messages are not drawn. A rank running several stages (virtual stages)
+    numbers, waits in light grey; messages are not drawn; a reduction and an update (V-C) share the row, in
+    its upper and lower half, so their overlap shows. A rank running several stages (virtual stages)
     draws its later chunks in lighter shades of the kind's colour, writes the stage under the microbatch
     numbers, and lists its stages on its row label."""
     import matplotlib
@@ -182,7 +192,8 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -
             kinds_seen.append(kind)
         y = timeline.num_ranks - 1 - e.rank
         chunk = chunk_of.get((e.rank, e.stage), 0) if e.kind in COMPUTE_KINDS else 0
-        ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors=_shade(COLORS[kind], chunk, chunks),
+        band = {"reduce": (y, 0.4), "update": (y - 0.4, 0.4)}.get(kind, (y - 0.4, 0.8))
+        ax.broken_barh([(e.start, e.duration)], band, facecolors=_shade(COLORS[kind], chunk, chunks),
                        edgecolors="black", linewidth=0.4)
         if e.microbatches and e.kind in COMPUTE_KINDS and e.duration / span > 0.008:
             label = ",".join(str(m) for m in e.microbatches)

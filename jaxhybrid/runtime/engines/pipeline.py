@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.model import Model
-from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks
+from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks, reduced_beside
 from jaxhybrid.parallel.data.column import ReplicaColumn
 from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.parallel.data.xla_allreduce import XlaColumn
@@ -231,10 +231,10 @@ class PipelineEngine(GradEngine):
     def loss_and_grad_chunks(self, params: dict, batch: np.ndarray, loss_scale: float, flatten):
         """Myelin V-C: the pipeline phase, then the data-parallel all-reduce left to the consumer, which
         gets ``(start, end, reduced)`` chunks of ``k x bsize`` elements of ``flatten(grads)``, each as soon
-        as its reduction is done with the next one already dispatched (mpi4jax returns once that one is
-        reduced too, so the update of a chunk's buckets does not run beside a reduction). Returns
-        ``(loss, chunks)``; the unreduced pytree is released once flattened (the footprint stays
-        parameters + gradients + buckets)."""
+        as its reduction is done, reduced by a thread of their own while the consumer updates the chunks
+        before (:func:`~jaxhybrid.parallel.data.allreduce.reduced_beside`; the step's trace records both).
+        Returns ``(loss, chunks)``; the unreduced pytree is released once flattened (the footprint stays
+        parameters + gradients + buckets + two reduced chunks)."""
         if not self.streams_reduced_chunks:
             raise ValueError(f"{self.who}: streamed all-reduce needs data replicas > 1 and one device per rank")
         self.watchdog.arm("pipeline phase")
@@ -244,9 +244,12 @@ class PipelineEngine(GradEngine):
             self.watchdog.disarm()
         flat = flatten(grads)
         release(grads)
-        chunks = (self.xla_column.iter_reduced_chunks(flat, self.chunk, self.half_wire) if self.xla_column
-                  else iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire))
-        return loss, self._watched(chunks, "data-parallel all-reduce streamed into the optimizer")
+        chunks = (self.xla_column.iter_reduced_chunks(flat, self.chunk, self.half_wire, ahead=False)
+                  if self.xla_column else iter_reduced_chunks(flat, self.topo.column, self.chunk, self.half_wire,
+                                                               ahead=False))
+        watched = self._watched(chunks, "data-parallel all-reduce streamed into the optimizer")
+        # Myelin V-C: the reductions in a thread of their own, beside the updates; both are lanes of the trace.
+        return loss, reduced_beside(watched, self.loop.recorder.add)
 
     def _watched(self, chunks, what: str):
         """The chunk iterator under the watchdog: a dead peer mid-reduction ends the job, as in the phase."""

@@ -1,6 +1,8 @@
 """Host-offloaded optimizer (Myelin V-B/V-C) against the on-device optimizer, bit for bit."""
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from jaxhybrid.optim.memory_report import model_state_bytes
 from jaxhybrid.optim.offload import OffloadedOptimizer
 from jaxhybrid.optim.offload_updater import OffloadUpdater
 from jaxhybrid.optim.updater import DeviceUpdater, decay_mask
-from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks
+from jaxhybrid.parallel.data.allreduce import iter_reduced_chunks, reduced_beside
 
 TX = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.01)
 SHAPES = {"w1": (8, 16), "b1": (16,), "block": {"w2": (16, 16), "b2": (16,)}, "out": (16, 4)}  # 480 params
@@ -134,6 +136,32 @@ def test_chunk_fed_step_equals_whole_gradient_step():
         assert_tree_close(np.asarray(fb), np.asarray(fa), tol, "device params")
     with pytest.raises(ValueError, match="not aligned to bucket_size=60"):
         b.step(sb, chunks=iter_reduced_chunks(g, None, 100))
+
+
+def test_chunks_reduced_beside_the_update_feed_the_same_step_and_overlap_in_the_trace():
+    """Myelin V-C: chunks reduced by a thread of their own (at most two waiting) give the bit-identical
+    step, the recorded reduce and update lanes overlap in time, and the thread's error reaches the caller."""
+    _, params, batches, grad = _setup()
+    a = OffloadedOptimizer(TX, 60, grad_clip=0.0, backend="pinned_host", name="adamw")
+    b = OffloadedOptimizer(TX, 60, grad_clip=0.0, backend="pinned_host", name="adamw")
+    sa, sb = a.init(params), b.init(params)
+    g = a.flatten(grad(params, batches[0], 1.0))
+    events = []
+    slow = (time.sleep(0.01) or c for c in iter_reduced_chunks(g, None, 60, ahead=False))  # a reduction's time
+    _, fa, _ = a.step(sa, chunks=iter_reduced_chunks(g, None, 60))
+    _, fb, _ = b.step(sb, chunks=reduced_beside(slow, lambda *ev: events.append(ev)))
+    assert_tree_close(np.asarray(fb), np.asarray(fa), "exact", "device params")
+    reduce = [(s, e) for _, kind, s, e in events if kind == "reduce"]
+    update = [(s, e) for _, kind, s, e in events if kind == "update"]
+    assert len(reduce) == len(update) == -(-int(g.shape[0]) // 60) > 2
+    assert any(rs < ue and us < re for rs, re in reduce for us, ue in update), (reduce, update)
+
+    def failing():
+        yield 0, 60, g[:60]
+        raise RuntimeError("peer died")
+
+    with pytest.raises(RuntimeError, match="peer died"):
+        list(reduced_beside(failing()))
 
 
 @pytest.mark.slow
