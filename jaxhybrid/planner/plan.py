@@ -10,6 +10,7 @@ per device exceeds the hardware's are dropped. A plan file (``--out``) carries t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from jaxhybrid.planner.machine import machine_from_hardware  # noqa: F401  (plan
 from jaxhybrid.planner.step_model import Layout, Machine, evaluate
 
 PLAN_KEYS = ("pipeline", "data", "tensor_col", "tensor_row", "tensor_depth", "microbatch_size", "schedule",
-             "pipeline_limit", "virtual_stages", "placement", "split_backward", "offload", "predicted_step_s", "comm_s",
-             "memory_per_device_bytes")
+             "pipeline_limit", "virtual_stages", "placement", "split_backward", "offload", "shard_optimizer",
+             "predicted_step_s", "comm_s", "memory_per_device_bytes")
 LATENCY_FLOOR_S = 5e-6  # "a few microseconds": below it a collective's latency, not its bytes, sets its time
 
 
@@ -44,23 +45,30 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
 def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int, seq: int, top: int = 10,
                tensor: bool = True, offload: bool | None = None, bucket_size: int = OptimConfig.bucket_size,
                letters: str = TensorConfig.optimizations, allreduce_dtype: str = OptimConfig.allreduce_dtype,
-               allreduce_backend: str = OptimConfig.allreduce_backend) -> list[dict]:
+               allreduce_backend: str = OptimConfig.allreduce_backend,
+               shard_optimizer: bool = OptimConfig.shard_optimizer) -> list[dict]:
     """Feasible plans, best predicted step first; raises ValueError when none fits, with the fix, or when
     ``gpus`` is not whole nodes or a divisor of one (:func:`check_gpus`). Offloaded layouts hold buckets
     of ``bucket_size`` elements (the run's ``optim.bucket_size``: a plan file leaves it as it is). ``letters``
     (``tensor.optimizations``), ``allreduce_dtype`` (``optim.allreduce_dtype``: Myelin IV-B's
     half-precision all-reduce) and ``allreduce_backend`` (``optim.allreduce_backend``: MPI through host
     memory, or XLA's collectives) are the run's too, as :func:`score_config` scores its own layout: a plan
-    file leaves them as they are, and the config's layout is ranked among plans scored the same way."""
+    file leaves them as they are, and the config's layout is ranked among plans scored the same way.
+    ``shard_optimizer``: every layout whose data replicas are pipeline ranks of one device
+    (:func:`shards_optimizer`) divides its optimizer state over them (``optim.shard_optimizer``, ZeRO-1)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
 
+    def sharded(lay: Layout) -> Layout:
+        return dataclasses.replace(lay, shard_optimizer=shard_optimizer and shards_optimizer(lay))
+
     def score(lay: Layout) -> dict:
-        return evaluate(cfg, lay, machine, seq, bucket_size, letters, allreduce_dtype, allreduce_backend)
+        return evaluate(cfg, sharded(lay), machine, seq, bucket_size, letters, allreduce_dtype, allreduce_backend)
 
     for lay, r, fits in search(cfg, gpus, global_batch, score, machine.memory_bytes, tensor, offload):
+        lay = sharded(lay)
         if smallest is None or r["memory_per_device_bytes"] < smallest[0]:
             smallest = (r["memory_per_device_bytes"], lay)
         if fits:
@@ -176,6 +184,13 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
     return (out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
             | ({"data": {"seq_len": seq_len}} if seq_len else {}))
+
+
+def shards_optimizer(lay: Layout) -> bool:
+    """Whether ``optim.shard_optimizer`` applies to a layout: data replicas that are pipeline ranks of one
+    device each (the config's rule, :mod:`jaxhybrid.runtime.config_checks`)."""
+    d = lay.dims
+    return d.data > 1 and d.pipeline > 1 and d.tensor_col == d.tensor_row == d.tensor_depth == 1
 
 
 def config_layout(cfg) -> Layout:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=positive_int, default=10, help="plans to print (>= 1)")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="force Myelin's optimizer offload on/off (default: try both)")
+    p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="divide the optimizer state over the data replicas of pipeline layouts (ZeRO-1, "
+                        "optim.shard_optimizer; default: the config's, else off)")
     p.add_argument("--no-tensor", action="store_true", help="only G_c = G_r = G_d = 1")
     p.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default: the "
                    "config's, or 512 for a preset)")
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     own_settings = {"letters": cfg.tensor.optimizations, "allreduce_dtype": cfg.optim.allreduce_dtype} if cfg else {}
     backend = args.allreduce_backend or (cfg.optim.allreduce_backend if cfg else "mpi")
     own_settings["allreduce_backend"] = backend
+    own_settings["shard_optimizer"] = (args.shard_optimizer if args.shard_optimizer is not None
+                                       else bool(cfg and cfg.optim.shard_optimizer))
     ranked = rank_plans(model, args.gpus, machine, gb, seq, 1 << 30, not args.no_tensor, args.offload, bucket,
                         **own_settings)  # all
     plans = ranked[:args.top]

@@ -621,3 +621,27 @@ def test_zb_h1_plans_rank_and_their_plan_file_loads(tmp_path):
     run = load_config(None, ["model.name=gpt2-small", "data.seq_len=1024", f"plan.file={path}"])
     assert (run.pipeline.schedule, run.pipeline.split_backward) == ("zb-h1", True)
     assert (run.parallel.pipeline, run.pipeline.microbatches) == (zb["pipeline"], zb["microbatches"])
+
+
+def test_a_sharded_optimizer_divides_the_optimizer_state_of_pipeline_replicas():
+    """rank_plans(shard_optimizer=True) marks the layouts whose data replicas are pipeline ranks of one
+    device (the config's rule) and charges them 8 phi / G_data bytes of Adam state instead of 8 phi; other
+    layouts are scored as before, and a plan's overrides carry the setting into a valid config."""
+    kw = dict(global_batch=16, seq=128, top=10_000, tensor=False, offload=False)
+    plain, zero = (rank_plans(PRESETS["gpt2-small"], 8, _machine(), shard_optimizer=z, **kw) for z in (False, True))
+    key = lambda p: tuple(p[k] for k in ("pipeline", "data", "microbatch_size", "schedule", "virtual_stages",
+                                         "split_backward", "remat", "pipeline_limit"))
+    before = {key(p): p for p in plain}
+    sharded = [p for p in zero if p["shard_optimizer"]]
+    assert sharded and all(p["pipeline"] > 1 and p["data"] > 1 for p in sharded)
+    assert all(not p["shard_optimizer"] for p in zero if p["pipeline"] == 1 or p["data"] == 1)
+    compared = [(before[key(p)], p) for p in sharded if key(p) in before]
+    assert compared
+    for b, p in compared:  # without offload a parameter holds 20 bytes in bf16 (16 in fp32), 8 of them Adam's
+        saved = b["memory_per_device_bytes"] - p["memory_per_device_bytes"]
+        assert saved == pytest.approx(b["param_state_bytes"] - p["param_state_bytes"])
+        share = saved / b["param_state_bytes"]
+        assert any(share == pytest.approx(8 / per * (1 - 1 / p["data"]), rel=1e-3) for per in (20, 16)), (share, p)
+    p = sharded[0]
+    cfg = config_from_dict({"model": "gpt2-small", "data": {"seq_len": 128}, **plan_overrides(p, 16)})
+    assert cfg.optim.shard_optimizer
