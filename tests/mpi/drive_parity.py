@@ -119,9 +119,15 @@ def reference(cfg, data):
     out = None
     if WORLD.rank == 0:  # AdamW on the device, whatever optimizer the case's layout runs
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, shard_optimizer=False, offload=False))
-        out = train(LocalEngine(Model(cfg.model)), cfg, data)
+        try:
+            out = train(LocalEngine(Model(cfg.model)), cfg, data)
+        except Exception as e:  # noqa: BLE001 (every rank raises it: the others would wait in the barrier)
+            out = RuntimeError(f"the single-device reference failed on rank 0: {type(e).__name__}: {e}")
     quiet_barrier(WORLD)
-    return WORLD.bcast(out, root=0)
+    out = WORLD.bcast(out, root=0)
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def same_on_all_ranks(fn) -> str:
