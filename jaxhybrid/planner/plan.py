@@ -317,6 +317,8 @@ def trace_line(traced: dict, plan_file: str = "") -> str:
     line = f"traced step: makespan {traced['makespan_s']:.4g} s, bubble ratio {traced['bubble_ratio']:.3f}"
     if traced.get("period_s") is not None:
         line += f", period {traced['period_s']:.4g} s per microbatch (last stage's forwards)"
+    if traced.get("exposed_reduction_s") is not None:
+        line += f", exposed data-parallel reduction {traced['exposed_reduction_s']:.4g} s (the longest rank's)"
     data = read_json(Path(plan_file), "plan file") if plan_file else {}
     if data.get("kind") == "allocation" and data.get("valid_period_s") is not None:
         line += (f"; plan.file={plan_file} predicted a period of {data['valid_period_s']:.4g} s "

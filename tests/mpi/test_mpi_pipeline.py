@@ -430,6 +430,7 @@ def test_vc_trace_shows_the_reduction_beside_the_update(tmp_path):
            str(ROOT / "configs" / "runs" / "tiny.yaml"), *[a for kv in sets for a in ("--set", kv)]]
     r = subprocess.run(cmd, env=_env(150), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "exposed data-parallel reduction" in r.stdout + r.stderr, r.stdout[-3000:]  # the trace line
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert {"rank 0 all-reduce", "rank 0 optimizer", "rank 1 all-reduce", "rank 1 optimizer"} <= lanes, lanes

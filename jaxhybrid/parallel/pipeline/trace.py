@@ -231,7 +231,39 @@ def write_measured(per_rank: list[list[Event]], run_dir: str | Path, title: str)
     save_gantt(tl, out / "trace.png", title=title)
     busy = sum(tl.busy(r) for r in range(tl.num_ranks))
     return {"bubble_ratio": 1.0 - busy / max(tl.num_ranks * tl.makespan, 1e-12), "makespan_s": tl.makespan,
-            "period_s": steady_period(tl.events)}
+            "period_s": steady_period(tl.events), "exposed_reduction_s": exposed_reduction(tl.events)}
+
+
+def exposed_reduction(events: Iterable[Event]) -> float | None:
+    """The longest time over ranks that a rank spent in data-parallel reductions (kind ``"reduce"``) running
+    nothing else: no stage kernel and no optimizer update (kind ``"update"``, Myelin V-C) beside it. None
+    when no reduction was recorded (one replica, or a step that was not traced)."""
+    def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        out: list[tuple[float, float]] = []
+        for s, e in sorted(spans):
+            if out and s <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], e))
+            else:
+                out.append((s, e))
+        return out
+
+    by_rank: dict[int, tuple[list, list]] = {}
+    for e in events:
+        reduce, other = by_rank.setdefault(e.rank, ([], []))
+        if e.kind == "reduce":
+            reduce.append((e.start, e.end))
+        elif e.kind == "update" or e.kind in COMPUTE_KINDS:
+            other.append((e.start, e.end))
+    worst = None
+    for reduce, other in by_rank.values():
+        if not reduce:
+            continue
+        covered = union(other)
+        alone = 0.0
+        for s, e in union(reduce):
+            alone += (e - s) - sum(max(0.0, min(e, b) - max(s, a)) for a, b in covered)
+        worst = alone if worst is None else max(worst, alone)
+    return worst
 
 
 def steady_period(events: list[Event]) -> float | None:

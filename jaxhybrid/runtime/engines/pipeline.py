@@ -188,10 +188,14 @@ class PipelineEngine(GradEngine):
         try:
             loss, grads = self._pipeline_phase(params, batch, loss_scale)
             self.watchdog.beat("data-parallel all-reduce")
+            t0 = time.perf_counter()
             if self.xla_column is not None:
                 grads = self.xla_column.allreduce_tree(grads, self.chunk, half_wire=self.half_wire)
             elif self.replicas > 1:
                 grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
+            if self.replicas > 1 and (record := self._recording()) is not None:  # the trace's all-reduce lane
+                jax.block_until_ready(grads)
+                record("all-reduce", "reduce", t0, time.perf_counter())
         finally:
             self.watchdog.disarm()
         return loss, grads
@@ -201,7 +205,11 @@ class PipelineEngine(GradEngine):
         """This stage's data replicas on the configured backend, under this rank's watchdog."""
         if self.replicas < 2:
             return None
-        return ReplicaColumn(self.topo.column, self.xla_column, self.watchdog.watching)
+        return ReplicaColumn(self.topo.column, self.xla_column, self.watchdog.watching, self._recording)
+
+    def _recording(self):
+        """Where a timed step (a trace) records a data-parallel reduction; None otherwise (no waiting)."""
+        return self.loop.recorder.add if self.loop.synced else None
 
     def loss_and_local_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         self.watchdog.arm("pipeline phase")

@@ -6,8 +6,8 @@ import pytest
 from jaxhybrid.cli.main import main
 from jaxhybrid.parallel.pipeline.schedule import make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
-from jaxhybrid.parallel.pipeline.trace import (Event, Timeline, save_gantt, steady_period, to_chrome_trace,
-                                               write_chrome_trace)
+from jaxhybrid.parallel.pipeline.trace import (Event, Timeline, exposed_reduction, save_gantt, steady_period,
+                                               to_chrome_trace, write_chrome_trace)
 
 
 def test_merge_per_rank_events_with_clock_offsets():
@@ -79,3 +79,13 @@ def test_the_measured_period_is_the_last_stages_median_gap_between_forwards():
     first = [Event(0, f"F{m}", "F", 0.1 * m, 0.1 * m + 0.1, (m,), 0) for m in range(5)]
     assert steady_period(first + last) == pytest.approx(0.5)
     assert steady_period(first[:1]) is None and steady_period([]) is None
+
+
+def test_exposed_reduction_is_the_reduce_time_that_nothing_else_covers():
+    """The trace's exposed data-parallel reduction: per rank the union of its reductions less what its
+    kernels and optimizer updates cover; the longest rank's; None with no reduction recorded."""
+    events = [Event(0, "all-reduce a", "reduce", 0.0, 6.0), Event(0, "all-reduce b", "reduce", 5.0, 10.0),
+              Event(0, "update", "update", 2.0, 5.0), Event(0, "F", "F", 8.0, 12.0),
+              Event(1, "all-reduce", "reduce", 0.0, 4.0), Event(1, "wait", "wait", 0.0, 4.0)]
+    assert exposed_reduction(events) == pytest.approx(5.0)  # rank 0: 10 - 3 - 2; rank 1: 4 (a wait runs nothing)
+    assert exposed_reduction([e for e in events if e.kind != "reduce"]) is None
