@@ -61,6 +61,12 @@ class ParallelDims:
         return self.pipeline == 1 and (self.tensor_size > 1 or self.mesh_data)
 
     @property
+    def replicas_are_ranks(self) -> bool:
+        """Whether there are data replicas and each is an MPI rank of one device (no tensor axis, no mesh): the
+        columns that ``optim.allreduce_backend: xla`` and ``optim.shard_optimizer`` work over."""
+        return self.data > 1 and not self.on_mesh and self.tensor_size == 1
+
+    @property
     def grid_size(self) -> int:
         """Ranks of the process grid: G_inter x G_data."""
         return self.pipeline * self.data

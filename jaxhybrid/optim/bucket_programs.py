@@ -10,9 +10,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxhybrid.optim.updater import clip_factor
+
+
+# A vector's squared norm in float32 (the clip norm's parts).
+sq_all = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,9 +63,8 @@ def programs(inner, split, cdt, grad_clip: float):
     write_j = jax.jit(lambda params, m, s: jax.lax.dynamic_update_slice(params, m.astype(cdt), (s,)),
                       donate_argnums=0)
     factor_j = jax.jit(lambda scale, sq: clip_factor(scale, sq, grad_clip))
-    sq_j = jax.jit(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
     init_j = jax.jit(lambda m: split.split(inner.init(m)))
-    return update_j, upcast_j, write_j, factor_j, sq_j, init_j
+    return update_j, upcast_j, write_j, factor_j, sq_all, init_j
 
 
 @jax.jit
@@ -71,6 +75,13 @@ def sq_outside(g: jax.Array, cut: jax.Array) -> jax.Array:
     i = jnp.arange(g.shape[0], dtype=jnp.int32)
     inside = jnp.any((i >= cut[:, :1]) & (i < cut[:, 1:]), axis=0)
     return jnp.sum(jnp.where(inside, 0.0, jnp.square(g.astype(jnp.float32))))
+
+
+def counted_sq(s: int, e: int, g: jax.Array, uncounted) -> jax.Array:
+    """Squared norm of ``g`` = flat ``[s, e)``, less the ``uncounted`` flat ranges it overlaps (a leaf another
+    rank counts: a tied embedding's copy)."""
+    cut = [(max(a, s) - s, min(b, e) - s) for a, b in uncounted if a < e and b > s]
+    return sq_outside(g, np.asarray(cut, np.int32)) if cut else sq_all(g)
 
 
 class Prefetcher:

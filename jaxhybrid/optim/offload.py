@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxhybrid.optim.bucket_programs import Prefetcher, programs, sq_outside
+from jaxhybrid.optim.bucket_programs import Prefetcher, counted_sq, programs
 from jaxhybrid.optim.buckets import BucketLayout, check_bucketable, decay_bounds
 from jaxhybrid.optim.hoststore import make_store
 from jaxhybrid.optim.updater import DecayMask
@@ -219,8 +219,7 @@ class OffloadedOptimizer:
 
     def _counted_sq(self, s: int, e: int, arr: jax.Array, uncounted) -> jax.Array:
         """Squared norm of the piece ``arr`` = flat ``[s, e)``, less the ``uncounted`` ranges it overlaps."""
-        cut = [(max(a, s) - s, min(b, e) - s) for a, b in uncounted if a < e and b > s]
-        return sq_outside(arr, np.asarray(cut, np.int32)) if cut else self._sq(arr)
+        return counted_sq(s, e, arr, uncounted)
 
     def _pieces(self, grads, chunks, layout: BucketLayout) -> Iterator[tuple[int, int, jax.Array]]:
         if grads is not None:

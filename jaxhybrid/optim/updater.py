@@ -91,6 +91,20 @@ def place_like(like, saved):
     return jax.tree.map(put, like, saved)
 
 
+def guarded_step(transform: optax.GradientTransformation, grad_clip: float, params, opt_state, grads, scale, sq,
+                 nonfinite, seen):
+    """Traced: one optimizer step on the gradients of ``loss * scale`` (descale and clip by the global
+    ``sq``), with ``seen`` the parameters as the weight decay sees them (:func:`decay_view`); the old
+    ``params`` and ``opt_state`` where ``nonfinite``. Returns ``(params, opt_state, grad_norm)``."""
+    factor, gnorm = clip_factor(scale, sq, grad_clip)
+    g = jax.tree.map(lambda x: x * factor.astype(x.dtype), grads)
+    updates, new_state = transform.update(g, opt_state, seen)
+    new_params = optax.apply_updates(params, updates)
+    ok = nonfinite == 0
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return pick(new_params, params), pick(new_state, opt_state), gnorm
+
+
 @jax.jit
 def _stats(grads):
     leaves = jax.tree.leaves(grads)
@@ -159,13 +173,8 @@ class DeviceUpdater(Updater):
         self.grad_clip = grad_clip
 
         def apply(params, opt_state, grads, scale, sq, nonfinite):
-            factor, gnorm = clip_factor(scale, sq, grad_clip)
-            g = jax.tree.map(lambda x: x * factor.astype(x.dtype), grads)
-            updates, new_state = transform.update(g, opt_state, decay_view(params, decay))
-            new_params = optax.apply_updates(params, updates)
-            ok = nonfinite == 0
-            pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-            return pick(new_params, params), pick(new_state, opt_state), gnorm
+            return guarded_step(transform, grad_clip, params, opt_state, grads, scale, sq, nonfinite,
+                                decay_view(params, decay))
 
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
 

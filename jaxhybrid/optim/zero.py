@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxhybrid.optim.bucket_programs import sq_outside
-from jaxhybrid.optim.offload import DTYPES, OffloadedOptimizer
-from jaxhybrid.optim.updater import Updater, clip_factor, decay_mask, place_like
+from jaxhybrid.optim.bucket_programs import counted_sq
+from jaxhybrid.optim.offload import OffloadedOptimizer
+from jaxhybrid.optim.updater import Updater, decay_mask, decay_view, guarded_step, place_like
 from jaxhybrid.parallel.data.column import ReplicaColumn
 from jaxhybrid.parallel.data.flat import FlatSpec, release
 
@@ -57,8 +57,8 @@ class ZeroUpdater(Updater):
             self.offload = OffloadedOptimizer(transform, o.bucket_size, grad_clip=o.grad_clip,
                                               compute_dtype=cfg.precision.compute_dtype, name="adamw",
                                               decay=None if self.rule is None else (lambda _: self.flags))
-        self.compute_dtype = DTYPES[cfg.precision.compute_dtype] if o.offload else None
         self.spec: FlatSpec | None = None
+        self._uncounted = None  # the norm's cut-out ranges in shard coordinates, from the first step's norm_view
 
     # -- the shard ---------------------------------------------------------------------------------
     def _layout(self, params) -> None:
@@ -85,16 +85,11 @@ class ZeroUpdater(Updater):
         return [flat[a:b] for a, b in self.cuts]
 
     def _device_step(self, p, state, g, scale, sq, nonfinite):
-        """``DeviceUpdater``'s step on the shard's pieces: descale and clip, AdamW with the decay of each
-        piece's leaf, and the old shard and state where the step is skipped."""
-        factor, gnorm = clip_factor(scale, sq, self.grad_clip)
+        """``DeviceUpdater``'s step on the shard's pieces, each decayed by its leaf's rule."""
         ps = self._pieces(p)
-        gs = [x * factor.astype(x.dtype) for x in self._pieces(g)]
-        seen = [x if d else jnp.zeros_like(x) for x, d in zip(ps, self.flags)]  # updater.decay_view, per piece
-        updates, new_state = self.transform.update(gs, state, seen)
-        ok = nonfinite == 0
-        new_p = jnp.where(ok, jnp.concatenate(optax.apply_updates(ps, updates)), p)
-        return new_p, jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, state), gnorm
+        new, state, gnorm = guarded_step(self.transform, self.grad_clip, ps, state, self._pieces(g), scale, sq,
+                                         nonfinite, decay_view(ps, lambda _: self.flags))
+        return jnp.concatenate(new), state, gnorm
 
     # -- Updater -----------------------------------------------------------------------------------
     def init(self, params) -> Any:
@@ -107,7 +102,7 @@ class ZeroUpdater(Updater):
     def compute_params(self, params):
         if self.offload is None:
             return params
-        return jax.tree.map(lambda x: jnp.asarray(x, self.compute_dtype), params)
+        return jax.tree.map(lambda x: jnp.asarray(x, self.offload.compute_dtype), params)
 
     def apply(self, params, opt_state, grads, scale, sq, nonfinite):
         raise ValueError("optim.shard_optimizer: the updater reduces the gradients itself; call apply_local "
@@ -137,11 +132,11 @@ class ZeroUpdater(Updater):
         return self.spec.unravel(whole), opt_state, gnorm, nonfinite
 
     def _sq(self, g: jax.Array, norm_view) -> jax.Array:
-        """Squared norm of the reduced shard ``g``, less the ranges the engine's ``norm_view`` leaves out."""
-        dropped = self.spec.dropped_ranges(norm_view) if norm_view is not None else ()
-        cut = [(max(a, self.lo) - self.lo, min(b, self.lo + self.c) - self.lo) for a, b in dropped
-               if a < self.lo + self.c and b > self.lo]
-        return sq_outside(g, np.asarray(cut or [(0, 0)], np.int32))
+        """Squared norm of the reduced shard ``g``, less the ranges the engine's ``norm_view`` leaves out (the
+        same leaves every step: found once)."""
+        if self._uncounted is None:
+            self._uncounted = self.spec.dropped_ranges(norm_view) if norm_view is not None else ()
+        return counted_sq(self.lo, self.lo + self.c, g, self._uncounted)
 
     def state_dict(self, opt_state) -> Any:
         """This replica's shard of the state; with offload the host format (``master`` and the moments,

@@ -54,15 +54,16 @@ def rank_plans(cfg: ModelConfig, gpus: int, machine: Machine, global_batch: int,
     half-precision all-reduce) and ``allreduce_backend`` (``optim.allreduce_backend``: MPI through host
     memory, or XLA's collectives) are the run's too, as :func:`score_config` scores its own layout: a plan
     file leaves them as they are, and the config's layout is ranked among plans scored the same way.
-    ``shard_optimizer``: every layout whose data replicas are pipeline ranks of one device
-    (:func:`shards_optimizer`) divides its optimizer state over them (``optim.shard_optimizer``, ZeRO-1)."""
+    ``shard_optimizer``: every layout whose data replicas are MPI ranks of one device
+    (``ParallelDims.replicas_are_ranks``, the config's rule) divides its optimizer state over them
+    (``optim.shard_optimizer``, ZeRO-1)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"gpus={gpus}, global_batch={global_batch}, seq={seq} must be >= 1")
     check_gpus(gpus, machine.net.gpus_per_node)
     plans, smallest = [], None
 
     def sharded(lay: Layout) -> Layout:
-        return dataclasses.replace(lay, shard_optimizer=shard_optimizer and shards_optimizer(lay))
+        return dataclasses.replace(lay, shard_optimizer=shard_optimizer and lay.dims.replicas_are_ranks)
 
     def score(lay: Layout) -> dict:
         return evaluate(cfg, sharded(lay), machine, seq, bucket_size, letters, allreduce_dtype, allreduce_backend)
@@ -184,13 +185,6 @@ def plan_overrides(plan: dict, global_batch: int, dtype: str | None = None, seq_
            "train": {"global_batch": global_batch, "remat": plan["remat"]}}
     return (out | ({"precision": {"compute_dtype": dtype}} if dtype else {})
             | ({"data": {"seq_len": seq_len}} if seq_len else {}))
-
-
-def shards_optimizer(lay: Layout) -> bool:
-    """Whether ``optim.shard_optimizer`` applies to a layout: data replicas that are pipeline ranks of one
-    device each (the config's rule, :mod:`jaxhybrid.runtime.config_checks`)."""
-    d = lay.dims
-    return d.data > 1 and d.pipeline > 1 and d.tensor_col == d.tensor_row == d.tensor_depth == 1
 
 
 def config_layout(cfg) -> Layout:

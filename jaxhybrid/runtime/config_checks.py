@@ -202,15 +202,15 @@ def _allreduce_backend_error(cfg: Config) -> str | None:
                 f"mesh of each data column: NCCL on GPUs, gloo on CPU)")
     if backend == "mpi":
         return None
-    if cfg.on_mesh:
-        return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "
-                "parallel.pipeline=1 without a mesh); tensor mode already reduces over its mesh's data axis with "
-                "XLA collectives: set optim.allreduce_backend=mpi")
-    if p.data < 2:
-        return (f"optim.allreduce_backend=xla reduces gradients over data replicas that are MPI ranks; with "
-                f"parallel.data={p.data} there is nothing to reduce: set optim.allreduce_backend=mpi or "
-                f"parallel.data >= 2")
-    if cfg.tensor_size > 1:
+    if not cfg.layout.replicas_are_ranks:  # which of its three conditions fails
+        if cfg.on_mesh:
+            return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "
+                    "parallel.pipeline=1 without a mesh); tensor mode already reduces over its mesh's data axis "
+                    "with XLA collectives: set optim.allreduce_backend=mpi")
+        if p.data < 2:
+            return (f"optim.allreduce_backend=xla reduces gradients over data replicas that are MPI ranks; with "
+                    f"parallel.data={p.data} there is nothing to reduce: set optim.allreduce_backend=mpi or "
+                    f"parallel.data >= 2")
         return (f"optim.allreduce_backend=xla reduces one device's gradients per rank; a hybrid rank's tensor "
                 f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
                 f"supported: set optim.allreduce_backend=mpi or the tensor axes to 1")
@@ -229,18 +229,18 @@ def _shard_optimizer_error(cfg: Config) -> str | None:
     """``optim.shard_optimizer`` (ZeRO-1, :mod:`jaxhybrid.optim.zero`): data replicas that are MPI ranks of one
     device each, whose flat stage vectors it cuts into shards."""
     p = cfg.parallel
+    if cfg.layout.replicas_are_ranks:
+        return None
     if cfg.on_mesh:
         return ("optim.shard_optimizer=true shards the optimizer over data replicas that are MPI ranks (a pipeline, "
                 "or parallel.pipeline=1 without a mesh); tensor mode keeps its data axis on one mesh, which it does "
                 "not support: set optim.shard_optimizer=false")
-    if p.data < 2 or cfg.world_size < 2:
+    if p.data < 2:
         return (f"optim.shard_optimizer=true divides the optimizer state over data replicas; with parallel.data="
                 f"{p.data} there is one replica: set parallel.data >= 2 or optim.shard_optimizer=false")
-    if cfg.tensor_size > 1:
-        return (f"optim.shard_optimizer=true shards one device's flat parameters per rank; a hybrid rank's tensor "
-                f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
-                f"supported: set optim.shard_optimizer=false or the tensor axes to 1")
-    return None
+    return (f"optim.shard_optimizer=true shards one device's flat parameters per rank; a hybrid rank's tensor "
+            f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
+            f"supported: set optim.shard_optimizer=false or the tensor axes to 1")
 
 
 def _interval_errors(cfg: Config) -> list[str]:

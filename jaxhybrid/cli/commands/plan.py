@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="force Myelin's optimizer offload on/off (default: try both)")
     p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                   help="divide the optimizer state over the data replicas of pipeline layouts (ZeRO-1, "
+                   help="divide the optimizer state over data replicas that are MPI ranks (ZeRO-1, "
                         "optim.shard_optimizer; default: the config's, else off)")
     p.add_argument("--no-tensor", action="store_true", help="only G_c = G_r = G_d = 1")
     p.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default: the "

@@ -75,14 +75,16 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
         raise ValueError(f"step {step} of {run_dir} {why}; steps all ranks hold: "
                          f"{', '.join(map(str, common)) or 'none'} ({_held(steps)})")
     full: dict = {}
+    # Each rank's model parts, from its checkpoint's metadata alone (no array is loaded).
     paths = [run_dir / "checkpoints" / rank / str(step) / "state"
              for rank in sorted(steps, key=lambda r: int(r.split("_")[1]))]
-    for path in paths:
-        if set(_saved_parts(path)) - {TIED_KEY} <= set(full):
-            continue  # a data replica of parts already read: skip its weights (from the metadata alone)
+    parts = {path: _saved_parts(path) for path in paths}
+    for path, held in parts.items():
+        if set(held) - {TIED_KEY} <= set(full):
+            continue  # a data replica of parts already read: skip its weights
         state = read_state(path)
         if cfg.optim.offload and cfg.optim.shard_optimizer:
-            state = _whole_master(state, [q for q in paths if _saved_parts(q) == _saved_parts(path)])
+            state = _whole_master(state, path, [q for q, h in parts.items() if h == held])
         for key, part in master_params(state, cfg.optim.offload).items():
             if key != TIED_KEY:
                 full.setdefault(key, part)
@@ -94,12 +96,13 @@ def consolidate(run_dir: str | Path, step: int | None = None) -> tuple[dict, int
     return {k: jax.tree.map(lambda x: np.asarray(x, np.float32), full[k]) for k in names}, step, cfg
 
 
-def _whole_master(state: dict, replicas: list[Path]) -> dict:
-    """``state`` with the offloaded masters of its stage whole: with ``optim.shard_optimizer`` each data
-    replica saved its shard (``opt_state.shard`` = replica, replicas, parameters), put together here."""
+def _whole_master(state: dict, path: Path, replicas: list[Path]) -> dict:
+    """``state`` (read from ``path``) with the offloaded masters of its stage whole: with
+    ``optim.shard_optimizer`` each data replica saved its shard (``opt_state.shard`` = replica, replicas,
+    parameters), put together here from ``replicas``' checkpoints (``path`` among them)."""
     shards = {}
-    for path in replicas:
-        opt = read_state(path)["opt_state"]
+    for q in replicas:
+        opt = (state if q == path else read_state(q))["opt_state"]
         j, count, n = (int(v) for v in np.asarray(opt["shard"]))
         shards[j] = np.asarray(opt["master"])
     if sorted(shards) != list(range(count)):
