@@ -38,6 +38,15 @@ over ``P x v``) with each engine's kernel medians of this run (``kernel_ms``), m
 chunks; ``event_loop_overhead`` and ``message_fraction`` on the schedule's run, ``kernel_time_ratio``
 its kernels' time over 1F1B's (> 1: the smaller chunks run less efficiently); ``gain_async`` the gain
 of the asynchronous runs.
+
+Data replicas (``--data D`` > 1, Myelin's ``G_inter x G_data`` grid, ``P x D`` ranks that join JAX's
+distributed runtime): the schedule, fused and with 2BP, runs with its data-parallel gradient reduction on
+each ``optim.allreduce_backend`` (mpi and xla), one engine per backend on the same ranks, in the same
+rounds, every task timed so that the step's trace holds the reduction. Printed JSON per backend and run:
+``step_s`` (pipeline phase plus reduction, least-disturbed round), ``exposed_reduction_s`` (the median
+over rounds of the largest over ranks of :func:`~jaxhybrid.parallel.pipeline.trace.exposed_reduction`:
+reduction time with no stage kernel beside it) and ``exposed_fraction`` (that over the step's median), and
+``xla_over_mpi`` per run (step time ratio).
 """
 from __future__ import annotations
 
@@ -54,9 +63,12 @@ from jaxhybrid.parallel.pipeline.costs import Costs
 from jaxhybrid.parallel.pipeline.schedule import PLACEMENTS, make_schedule
 from jaxhybrid.parallel.pipeline.simulate import simulate
 from jaxhybrid.parallel.pipeline.topology import Topology
+from jaxhybrid.parallel.pipeline.trace import exposed_reduction
 from jaxhybrid.parallel.pipeline.validate import peak_stashed
+from jaxhybrid.runtime import distributed
 
-KINDS = ("F", "B", "BI", "BW")  # stage kernels: forward, fused backward, input and weight gradients
+KINDS = ("F", "B", "BI", "BW")
+BACKENDS = ("mpi", "xla")  # optim.allreduce_backend, timed side by side with --data  # stage kernels: forward, fused backward, input and weight gradients
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a rank's stages with --virtual-stages > 1 (default: v for zb-v, else loop)")
     p.add_argument("--split", action="store_true",
                    help="with --virtual-stages > 1: run the schedule with 2BP's split backward (zb-v always does)")
+    p.add_argument("--data", type=positive_int, default=1,
+                   help="data replicas D: > 1 runs the schedule on P x D ranks with its gradient reduction on "
+                        "each optim.allreduce_backend (mpi, xla) and reports the exposed reduction time")
     p.add_argument("--model", default="gpt-small-cpu", help="model preset")
     p.add_argument("--layers", type=int, default=0, help="override n_layers (default: preset, at least P x v)")
     p.add_argument("--microbatch-size", type=positive_int, default=4, help="sequences per microbatch")
@@ -171,7 +186,7 @@ def kernel_ms(costs: Costs, kinds=KINDS) -> dict[str, list[float]]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    return relaunch("pipeline", args.stages, args, argv)
+    return relaunch("pipeline", args.stages * args.data, args, argv)
 
 
 def activation_bytes(cfg, split_backward: bool = True) -> float:
@@ -201,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     runs = [(cfg, True)] if v == 1 else [(_cfg(args, m, args.transport, base=True), False), (cfg, split_of(args))]
     if not args.worker:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        need = max(activation_bytes(c, split) for c, split in runs) * args.stages
+        need = max(activation_bytes(c, split) for c, split in runs) * args.stages * args.data
         if need > ram:  # would end in an out-of-memory abort on some rank, after the launch
             raise ValueError(f"--stages {args.stages} --microbatch-size {args.microbatch_size} --seq {args.seq} "
                              f"(model {args.model}, {cfg.model.n_layers} layers, {m} microbatches): the ranks "
@@ -209,11 +224,14 @@ def run(args: argparse.Namespace) -> int:
                              f"machine's {ram / 2**30:.1f} GiB")
         argv = [a for a in sys.argv[sys.argv.index("pipeline") + 1:]] if "pipeline" in sys.argv else []
         return _launch(args, argv)
+    if args.data > 1:
+        return _data_worker(args, m)
     return (_worker if v == 1 else _chunked_worker)(args, m)
 
 
-def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False):
-    """The run's config; with ``base``, fused 1F1B over one stage per rank (the same model and batch)."""
+def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False, backend: str = "mpi"):
+    """The run's config; with ``base``, fused 1F1B over one stage per rank (the same model and batch);
+    ``backend``: ``optim.allreduce_backend`` of the ``--data`` replicas."""
     from jaxhybrid.runtime.config_load import config_from_dict
 
     chunked = args.virtual_stages > 1 and not base
@@ -221,8 +239,9 @@ def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False):
     layers = args.layers or max(model.n_layers, args.stages * args.virtual_stages)
     return config_from_dict({
         "model": {"name": args.model, "n_layers": layers, "max_seq_len": max(model.max_seq_len, args.seq)},
-        "data": {"seq_len": args.seq}, "train": {"global_batch": m * args.microbatch_size},
-        "parallel": {"pipeline": args.stages, "data": 1},
+        "data": {"seq_len": args.seq}, "train": {"global_batch": m * args.microbatch_size * args.data},
+        "parallel": {"pipeline": args.stages, "data": args.data}, "optim": {"allreduce_backend": backend},
+        "checkpoint": {"at_end": False},  # a benchmark saves nothing
         "pipeline": {"schedule": "1f1b" if base else args.schedule, "microbatches": m, "transport": transport,
                      "watchdog_s": 600.0, "weight_join": args.weight_join,
                      "virtual_stages": args.virtual_stages if chunked else 1,
@@ -248,7 +267,8 @@ def _step(engine, params, batch, world) -> tuple[float, dict]:
     loop_wall = engine.loop.wall_s  # this rank's event loop, first task to the end of the flush
     compute = rec.total(*KINDS)
     messages = rec.total("wait", "send", "recv")
-    return wall, {"compute": compute, "messages": messages, "wall": loop_wall, "kernels": kernel_seconds(rec.events)}
+    return wall, {"compute": compute, "messages": messages, "wall": loop_wall, "kernels": kernel_seconds(rec.events),
+                  "exposed": exposed_reduction(rec.events)}  # None without data replicas
 
 
 def _rounds(args: argparse.Namespace, runs: dict, batch, world) -> tuple[dict, dict]:
@@ -391,6 +411,47 @@ def _chunked_worker(args: argparse.Namespace, m: int) -> int:
         print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
     base.close()
     chunked.close()
+    return 0
+
+
+def _data_worker(args: argparse.Namespace, m: int) -> int:
+    """``--data`` > 1: the schedule on ``P x D`` ranks, fused and with 2BP, its gradients reduced over the
+    data column by each backend (an engine per backend, the same stages, params and batch), in the same
+    rounds; every task timed, so each step's trace holds its reduction."""
+    distributed.initialize()  # before any JAX computation: the xla backend's column is a mesh of processes
+    import jax
+    import numpy as np
+
+    from jaxhybrid.model import Model
+    from jaxhybrid.runtime.engines.pipeline import PipelineEngine
+
+    jax.devices()  # the backend starts collectively, on every process at once
+    cfgs = {b: _cfg(args, m, args.transport, backend=b) for b in BACKENDS}
+    topo = Topology.from_config(cfgs["mpi"])
+    model = Model(cfgs["mpi"].model)
+    engines = {"mpi": PipelineEngine(cfgs["mpi"], model, topo)}
+    engines["xla"] = PipelineEngine(cfgs["xla"], model, topo, stage=engines["mpi"].stages)
+    params = engines["mpi"].init_params(jax.random.key(0))
+    v = args.virtual_stages
+    splits = {"split": True} if v > 1 and split_of(args) else {"fused": False, "split": True}
+    runs = {f"{b}_{k}": (engines[b], params, args.schedule, s, True) for b in BACKENDS for k, s in splits.items()}
+    times, shares = _rounds(args, runs, _batch(cfgs["mpi"], args.seq), topo.world)
+    exposed = {k: topo.world.allreduce(float(np.median([x["exposed"] for x in steps])), op=_max())
+               for k, steps in shares.items()}
+    if topo.rank == 0:
+        best = {k: min(x) for k, x in times.items()}
+        median = {k: float(np.median(x)) for k, x in times.items()}
+        out = {"stages": args.stages, "data": args.data, "virtual_stages": v, "schedule": args.schedule,
+               "microbatches": m, "model": args.model, "layers": cfgs["mpi"].model.n_layers,
+               "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
+               "backends": {b: {"step_s": {k: best[f"{b}_{k}"] for k in splits},
+                                "exposed_reduction_s": {k: exposed[f"{b}_{k}"] for k in splits},
+                                "exposed_fraction": {k: exposed[f"{b}_{k}"] / median[f"{b}_{k}"] for k in splits}}
+                            for b in BACKENDS},
+               "xla_over_mpi": {k: best[f"xla_{k}"] / best[f"mpi_{k}"] for k in splits}, "rounds": args.rounds}
+        print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
+    for e in engines.values():
+        e.close()
     return 0
 
 

@@ -398,6 +398,25 @@ def test_bench_pipeline_prints_side_by_side_json():
     assert all(out["async_over_sync"][k] == pytest.approx(med[f"{k}_async"] / med[k]) for k in ("fused", "split"))
 
 
+def test_bench_pipeline_with_data_replicas_reports_each_backends_exposed_reduction():
+    """`jaxhybrid bench pipeline --data 2` runs the schedule on a 2 x 2 grid with the gradient reduction on
+    both backends and prints each one's step time and exposed reduction (presence and consistency only)."""
+    cmd = [sys.executable, "-m", "jaxhybrid", "bench", "pipeline", "--stages", "2", "--data", "2", "--model",
+           "gpt-tiny", "--seq", "16", "--microbatch-size", "2", "--rounds", "1", "--warmup", "0", "--json"]
+    r = subprocess.run(cmd, env=_env(300), cwd=ROOT, capture_output=True, text=True, timeout=330)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["data"] == 2 and set(out["backends"]) == {"mpi", "xla"}
+    for b in ("mpi", "xla"):
+        row = out["backends"][b]
+        assert set(row["step_s"]) == {"fused", "split"}
+        for k in ("fused", "split"):
+            # A reduction was recorded (None would fail the float); no more of it exposed than the step took.
+            assert 0 < row["exposed_reduction_s"][k] < row["step_s"][k] * 1.5
+    assert all(out["xla_over_mpi"][k] == pytest.approx(out["backends"]["xla"]["step_s"][k]
+                                                      / out["backends"]["mpi"]["step_s"][k]) for k in ("fused", "split"))
+
+
 def test_bench_allreduce_prints_both_backends_and_the_vc_overlap():
     """`jaxhybrid bench allreduce` starts its own ranks and prints, per size, both backends' all-reduce and
     the sharded optimizer's reduce-scatter + all-gather (their sums checked equal before timing), and the
@@ -439,3 +458,19 @@ def test_vc_trace_shows_the_reduction_beside_the_update(tmp_path):
                  for k in ("reduce", "update")}
         assert len(spans["reduce"]) == len(spans["update"]) > 2, spans
         assert any(rs < ue and us < re for rs, re in spans["reduce"] for us, ue in spans["update"]), spans
+
+
+def test_gpu_check_self_test_runs_every_step_on_the_cpu(tmp_path):
+    """`scripts/gpu_check.sh --cpu`: the GPU check's four runs on the CPU with a tiny model. The 2-rank
+    pipeline's float32 losses match the single device and the offloaded optimizer's the on-device one, as
+    the script itself checks; its JSON is printed and written."""
+    env = _env(300)
+    env["PYTHON"] = sys.executable  # the test's venv, installed already
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--out", str(tmp_path)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=480)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert out["platform"] == "cpu" and len(out["single"]["losses"]) == 3
+    assert out["pipeline"]["ok"] and len(out["pipeline"]["pipeline"]["losses"]) == 3
+    assert out["pipeline"]["loss_max_rel_diff"] <= 1e-4
+    assert out["offload"]["ok"] and out["offload"]["host_bytes"] > 0

@@ -38,6 +38,7 @@ def _usage_error(capsys, name: str, *rest: str) -> str:
     ("pipeline", ("--stages", "2"), "--microbatch-size", "0", 1),
     ("pipeline", ("--stages", "2"), "--seq", "0", 1),
     ("pipeline", (), "--stages", "0", 1),
+    ("pipeline", ("--stages", "2"), "--data", "0", 1),
     ("partition", ("--quick",), "--iterations", "0", 1),
     # bench stage read --microbatch-size 0 and --seq-len 0 as unset: it timed 4 x 128 tokens without a word.
     ("stage", (), "--microbatch-size", "0", 1),

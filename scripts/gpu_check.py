@@ -1,0 +1,134 @@
+"""The GPU check behind ``scripts/gpu_check.sh``: what one GPU can show of jaxhybrid, in at most 8 minutes.
+
+Four training runs of the same model, data and batch, each a ``jaxhybrid train`` (or ``launch``) process:
+
+1. ``single``: one GPU, bf16 GPT-2 small: its losses, tokens/s and MFU.
+2. ``reference`` and ``pipeline``: float32 at full matmul precision, one GPU against a 2-rank MPI pipeline
+   (1F1B with 2BP) sharing that GPU, each rank given a share of its memory; their losses must agree
+   to ``--rtol`` at every step (the pipeline's parity with the single device, Myelin Alg. 1).
+3. ``offload``: the bf16 run again with the fp32 masters and Adam state on the host (Myelin V-B), its
+   losses against run 1's and both runs' device bytes from ``memory.json``.
+
+NCCL refuses two ranks on one GPU, so the data-parallel XLA path (one process per GPU) is not checked
+here. Without ``mpirun`` or mpi4jax the pipeline is skipped and said so. ``--cpu`` runs the same steps on
+the CPU with a tiny model: the script's own test. Prints one JSON object (also written to
+``OUT/gpu_check.json``); the exit status is 1 if a parity failed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (model, seq_len, global batch, microbatches, steps of the bf16 runs, steps of the parity pair, timeout s,
+#  the offloaded run's optim.bucket_size: an eighth of the parameters or less, so that offload saves memory)
+SIZES = {"gpu": ("gpt2-small", 1024, 8, 4, 30, 4, 240, 1 << 24), "cpu": ("gpt-tiny", 32, 8, 4, 3, 3, 240, 1 << 15)}
+
+
+def _train(name: str, out: Path, sets: dict, env: dict, timeout: int, ranks: int = 1) -> dict:
+    """One run under ``out/name``: its per-step records, summary and memory report."""
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run of an earlier check
+    sets = {**sets, "run.dir": str(run_dir), "train.log_every": "1",
+            "train.eval_every": "0", "checkpoint.at_end": "false"}
+    args = ["--config", str(ROOT / "configs/runs/tiny.yaml")]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    cmd = [sys.executable, "-m", "jaxhybrid"]
+    cmd += (["launch", "-n", str(ranks), "--timeout", str(timeout), "--", *args] if ranks > 1 else ["train", *args])
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{name}: `{' '.join(cmd)}` exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    memory = json.loads((run_dir / "memory.json").read_text())
+    last = records[-1]
+    return {"losses": [x["loss"] for x in records], "tokens_per_s": last.get("tokens_per_s"),
+            "mfu": last.get("mfu"), "device_bytes": memory.get("device_total"),
+            "host_bytes": memory.get("host_total"), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def _pipeline_missing() -> str | None:
+    """Why the 2-rank pipeline cannot start here, or None."""
+    venv = ROOT / ".venv/bin"
+    if not (shutil.which("mpiexec") or shutil.which("mpirun") or (venv / "mpiexec").exists()):
+        return "no mpiexec/mpirun on this machine (scripts/setup.sh installs MPICH)"
+    for mod in ("mpi4py", "mpi4jax"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed (scripts/setup.sh builds it)"
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="the same steps on the CPU with a tiny model (a self-test)")
+    p.add_argument("--out", default=str(ROOT / "runs/gpu_check"), help="where the runs and gpu_check.json go")
+    p.add_argument("--rtol", type=float, default=1e-4, help="loss parity tolerance of the float32 pipeline")
+    p.add_argument("--offload-rtol", type=float, default=2e-2,
+                   help="bf16 losses with the optimizer on the host against on the device")
+    args = p.parse_args()
+    import jax
+
+    device = jax.devices()[0]
+    if not args.cpu and device.platform != "gpu":
+        print(f"gpu_check: jax sees {device.platform} ({device.device_kind}), no GPU; --cpu runs the self-test",
+              file=sys.stderr)
+        return 2
+    model, seq, batch, mbs, steps, parity_steps, timeout, bucket = SIZES["cpu" if args.cpu else "gpu"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    base = {"model.name": model, "data.seq_len": str(seq), "train.global_batch": str(batch),
+            "pipeline.microbatches": str(mbs)}
+    bf16 = {**base, "precision.compute_dtype": "bfloat16", "train.steps": str(steps)}
+    result: dict = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+                    "model": model, "seq_len": seq, "global_batch": batch}
+    failed = False
+
+    result["single"] = _train("single", out, bf16, env, timeout)
+
+    missing = _pipeline_missing()
+    if missing:
+        result["pipeline"] = {"skipped": missing}
+    else:
+        # float32 at full precision: the parity of the pipeline, not of TF32 or bf16 rounding orders.
+        exact = {**base, "train.steps": str(parity_steps)}
+        penv = dict(env, JAX_DEFAULT_MATMUL_PRECISION="highest")
+        ref = _train("reference", out, exact, penv, timeout)
+        # Two ranks on one GPU: each a share of its memory (the launcher's default is most of it, per rank).
+        pipe = _train("pipeline", out, {**exact, "parallel.pipeline": "2", "pipeline.schedule": "1f1b",
+                                        "pipeline.split_backward": "true"},
+                      dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4"), timeout, ranks=2)
+        rel = _rel(pipe["losses"], ref["losses"])
+        result["pipeline"] = {"reference": ref, "pipeline": pipe, "loss_max_rel_diff": rel, "rtol": args.rtol,
+                              "ok": rel <= args.rtol}
+        failed |= rel > args.rtol
+
+    off = _train("offload", out, {**bf16, "optim.offload": "true", "optim.bucket_size": str(bucket)}, env, timeout)
+    rel = _rel(off["losses"], result["single"]["losses"])
+    result["offload"] = {**off, "loss_max_rel_diff": rel, "rtol": args.offload_rtol, "ok": rel <= args.offload_rtol,
+                         "device_bytes_over_on_device": off["device_bytes"] / result["single"]["device_bytes"]}
+    failed |= rel > args.offload_rtol
+
+    text = json.dumps(result, indent=1)
+    (out / "gpu_check.json").write_text(text + "\n")
+    print(text, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
