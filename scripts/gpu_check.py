@@ -1,11 +1,13 @@
 """The GPU check behind ``scripts/gpu_check.sh``: what one GPU can show of jaxhybrid, in at most 8 minutes.
 
-Four training runs of the same model, data and batch, each a ``jaxhybrid train`` (or ``launch``) process:
+Five training runs of the same model, data and batch, each a ``jaxhybrid train`` (or ``launch``) process:
 
 1. ``single``: one GPU, bf16 GPT-2 small: its losses, tokens/s and MFU.
-2. ``reference`` and ``pipeline``: float32 at full matmul precision, one GPU against a 2-rank MPI pipeline
-   (1F1B with 2BP) sharing that GPU, each rank given a share of its memory; their losses must agree
-   to ``--rtol`` at every step (the pipeline's parity with the single device, Myelin Alg. 1).
+2. ``reference`` and ``pipeline_<transport>``: float32 at full matmul precision, one GPU against a 2-rank
+   MPI pipeline (1F1B with 2BP) sharing that GPU, each rank given a share of its memory, over the
+   ``mpi4jax`` transport (host-staged sends) and over ``transfer`` (device to device, JAX's transfer
+   server); their losses must agree to ``--rtol`` at every step (the pipeline's parity with the single
+   device, Myelin Alg. 1).
 3. ``offload``: the bf16 run again with the fp32 masters and Adam state on the host (Myelin V-B), its
    losses against run 1's and both runs' device bytes from ``memory.json``.
 
@@ -109,14 +111,16 @@ def main() -> int:
         exact = {**base, "train.steps": str(parity_steps)}
         penv = dict(env, JAX_DEFAULT_MATMUL_PRECISION="highest")
         ref = _train("reference", out, exact, penv, timeout)
+        result["pipeline"] = {"reference": ref, "rtol": args.rtol}
         # Two ranks on one GPU: each a share of its memory (the launcher's default is most of it, per rank).
-        pipe = _train("pipeline", out, {**exact, "parallel.pipeline": "2", "pipeline.schedule": "1f1b",
-                                        "pipeline.split_backward": "true"},
-                      dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4"), timeout, ranks=2)
-        rel = _rel(pipe["losses"], ref["losses"])
-        result["pipeline"] = {"reference": ref, "pipeline": pipe, "loss_max_rel_diff": rel, "rtol": args.rtol,
-                              "ok": rel <= args.rtol}
-        failed |= rel > args.rtol
+        # Over the default transport (host-staged sends) and device to device (JAX's transfer server).
+        for transport in ("mpi4jax", "transfer"):
+            pipe = _train(f"pipeline_{transport}", out, {
+                **exact, "parallel.pipeline": "2", "pipeline.schedule": "1f1b", "pipeline.split_backward": "true",
+                "pipeline.transport": transport}, dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4"), timeout, ranks=2)
+            rel = _rel(pipe["losses"], ref["losses"])
+            result["pipeline"][transport] = {**pipe, "loss_max_rel_diff": rel, "ok": rel <= args.rtol}
+            failed |= rel > args.rtol
 
     off = _train("offload", out, {**bf16, "optim.offload": "true", "optim.bucket_size": str(bucket)}, env, timeout)
     rel = _rel(off["losses"], result["single"]["losses"])

@@ -40,13 +40,14 @@ its kernels' time over 1F1B's (> 1: the smaller chunks run less efficiently); ``
 of the asynchronous runs.
 
 Data replicas (``--data D`` > 1, Myelin's ``G_inter x G_data`` grid, ``P x D`` ranks that join JAX's
-distributed runtime): the schedule, fused and with 2BP, runs with its data-parallel gradient reduction on
-each ``optim.allreduce_backend`` (mpi and xla), one engine per backend on the same ranks, in the same
-rounds, every task timed so that the step's trace holds the reduction. Printed JSON per backend and run:
-``step_s`` (pipeline phase plus reduction, least-disturbed round), ``exposed_reduction_s`` (the median
+distributed runtime): the schedule, fused and with 2BP, runs with its data-parallel gradient reduction
+each way of :data:`REDUCTIONS` (``optim.allreduce_backend`` mpi, started per stage during the phase;
+mpi after the phase, ``optim.overlap_grad_reduce: false``; xla), one engine each on the same ranks, in the
+same rounds, every task timed so that the step's trace holds the reduction. Printed JSON per way and
+run: ``step_s`` (pipeline phase plus reduction, least-disturbed round), ``exposed_reduction_s`` (the median
 over rounds of the largest over ranks of :func:`~jaxhybrid.parallel.pipeline.trace.exposed_reduction`:
-reduction time with no stage kernel beside it) and ``exposed_fraction`` (that over the step's median), and
-``xla_over_mpi`` per run (step time ratio).
+reduction time with no stage kernel beside it) and ``exposed_fraction`` (that over the step's median);
+per run ``xla_over_mpi`` and ``overlapped_over_after`` (step time ratios).
 """
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ from jaxhybrid.parallel.pipeline.trace import exposed_reduction
 from jaxhybrid.parallel.pipeline.validate import peak_stashed
 from jaxhybrid.runtime import distributed
 
-KINDS = ("F", "B", "BI", "BW")
-BACKENDS = ("mpi", "xla")  # optim.allreduce_backend, timed side by side with --data  # stage kernels: forward, fused backward, input and weight gradients
+KINDS = ("F", "B", "BI", "BW")  # stage kernels: forward, fused backward, input and weight gradients
+# The data replicas' reductions timed side by side with --data: each backend, and mpi's after the phase too.
+REDUCTIONS = {"mpi": {"allreduce_backend": "mpi"},
+              "mpi_after": {"allreduce_backend": "mpi", "overlap_grad_reduce": False},
+              "xla": {"allreduce_backend": "xla"}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,13 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --virtual-stages > 1: run the schedule with 2BP's split backward (zb-v always does)")
     p.add_argument("--data", type=positive_int, default=1,
                    help="data replicas D: > 1 runs the schedule on P x D ranks with its gradient reduction on "
-                        "each optim.allreduce_backend (mpi, xla) and reports the exposed reduction time")
+                        "each optim.allreduce_backend (mpi during and after the phase, xla) and reports the "
+                        "exposed reduction time")
     p.add_argument("--model", default="gpt-small-cpu", help="model preset")
     p.add_argument("--layers", type=int, default=0, help="override n_layers (default: preset, at least P x v)")
     p.add_argument("--microbatch-size", type=positive_int, default=4, help="sequences per microbatch")
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
-    p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py"),
-                   help="pipeline.transport: how activations cross the stages")
+    p.add_argument("--transport", default="mpi4jax", choices=("mpi4jax", "mpi4py", "transfer"),
+                   help="pipeline.transport: how activations cross the stages (the 2BP run is repeated over "
+                        "mpi4py, or over mpi4jax when this is mpi4py or transfer)")
     p.add_argument("--weight-join", default="auto", choices=("auto", "sum", "concat"),
                    help="pipeline.weight_join: how a deferred weight pass takes several microbatches")
     p.add_argument("--rounds", type=positive_int, default=5, help="timed rounds, each running every variant once")
@@ -229,9 +235,9 @@ def run(args: argparse.Namespace) -> int:
     return (_worker if v == 1 else _chunked_worker)(args, m)
 
 
-def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False, backend: str = "mpi"):
+def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False, optim: dict | None = None):
     """The run's config; with ``base``, fused 1F1B over one stage per rank (the same model and batch);
-    ``backend``: ``optim.allreduce_backend`` of the ``--data`` replicas."""
+    ``optim``: the ``--data`` replicas' reduction (:data:`REDUCTIONS`)."""
     from jaxhybrid.runtime.config_load import config_from_dict
 
     chunked = args.virtual_stages > 1 and not base
@@ -240,7 +246,7 @@ def _cfg(args: argparse.Namespace, m: int, transport: str, base: bool = False, b
     return config_from_dict({
         "model": {"name": args.model, "n_layers": layers, "max_seq_len": max(model.max_seq_len, args.seq)},
         "data": {"seq_len": args.seq}, "train": {"global_batch": m * args.microbatch_size * args.data},
-        "parallel": {"pipeline": args.stages, "data": args.data}, "optim": {"allreduce_backend": backend},
+        "parallel": {"pipeline": args.stages, "data": args.data}, "optim": optim or {},
         "checkpoint": {"at_end": False},  # a benchmark saves nothing
         "pipeline": {"schedule": "1f1b" if base else args.schedule, "microbatches": m, "transport": transport,
                      "watchdog_s": 600.0, "weight_join": args.weight_join,
@@ -416,8 +422,8 @@ def _chunked_worker(args: argparse.Namespace, m: int) -> int:
 
 def _data_worker(args: argparse.Namespace, m: int) -> int:
     """``--data`` > 1: the schedule on ``P x D`` ranks, fused and with 2BP, its gradients reduced over the
-    data column by each backend (an engine per backend, the same stages, params and batch), in the same
-    rounds; every task timed, so each step's trace holds its reduction."""
+    data column each way of :data:`REDUCTIONS` (an engine each, the same stages, params and batch), in the
+    same rounds; every task timed, so each step's trace holds its reduction."""
     distributed.initialize()  # before any JAX computation: the xla backend's column is a mesh of processes
     import jax
     import numpy as np
@@ -426,15 +432,15 @@ def _data_worker(args: argparse.Namespace, m: int) -> int:
     from jaxhybrid.runtime.engines.pipeline import PipelineEngine
 
     jax.devices()  # the backend starts collectively, on every process at once
-    cfgs = {b: _cfg(args, m, args.transport, backend=b) for b in BACKENDS}
+    cfgs = {w: _cfg(args, m, args.transport, optim=o) for w, o in REDUCTIONS.items()}
     topo = Topology.from_config(cfgs["mpi"])
     model = Model(cfgs["mpi"].model)
     engines = {"mpi": PipelineEngine(cfgs["mpi"], model, topo)}
-    engines["xla"] = PipelineEngine(cfgs["xla"], model, topo, stage=engines["mpi"].stages)
+    engines |= {w: PipelineEngine(cfgs[w], model, topo, stage=engines["mpi"].stages) for w in REDUCTIONS if w != "mpi"}
     params = engines["mpi"].init_params(jax.random.key(0))
     v = args.virtual_stages
     splits = {"split": True} if v > 1 and split_of(args) else {"fused": False, "split": True}
-    runs = {f"{b}_{k}": (engines[b], params, args.schedule, s, True) for b in BACKENDS for k, s in splits.items()}
+    runs = {f"{w}_{k}": (engines[w], params, args.schedule, s, True) for w in REDUCTIONS for k, s in splits.items()}
     times, shares = _rounds(args, runs, _batch(cfgs["mpi"], args.seq), topo.world)
     exposed = {k: topo.world.allreduce(float(np.median([x["exposed"] for x in steps])), op=_max())
                for k, steps in shares.items()}
@@ -444,11 +450,13 @@ def _data_worker(args: argparse.Namespace, m: int) -> int:
         out = {"stages": args.stages, "data": args.data, "virtual_stages": v, "schedule": args.schedule,
                "microbatches": m, "model": args.model, "layers": cfgs["mpi"].model.n_layers,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
-               "backends": {b: {"step_s": {k: best[f"{b}_{k}"] for k in splits},
-                                "exposed_reduction_s": {k: exposed[f"{b}_{k}"] for k in splits},
-                                "exposed_fraction": {k: exposed[f"{b}_{k}"] / median[f"{b}_{k}"] for k in splits}}
-                            for b in BACKENDS},
-               "xla_over_mpi": {k: best[f"xla_{k}"] / best[f"mpi_{k}"] for k in splits}, "rounds": args.rounds}
+               "reductions": {w: {"step_s": {k: best[f"{w}_{k}"] for k in splits},
+                                  "exposed_reduction_s": {k: exposed[f"{w}_{k}"] for k in splits},
+                                  "exposed_fraction": {k: exposed[f"{w}_{k}"] / median[f"{w}_{k}"] for k in splits}}
+                              for w in REDUCTIONS},
+               "xla_over_mpi": {k: best[f"xla_{k}"] / best[f"mpi_{k}"] for k in splits},
+               "overlapped_over_after": {k: best[f"mpi_{k}"] / best[f"mpi_after_{k}"] for k in splits},
+               "rounds": args.rounds}
         print(json.dumps(out) if args.json else json.dumps(out, indent=2), flush=True)
     for e in engines.values():
         e.close()

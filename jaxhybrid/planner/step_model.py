@@ -167,7 +167,9 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     (``optim.allreduce_backend``) how: ``xla`` is the collective alone at the hardware file's bandwidths
     (NCCL), ``mpi`` (mpi4jax on host buffers, no CUDA-aware MPI assumed) adds the gradient's copy to the host
     and back at ``host_to_device`` (``allreduce_staging_s``; Myelin Sec. IV-B reduces on the GPUs instead). The
-    reduction runs after the pipeline phase on both, not beside the backward. ``param_state_bytes``
+    reduction is charged after the pipeline phase: with one stage per rank that is when ``mpi``'s
+    ``optim.overlap_grad_reduce`` starts it too (the rank's last gradient pass writes every bucket); with
+    several stages per rank the overlap of the stages finished first is not counted. ``param_state_bytes``
     is the fullest stage's parameter state per device, what the trainer's ``memory.json`` reports;
     ``pipeline_floor_s`` the pipeline time no schedule or Myelin limit beats (:func:`makespan_floor`).
 

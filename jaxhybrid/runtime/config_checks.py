@@ -123,8 +123,8 @@ def _cross_field_errors(cfg: Config) -> list[str]:
         other = "1f1b" if pl.schedule == "zb-h1" else "interleaved-1f1b"
         errors.append(f"pipeline.schedule={pl.schedule!r} always splits the backward into input and weight passes; "
                       f"set pipeline.split_backward=true (or choose {other} without the split)")
-    if pl.transport not in ("mpi4jax", "mpi4py"):
-        errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax or mpi4py")
+    if pl.transport not in ("mpi4jax", "mpi4py", "transfer"):
+        errors.append(f"pipeline.transport={pl.transport!r}; choose mpi4jax, mpi4py or transfer")
     if pl.dispatch not in ("auto", "async", "sync"):
         errors.append(f"pipeline.dispatch={pl.dispatch!r}; choose auto, async or sync")
     if pl.weight_join not in ("auto", "sum", "concat"):

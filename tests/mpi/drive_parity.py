@@ -159,11 +159,12 @@ def bad_input_checks(p, d):
 
 
 def bf16_round_trip(topo):
-    """Both MPI transports move bfloat16 bit-exactly (as uint16) between the first two stages, and the
-    mpi4jax transport's jitted receive holds no arithmetic (the bitcast runs apart)."""
+    """Every transport moves bfloat16 bit-exactly between the first two stages (the MPI ones as uint16, the
+    transfer server as it is), and the mpi4jax transport's jitted receive holds no arithmetic (the bitcast
+    runs apart)."""
     template = jax.ShapeDtypeStruct((3, 5, 7), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(topo.rank), template.shape, jnp.bfloat16)
-    for name in ("mpi4jax", "mpi4py"):
+    for name in ("mpi4jax", "mpi4py", "transfer"):
         t = make_transport(name, topo.p2p, template)
         if topo.stage in (0, 1) and topo.num_stages > 1:
             peer = 1 - topo.stage
@@ -179,7 +180,7 @@ def bf16_round_trip(topo):
                 assert flops < 1000, f"the mpi4jax receive program counts {flops} flops"
         t.close()
     if WORLD.rank == 0:
-        print("BF16 ok: mpi4jax and mpi4py transports are bit-exact", flush=True)
+        print("BF16 ok: the mpi4jax, mpi4py and transfer transports are bit-exact", flush=True)
 
 
 CHUNKS = {"v2": (2, "loop"), "vee": (2, "v"), "alloc": "alloc"}  # two stages per rank (interleaved, a V) or --plan's
@@ -187,20 +188,23 @@ PLAN: dict = {}  # the stage map, partition and pattern of --plan's allocation (
 
 
 def parse_case(token: str) -> tuple:
-    """``schedule[:2bp][:mpi4py][:tied][:llama][:v2|:vee][:zero][:offload][:LETTERS]`` -> (schedule, 2bp,
+    """``schedule[:2bp][:mpi4py|:xfer][:tied][:llama][:v2|:vee][:zero][:offload][:after][:LETTERS]`` -> (schedule, 2bp,
     transport, tied, model kind, tensor optimizations, (virtual stages, placement), optim keys); the defaults
     are fused backward, mpi4jax, untied, GPT-2, one stage per rank, ABCDE and AdamW on the device (``v2``: two
     stages per rank, loop placement; ``vee``: the V; ``alloc``: ``--plan``'s MadPipe allocation; ``zero``:
-    optim.shard_optimizer; ``offload``: optim.offload)."""
+    optim.shard_optimizer; ``offload``: optim.offload; ``xfer``: pipeline.transport=transfer; ``after``: optim.overlap_grad_reduce off, the replicas'
+    sum after the pipeline phase)."""
     name, *opts = token.split(":")
-    bad = [o for o in opts if o not in ("2bp", "mpi4py", "tied", "llama", "zero", "offload", *CHUNKS)
+    bad = [o for o in opts if o not in ("2bp", "mpi4py", "xfer", "tied", "llama", "zero", "offload", "after", *CHUNKS)
            and not o.isupper()]
     if bad or (name in ("zb-h1", "zb-v") and "2bp" not in opts):  # the zero-bubble schedules always split
         raise SystemExit(f"drive_parity.py: bad case {token!r}")
     letters = next((o for o in opts if o.isupper()), "ABCDE")
     chunks = next((CHUNKS[o] for o in opts if o in CHUNKS), (1, "loop"))
-    optim = {"optim.shard_optimizer": "zero" in opts, "optim.offload": "offload" in opts}
-    return (name, "2bp" in opts, "mpi4py" if "mpi4py" in opts else "mpi4jax", "tied" in opts,
+    optim = {"optim.shard_optimizer": "zero" in opts, "optim.offload": "offload" in opts,
+             "optim.overlap_grad_reduce": "after" not in opts}
+    transport = "mpi4py" if "mpi4py" in opts else "transfer" if "xfer" in opts else "mpi4jax"
+    return (name, "2bp" in opts, transport, "tied" in opts,
             "llama" if "llama" in opts else "gpt2", letters, chunks, optim)
 
 

@@ -76,6 +76,12 @@ ALLOCATION = ["periodic:alloc", "periodic:2bp:alloc:tied"]
 # optim.shard_optimizer (ZeRO-1) on 2 x 2: AdamW on the device with the tied embedding's copies in two stages'
 # shards, and the host-offloaded buckets of each replica's shard under Myelin's loop.
 ZERO = ["1f1b:2bp:zero:tied", "myelin:2bp:zero:offload"]
+# pipeline.transport=transfer (JAX's transfer server, device to device) runs every schedule with and without 2BP
+# on 4 stages, Myelin's loop over two stages per rank on the 2 x 2 grid, and a stage on a local tensor mesh; the
+# other grids keep the mpi4jax (and mpi4py) transports.
+# The mpi replicas' sum after the pipeline phase (optim.overlap_grad_reduce off); the other 2 x 2 mpi cases start
+# each stage's sum during the phase, in buckets, as soon as its last gradient pass has run.
+AFTER = ["1f1b:2bp:tied:after"]
 PARTITION_ARGS = ("--profile", str(ROOT / "tests/golden/madpipe_special_profile.json"), "--processors", "2",
                   "--memory", "6e8", "--bandwidth", "1e9")
 PARITY_JOBS = {
@@ -83,9 +89,10 @@ PARITY_JOBS = {
                      _cases(["gpipe", *KINDS], ("1f1b", "myelin"), tied=True) + CHUNKED),
                     (2, 1, ["--plan", "ALLOCATION"], ALLOCATION),
                     (1, 2, [], _cases(["1f1b", "myelin"]))]),
-    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4] + ZERO), (4, 1, [], _cases(DEEP))]),
+    "4-ranks": (1, [(2, 2, [], _cases(KINDS, ("myelin",)) + CHUNKED[1:4] + ZERO + AFTER + ["myelin:2bp:v2:xfer"]),
+                    (4, 1, [], [f"{c}:xfer" for c in _cases(DEEP)])]),
     "2-ranks-depth2-col2": (4, [(2, 1, ["--tensor", "2,1,2"],
-                                 [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE"])]),
+                                 [*_cases(["1f1b"]), "1f1b:2bp:llama", "1f1b:2bp:mpi4py:BCDE", "1f1b:2bp:xfer"])]),
     "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),
     # optim.allreduce_backend=xla: the job joins jax.distributed and each data column sums over a JAX mesh of
     # its processes (gloo on CPU): the static and the message-driven loop, and the sharded optimizer's
@@ -406,15 +413,16 @@ def test_bench_pipeline_with_data_replicas_reports_each_backends_exposed_reducti
     r = subprocess.run(cmd, env=_env(300), cwd=ROOT, capture_output=True, text=True, timeout=330)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["data"] == 2 and set(out["backends"]) == {"mpi", "xla"}
-    for b in ("mpi", "xla"):
-        row = out["backends"][b]
+    assert out["data"] == 2 and set(out["reductions"]) == {"mpi", "mpi_after", "xla"}
+    red = out["reductions"]
+    for w, row in red.items():
         assert set(row["step_s"]) == {"fused", "split"}
         for k in ("fused", "split"):
             # A reduction was recorded (None would fail the float); no more of it exposed than the step took.
-            assert 0 < row["exposed_reduction_s"][k] < row["step_s"][k] * 1.5
-    assert all(out["xla_over_mpi"][k] == pytest.approx(out["backends"]["xla"]["step_s"][k]
-                                                      / out["backends"]["mpi"]["step_s"][k]) for k in ("fused", "split"))
+            assert 0 < row["exposed_reduction_s"][k] < row["step_s"][k] * 1.5, (w, row)
+    for k in ("fused", "split"):
+        assert out["xla_over_mpi"][k] == pytest.approx(red["xla"]["step_s"][k] / red["mpi"]["step_s"][k])
+        assert out["overlapped_over_after"][k] == pytest.approx(red["mpi"]["step_s"][k] / red["mpi_after"]["step_s"][k])
 
 
 def test_bench_allreduce_prints_both_backends_and_the_vc_overlap():
@@ -461,8 +469,8 @@ def test_vc_trace_shows_the_reduction_beside_the_update(tmp_path):
 
 
 def test_gpu_check_self_test_runs_every_step_on_the_cpu(tmp_path):
-    """`scripts/gpu_check.sh --cpu`: the GPU check's four runs on the CPU with a tiny model. The 2-rank
-    pipeline's float32 losses match the single device and the offloaded optimizer's the on-device one, as
+    """`scripts/gpu_check.sh --cpu`: the GPU check's runs on the CPU with a tiny model. The 2-rank
+    pipeline's float32 losses over both transports match the single device and the offloaded optimizer's the on-device one, as
     the script itself checks; its JSON is printed and written."""
     env = _env(300)
     env["PYTHON"] = sys.executable  # the test's venv, installed already
@@ -471,6 +479,7 @@ def test_gpu_check_self_test_runs_every_step_on_the_cpu(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out["platform"] == "cpu" and len(out["single"]["losses"]) == 3
-    assert out["pipeline"]["ok"] and len(out["pipeline"]["pipeline"]["losses"]) == 3
-    assert out["pipeline"]["loss_max_rel_diff"] <= 1e-4
+    for transport in ("mpi4jax", "transfer"):  # host-staged and device-to-device stage messages
+        run = out["pipeline"][transport]
+        assert run["ok"] and len(run["losses"]) == 3 and run["loss_max_rel_diff"] <= 1e-4, run
     assert out["offload"]["ok"] and out["offload"]["host_bytes"] > 0

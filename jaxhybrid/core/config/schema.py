@@ -81,6 +81,9 @@ class OptimConfig:
     # offloaded optimizer's half-precision gradients as they are (Myelin IV-B; optim/half_allreduce.py).
     allreduce_dtype: str = "float32"
     allreduce_backend: str = "mpi"  # data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL/gloo)
+    # mpi backend, one device per rank, float32 wire: start each stage's reduction, in buckets of bucket_size, as soon as
+    # the schedule has written its gradients for the last time (non-blocking MPI, beside the rest of the pipeline phase).
+    overlap_grad_reduce: bool = True
     # ZeRO-1 over data replicas that are MPI ranks: reduce-scatter the gradients, each replica updates 1/G_data of the
     # optimizer state (and of the host masters with offload), all-gather the parameters.
     shard_optimizer: bool = False
@@ -125,7 +128,9 @@ class PipelineConfig:
     # Schedule periodic only: one period's passes in order, F<stage>+<shift> | B<stage>+<shift> (MadPipe Sec. 3:
     # microbatch b runs it in period b + shift), as `jaxhybrid partition --out` writes them.
     pattern: tuple[str, ...] = ()
-    transport: str = "mpi4jax"  # mpi4jax | mpi4py
+    # How activations cross the stages: mpi4jax (received into a device buffer, sent from host memory) | mpi4py
+    # (host-staged, receives posted ahead) | transfer (device to device through JAX's transfer server, an MPI header)
+    transport: str = "mpi4jax"
     # The event loop's kernels: async (dispatched, Myelin IV-A) | sync (each waited for) | auto: sync on CPU,
     # where a rank's polling shares its core with XLA:CPU's kernels, async elsewhere (pipeline/engine.py).
     dispatch: str = "auto"

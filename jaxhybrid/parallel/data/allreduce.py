@@ -10,7 +10,7 @@ as half precision, Myelin's choice (Sec. IV-B), through :func:`jaxhybrid.paralle
 half the bytes. Myelin avoids overflow by pre-dividing the loss by the number of microbatches in the global
 batch, which the pipeline engine does before the backward pass.
 
-Two entry points, for two kinds of caller:
+Three entry points, for three kinds of caller:
 
 * :func:`allreduce_tree` (the pipeline x data step) needs the whole reduced pytree before anything can
   use it, so it is ONE jitted program per gradient structure: flatten, upcast, one all-reduce of the
@@ -22,7 +22,12 @@ Two entry points, for two kinds of caller:
 * :func:`iter_reduced_chunks` (the offloaded optimizer, V-C) consumes chunks as they finish, so it keeps
   the chunks of ``chunk_elems``: its seam for overlapping bucket updates with the next reduction.
 
-``optim.allreduce_backend: xla`` runs the same two entry points as XLA collectives over a JAX mesh of the
+* :class:`EarlyColumnSum` (the pipeline x data step with ``optim.overlap_grad_reduce``) starts each stage's
+  reduction as soon as the schedule has written its gradients for the last time, in buckets, with
+  non-blocking ``MPI_Iallreduce`` on host buffers (mpi4jax has no non-blocking collective), so the
+  buckets move while the loop runs the rest of its schedule.
+
+``optim.allreduce_backend: xla`` runs the first two entry points as XLA collectives over a JAX mesh of the
 column's processes instead (:mod:`~jaxhybrid.parallel.data.xla_allreduce`).
 """
 from __future__ import annotations
@@ -268,6 +273,70 @@ def bucket_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     """The ``(start, end)`` pairs :func:`iter_reduced_chunks` yields for a vector of ``n`` elements."""
     _check_chunk(chunk_elems)
     return [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)] if n else []
+
+
+class EarlyColumnSum:
+    """The column's gradient sum started stage by stage during the pipeline phase (Megatron-LM's overlapped
+    gradient reduction; Myelin Alg. 1 line 13 moved into the phase).
+
+    :meth:`add` takes a stage's final gradients (the event loop's ``on_final``: its last fused backward, or
+    with 2BP its last weight pass), copies them to the host as one float32 vector and starts one
+    non-blocking ``MPI_Iallreduce`` per bucket of ``bucket_elems``. MPICH moves them inside the rank's
+    other MPI calls (the loop's polls and sends) while the loop runs the rest of the schedule (with several
+    stages per rank, the other stages' work) and waits for its last sends. Every replica
+    starts its stages in ``order`` (:meth:`~jaxhybrid.parallel.pipeline.tasks.Schedule.grads_final`), so the
+    collectives match whatever order a message-driven loop finishes them in: a stage finished early
+    waits for those before it. :meth:`result` waits for all of them and returns ``{stage: summed
+    gradients}`` on the gradients' devices, in their dtypes; its ``record(name, kind, start, end)`` (a
+    traced step) gets each stage's reduction from its start to its wait's end. Sums are float32, as the
+    whole-vector path's default wire.
+    """
+
+    def __init__(self, comm: Any, order: Iterable[int], bucket_elems: int):
+        _check_chunk(bucket_elems)
+        self.comm, self.order, self.bucket = comm, tuple(order), min(bucket_elems, _MAX_MESSAGE)
+        self._final: dict[int, Any] = {}
+        # (stage, treedef, each leaf's (shape, dtype, sharding), sent, summed, requests, start time)
+        self._started: list[tuple] = []
+
+    def add(self, stage: int, grads: Any) -> None:
+        if stage not in self.order or stage in self._final or any(st[0] == stage for st in self._started):
+            raise ValueError(f"gradients of stage {stage} given twice or not in this rank's stages {self.order}")
+        self._final[stage] = grads
+        while len(self._started) < len(self.order) and self.order[len(self._started)] in self._final:
+            self._start(self.order[len(self._started)])
+
+    def _start(self, stage: int) -> None:
+        from mpi4py import MPI
+
+        t0 = time.perf_counter()
+        leaves, treedef = jax.tree.flatten(self._final.pop(stage))
+        sent = np.concatenate([np.asarray(x).astype(np.float32).ravel() for x in leaves] or [np.zeros(0, np.float32)])
+        summed = np.empty_like(sent)  # both stay referenced until the requests complete
+        requests = [self.comm.Iallreduce(sent[a:b], summed[a:b], op=MPI.SUM)
+                    for a, b in bucket_bounds(sent.size, self.bucket)]
+        layout = [(x.shape, x.dtype, x.sharding) for x in leaves]  # not the leaves: the step may free them
+        self._started.append((stage, treedef, layout, sent, summed, requests, t0))
+
+    def result(self, record: Callable[..., None] | None = None) -> dict[int, Any]:
+        from mpi4py import MPI
+
+        if len(self._started) < len(self.order):
+            missing = [s for s in self.order if not any(st[0] == s for st in self._started)]
+            raise RuntimeError(f"the pipeline phase ended without the final gradients of stages {missing}")
+        out = {}
+        for stage, treedef, layout, _, summed, requests, t0 in self._started:
+            MPI.Request.Waitall(requests)
+            if record is not None:
+                record(f"all-reduce s{stage}", "reduce", t0, time.perf_counter())
+            parts, at = [], 0
+            for shape, dtype, _ in layout:
+                size = int(np.prod(shape))
+                parts.append(summed[at:at + size].reshape(shape).astype(dtype))
+                at += size
+            out[stage] = treedef.unflatten(jax.device_put(parts, [sharding for *_, sharding in layout]))
+        self._started = []
+        return out
 
 
 def shard_length(n: int, replicas: int) -> int:

@@ -108,6 +108,9 @@ class EventLoop:
         self.order: list[Task] = []  # the last step's tasks in the order this rank dispatched them
         self.inflight = InFlight()
         self._zeros: dict[int, Callable[[Any], Any]] = {}  # stage -> jitted zeros shaped like its params
+        # Called with (stage, gradient sum) once a stage's gradients are final (every microbatch's backward or weight
+        # pass has written them): the data-parallel reduction starts there. Set per step by the engine.
+        self.on_final: Callable[[int, Any], None] | None = None
 
     # -- one step ------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, params: dict[int, Any], tokens: jax.Array, cotangent: float) -> StepResult:
@@ -131,6 +134,8 @@ class EventLoop:
         self.losses: list[jax.Array] = []
         self.recorder = Recorder(self.rank, synced=self.synced)
         self.order, self.inflight = [], InFlight()
+        self._written: dict[int, int] = {}  # stage -> microbatches in its gradient sum
+        self._microbatches = schedule.num_microbatches
         start = time.perf_counter()
         self.policy.run(self, schedule)
         t0 = time.perf_counter()
@@ -269,6 +274,7 @@ class EventLoop:
         else:
             acc = self._grad_sum(s)
             dx, self.grads[s] = self._timed("B", (mb,), s, lambda: stage.backward(res, dy, acc))
+            self._wrote(s, 1)
         if s > 0:
             self._send(dx, MsgKind.GRAD, mb, s - 1)
 
@@ -283,6 +289,13 @@ class EventLoop:
             return stage.backward_weight(self.params[s], wres, acc)
 
         self.grads[s] = self._timed("BW", tuple(mbs), s, weight_pass)
+        self._wrote(s, len(mbs))
+
+    def _wrote(self, s: int, n: int) -> None:
+        """``n`` more microbatches in stage ``s``'s gradient sum; at all of them it is final (:attr:`on_final`)."""
+        self._written[s] = self._written.get(s, 0) + n
+        if self._written[s] == self._microbatches and self.on_final is not None:
+            self.on_final(s, self.grads[s])
 
     def _grad_sum(self, s: int) -> Any:
         """Stage ``s``'s gradient sum so far (zeros before its first backward), for the next kernel to add

@@ -65,6 +65,19 @@ class MpiTransportBase:
         if self._error is not None:
             raise RuntimeError(f"pipeline rank {self.rank}: send failed: {self._error!r}") from self._error
 
+    def _next_header(self, length: int, dtype: Any) -> tuple[int, Envelope, np.ndarray] | None:
+        """The next header on ``self.header_comm`` (kind, microbatch, stage, then the transport's own
+        ints): its source row rank, envelope and ints; None when none has arrived."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        if not self.header_comm.Iprobe(source=MPI.ANY_SOURCE, tag=0, status=status):
+            return None
+        src = status.Get_source()
+        header = np.empty(length, dtype)
+        self.header_comm.Recv(header, source=src, tag=0)
+        return src, Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2])), header
+
     def _host_wire(self, x) -> np.ndarray:
         """``x`` as a contiguous host buffer in the wire dtype: waits for ``x``, gathers its shards."""
         buf = np.asarray(x)
@@ -142,16 +155,10 @@ class Mpi4jaxTransport(MpiTransportBase):
         self._sendq.put((x, dest, envelope))
 
     def poll(self) -> Message | None:
-        from mpi4py import MPI
-
         self._raise_pending()
-        status = MPI.Status()
-        if not self.header_comm.Iprobe(source=MPI.ANY_SOURCE, tag=0, status=status):
+        if (arrived := self._next_header(3, np.int32)) is None:
             return None
-        src = status.Get_source()
-        header = np.empty(3, np.int32)
-        self.header_comm.Recv(header, source=src, tag=0)
-        env = Envelope(MsgKind(int(header[0])), int(header[1]), int(header[2]))
+        src, env, _ = arrived
         payload = self._laid_out(self._from_wire(self._recv_fn(src)()))
         self.journal.received(src, env)
         return Message(env, src, payload)

@@ -76,6 +76,13 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
 
+    def grads_final(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s stages in the order its row completes their gradients (each stage's last ``B``,
+        or with 2BP its last ``BW``): the order every replica of the rank starts their data-parallel
+        reductions in, whatever order a message-driven loop happens to finish them."""
+        last = {t.stage: i for i, t in enumerate(self.rows[rank]) if t.kind in (Kind.B, Kind.BW)}
+        return tuple(sorted(last, key=last.__getitem__))
+
     def table(self) -> str:
         """A plain-text table, one line per rank (used for golden files)."""
         return "\n".join(f"rank {r}: " + " ".join(str(t) for t in row) for r, row in enumerate(self.rows))

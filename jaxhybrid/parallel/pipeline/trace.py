@@ -235,9 +235,11 @@ def write_measured(per_rank: list[list[Event]], run_dir: str | Path, title: str)
 
 
 def exposed_reduction(events: Iterable[Event]) -> float | None:
-    """The longest time over ranks that a rank spent in data-parallel reductions (kind ``"reduce"``) running
-    nothing else: no stage kernel and no optimizer update (kind ``"update"``, Myelin V-C) beside it. None
-    when no reduction was recorded (one replica, or a step that was not traced)."""
+    """The longest time over ranks that a rank spent in data-parallel reductions (kind ``"reduce"``) with
+    nothing else to do: no stage kernel, no optimizer update (kind ``"update"``, Myelin V-C) and no wait
+    or receive of the pipeline phase beside it (a reduction started during the phase,
+    ``optim.overlap_grad_reduce``, runs beside waits the rank has anyway). None when no reduction was
+    recorded (one replica, or a step that was not traced)."""
     def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
         out: list[tuple[float, float]] = []
         for s, e in sorted(spans):
@@ -252,7 +254,7 @@ def exposed_reduction(events: Iterable[Event]) -> float | None:
         reduce, other = by_rank.setdefault(e.rank, ([], []))
         if e.kind == "reduce":
             reduce.append((e.start, e.end))
-        elif e.kind == "update" or e.kind in COMPUTE_KINDS:
+        elif e.kind in ("update", "wait", "recv") or e.kind in COMPUTE_KINDS:
             other.append((e.start, e.end))
     worst = None
     for reduce, other in by_rank.values():

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxhybrid.core.config.schema import Config
 from jaxhybrid.model import Model
-from jaxhybrid.parallel.data.allreduce import allreduce_tree, iter_reduced_chunks, reduced_beside
+from jaxhybrid.parallel.data.allreduce import EarlyColumnSum, allreduce_tree, iter_reduced_chunks, reduced_beside
 from jaxhybrid.parallel.data.column import ReplicaColumn
 from jaxhybrid.parallel.data.flat import release
 from jaxhybrid.parallel.data.xla_allreduce import XlaColumn
@@ -29,6 +29,7 @@ from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
+from jaxhybrid.parallel.pipeline.transfer_transport import TransferTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
 from jaxhybrid.parallel.pipeline.schedule import configured_schedule
 from jaxhybrid.parallel.pipeline.trace import Event, write_measured
@@ -186,16 +187,18 @@ class PipelineEngine(GradEngine):
     def loss_and_grads(self, params: dict, batch: np.ndarray, loss_scale: float):
         self.watchdog.arm("pipeline phase")
         try:
-            loss, grads = self._pipeline_phase(params, batch, loss_scale)
-            self.watchdog.beat("data-parallel all-reduce")
-            t0 = time.perf_counter()
-            if self.xla_column is not None:
-                grads = self.xla_column.allreduce_tree(grads, self.chunk, half_wire=self.half_wire)
-            elif self.replicas > 1:
-                grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
-            if self.replicas > 1 and (record := self._recording()) is not None:  # the trace's all-reduce lane
-                jax.block_until_ready(grads)
-                record("all-reduce", "reduce", t0, time.perf_counter())
+            early = self._early_sum()
+            loss, grads = self._pipeline_phase(params, batch, loss_scale, early)
+            if early is None and self.replicas > 1:  # the sum over the replicas after the phase
+                self.watchdog.beat("data-parallel all-reduce")
+                t0 = time.perf_counter()
+                if self.xla_column is not None:
+                    grads = self.xla_column.allreduce_tree(grads, self.chunk, half_wire=self.half_wire)
+                else:
+                    grads = allreduce_tree(grads, self.topo.column, self.chunk, half_wire=self.half_wire)
+                if (record := self._recording()) is not None:  # the trace's all-reduce lane
+                    jax.block_until_ready(grads)
+                    record("all-reduce", "reduce", t0, time.perf_counter())
         finally:
             self.watchdog.disarm()
         return loss, grads
@@ -218,14 +221,32 @@ class PipelineEngine(GradEngine):
         finally:
             self.watchdog.disarm()
 
-    def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float):
+    def _early_sum(self) -> EarlyColumnSum | None:
+        """``optim.overlap_grad_reduce``: the column's sum started per stage during the phase, where it applies
+        (the mpi backend, data replicas of one device each, a float32 wire); None elsewhere."""
+        if not (self.cfg.optim.overlap_grad_reduce and self.replicas > 1 and self.xla_column is None
+                and self.local is None and not self.half_wire):
+            return None
+        return EarlyColumnSum(self.topo.column, self.schedule.grads_final(self.stage_index), self.cfg.optim.bucket_size)
+
+    def _pipeline_phase(self, params: dict, batch: np.ndarray, loss_scale: float,
+                        early: EarlyColumnSum | None = None):
         """The schedule over this replica's microbatches: (global mean loss, this rank's gradients with
-        tied embeddings summed, not yet reduced over replicas)."""
+        tied embeddings summed), not reduced over replicas unless ``early`` sums them during the phase."""
         mbs = self._microbatches(batch)
         # Myelin IV-B: pre-divide by the microbatches of the whole global batch.
         cot = float(loss_scale) / (self.microbatches * self.replicas)
-        res = self.loop.run(self.schedule, self._split(params), mbs, cot)
-        grads = tied.sum_tied(self._merge(res.grads), self.schedule.stage_to_rank, self.stage_index,
+        self.loop.on_final = early.add if early is not None else None
+        try:
+            res = self.loop.run(self.schedule, self._split(params), mbs, cot)
+        finally:
+            self.loop.on_final = None
+        by_stage = res.grads
+        if early is not None:
+            self.watchdog.beat("data-parallel all-reduce (started per stage)")
+            by_stage = early.result(self._recording())  # the step's recorder: run() made a new one
+        # The tied copies' sum over the row is linear: after the replicas' sums it gives the same total.
+        grads = tied.sum_tied(self._merge(by_stage), self.schedule.stage_to_rank, self.stage_index,
                               self.cfg.model.tie_embeddings, self.topo.row)
         return self._mean_over_batch(res.loss_sum), grads
 
@@ -319,10 +340,10 @@ class PipelineEngine(GradEngine):
 
 
 def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
-    """``pipeline.transport``: ``mpi4jax`` (design card) or ``mpi4py`` (host-staged Isend); ``sharding``:
-    the payloads' layout on this rank's tensor mesh (hybrid layouts), None for single-device stages."""
-    if name == "mpi4jax":
-        return Mpi4jaxTransport(comm, template, sharding)
-    if name == "mpi4py":
-        return Mpi4pyTransport(comm, template, sharding)
-    raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax or mpi4py")
+    """``pipeline.transport``: ``mpi4jax`` (design card), ``mpi4py`` (host-staged Isend) or ``transfer``
+    (device to device, JAX's transfer server); ``sharding``: the payloads' layout on this rank's tensor mesh
+    (hybrid layouts), None for single-device stages."""
+    kinds = {"mpi4jax": Mpi4jaxTransport, "mpi4py": Mpi4pyTransport, "transfer": TransferTransport}
+    if name not in kinds:
+        raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax, mpi4py or transfer")
+    return kinds[name](comm, template, sharding)

@@ -93,6 +93,7 @@ BAD = [
       "pipeline.microbatches=2"], ["optim.shard_optimizer=true shards one device's flat parameters per rank",
                                    "1 x 2 x 1) is not supported"]),
     (["pipeline.dispatch=eager"], ["pipeline.dispatch='eager'; choose auto, async or sync"]),
+    (["pipeline.transport=nccl"], ["pipeline.transport='nccl'; choose mpi4jax, mpi4py or transfer"]),
     (["model.n_kv_heads=-2"], ["model.n_kv_heads=-2 must be >= 0"]),
     # Found when the first attention was traced: in every MPI rank after mpiexec started, aborting the job.
     (["model.attention=cudnn"], ["model.attention=cudnn needs bfloat16/float16 compute and head_dim a multiple "

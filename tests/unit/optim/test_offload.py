@@ -349,3 +349,34 @@ def test_memory_report_from_config_is_written(tmp_path):
     assert "set optim.bucket_size" in small["note"] and "note: offload holds" in summary_line(small)
     plain = report_from_config(Config(), 10_000)  # offload off: the note is only in memory.json
     assert "note" in plain and "note" not in summary_line(plain)
+
+
+def test_early_column_sum_starts_stages_in_the_given_order_and_returns_them_whole():
+    """``optim.overlap_grad_reduce``'s sum (one rank: the identity, through MPI's non-blocking
+    all-reduce): a stage handed over early waits for those before it in ``order``; the result has every
+    stage's leaves back in their shapes, dtypes and devices, cut into buckets of 3 elements on the way."""
+    from mpi4py import MPI
+
+    from jaxhybrid.parallel.data.allreduce import EarlyColumnSum
+
+    grads = {s: {"w": jnp.arange(7.0, dtype=jnp.float32).reshape(7, 1) * (s + 1),
+                 "b": jnp.full((2,), 0.5 * s, jnp.bfloat16)} for s in (0, 2)}
+    spans = []
+    early = EarlyColumnSum(MPI.COMM_SELF, (2, 0), 3)
+    early.add(0, grads[0])
+    assert early._started == []  # stage 2 comes first on every replica
+    early.add(2, grads[2])
+    assert [st[0] for st in early._started] == [2, 0] and len(early._started[0][5]) == 3  # 9 elements, 3 buckets
+    with pytest.raises(ValueError, match="stage 0 given twice"):
+        early.add(0, grads[0])
+    out = early.result(lambda *ev: spans.append(ev))
+    for s in (0, 2):
+        for k in ("w", "b"):
+            got, want = out[s][k], grads[s][k]
+            assert got.dtype == want.dtype and got.shape == want.shape and got.sharding == want.sharding
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert [name for name, kind, *_ in spans] == ["all-reduce s2", "all-reduce s0"]
+    with pytest.raises(RuntimeError, match=r"without the final gradients of stages \[1\]"):
+        partial = EarlyColumnSum(MPI.COMM_SELF, (0, 1), 3)
+        partial.add(0, grads[0])
+        partial.result()

@@ -248,3 +248,32 @@ def test_loop_runs_only_schedules_of_its_policy():
         with pytest.raises(ValueError, match=f"is {sched.policy}; this loop was built with the {loop.policy.name}"):
             loop.run(sched, {0: None}, tokens, 1.0)
         assert loop.order == []
+
+
+@pytest.mark.parametrize("name,split", [("interleaved-1f1b", False), ("interleaved-1f1b", True), ("myelin", True)])
+def test_on_final_gets_each_stages_last_gradient_sum_once_in_the_rows_order(reference, name, split):
+    """The data-parallel reduction starts from ``on_final``: called once per stage, after the stage's last
+    backward (2BP: its last weight pass), with the gradient sum the step returns; under a static policy in
+    the order ``Schedule.grads_final`` gives every replica. Two stages per rank, so the calls interleave
+    with the rest of the schedule."""
+    model, params, batch, *_ = reference
+    p, v = 2, 2
+    stages = _stages(model, p * v)
+    sched = make_schedule(name, p, M, split_backward=split, virtual_stages=v)
+    hub = InProcessHub(p)
+    mbs = jnp.asarray(split_batch(batch, 0, 1, M))
+    calls: dict[int, list] = {0: [], 1: []}
+
+    def rank(r):
+        mine = [s for s in range(p * v) if sched.stage_to_rank[s] == r]
+        loop = EventLoop({s: stages[s] for s in mine}, sched.stage_to_rank, r, hub.transport(r), loop_policy(sched))
+        loop.on_final = lambda s, g: calls[r].append((s, g, len(loop.order)))
+        return loop.run(sched, {s: stages[s].slice_params(params) for s in mine}, mbs, 1.0 / M)
+
+    results = on_threads(p, rank)
+    for r in range(p):
+        assert sorted(s for s, *_ in calls[r]) == sorted(results[r].grads)  # each stage once
+        assert all(g is results[r].grads[s] for s, g, _ in calls[r])  # the sum the step returns
+        if sched.policy == "static":
+            assert tuple(s for s, *_ in calls[r]) == sched.grads_final(r)
+        assert calls[r][0][2] < len(sched.rows[r])  # the first came before the rank's last task

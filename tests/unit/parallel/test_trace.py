@@ -83,9 +83,13 @@ def test_the_measured_period_is_the_last_stages_median_gap_between_forwards():
 
 def test_exposed_reduction_is_the_reduce_time_that_nothing_else_covers():
     """The trace's exposed data-parallel reduction: per rank the union of its reductions less what its
-    kernels and optimizer updates cover; the longest rank's; None with no reduction recorded."""
+    kernels, optimizer updates and the pipeline's message waits cover (a reduction started during the phase
+    runs beside waits the rank has anyway); the longest rank's; None with no reduction recorded. A send
+    in flight covers nothing: it leaves from a thread of its own."""
     events = [Event(0, "all-reduce a", "reduce", 0.0, 6.0), Event(0, "all-reduce b", "reduce", 5.0, 10.0),
               Event(0, "update", "update", 2.0, 5.0), Event(0, "F", "F", 8.0, 12.0),
-              Event(1, "all-reduce", "reduce", 0.0, 4.0), Event(1, "wait", "wait", 0.0, 4.0)]
-    assert exposed_reduction(events) == pytest.approx(5.0)  # rank 0: 10 - 3 - 2; rank 1: 4 (a wait runs nothing)
+              Event(1, "all-reduce", "reduce", 0.0, 4.0), Event(1, "wait", "wait", 0.0, 3.0),
+              Event(1, "send", "send", 0.0, 4.0)]
+    assert exposed_reduction(events) == pytest.approx(5.0)  # rank 0: 10 - 3 - 2
+    assert exposed_reduction([e for e in events if e.rank == 1]) == pytest.approx(1.0)  # 4 - 3
     assert exposed_reduction([e for e in events if e.kind != "reduce"]) is None

@@ -233,3 +233,21 @@ def test_zb_v_builds_its_rows_when_messages_take_time(p):
                 costs = Costs.uniform(2 * p, f, bi, bw, latency=latency)
                 sch = make_schedule("zb-v", p, m, costs=costs, **ZBV)
                 validate_schedule(sch, max_stashed=2 * p, costs=costs)
+
+
+@pytest.mark.parametrize("name,split,kw", [("interleaved-1f1b", False, {"virtual_stages": 2}),
+                                           ("interleaved-1f1b", True, {"virtual_stages": 2}),
+                                           ("zb-v", True, ZBV), ("1f1b", True, {})])
+def test_grads_final_orders_a_ranks_stages_by_their_last_gradient_pass(name, split, kw):
+    """The order every replica of a rank starts its stages' data-parallel sums in: by the row position of
+    each stage's last B (2BP: last BW); fused, with several stages per rank, a deeper stage is done first
+    (2BP's deferred weight passes may finish them in another order)."""
+    sched = make_schedule(name, 2, 4, split_backward=split, **kw)
+    for r, row in enumerate(sched.rows):
+        order = sched.grads_final(r)
+        assert sorted(order) == [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == r]
+        last = [max(i for i, t in enumerate(row) if t.stage == s and t.kind == (Kind.BW if split else Kind.B))
+                for s in order]
+        assert last == sorted(last)
+    if name == "interleaved-1f1b" and not split:
+        assert sched.grads_final(0) == (2, 0) and sched.grads_final(1) == (3, 1)
