@@ -29,10 +29,10 @@ from jaxhybrid.parallel.pipeline import tied
 from jaxhybrid.parallel.pipeline.dispatch import synced_dispatch
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop, loop_policy
 from jaxhybrid.parallel.pipeline.mpi4py_transport import Mpi4pyTransport
-from jaxhybrid.parallel.pipeline.transfer_transport import TransferTransport
 from jaxhybrid.parallel.pipeline.mpi_transport import Mpi4jaxTransport
 from jaxhybrid.parallel.pipeline.schedule import configured_schedule
 from jaxhybrid.parallel.pipeline.trace import Event, write_measured
+from jaxhybrid.parallel.pipeline.transfer_transport import TransferTransport
 from jaxhybrid.parallel.pipeline.transport import InProcessHub
 from jaxhybrid.parallel.pipeline.watchdog import Watchdog, install_abort_on_exception
 from jaxhybrid.parallel.tensor.local import LocalTensor
