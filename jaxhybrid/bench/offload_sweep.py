@@ -27,7 +27,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
 
-    import jax
     import jax.numpy as jnp
     import optax
     from mpi4py import MPI

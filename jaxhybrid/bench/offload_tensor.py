@@ -39,7 +39,6 @@ def run_tensor(args) -> int:
     d, dep, r, c = _mesh(args.tensor)
     import jax
 
-    from jaxhybrid.model import Model
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import live_device_bytes, model_state_bytes, params_per_device
     from jaxhybrid.optim.sharded_offload import ShardedOffloadUpdater
