@@ -73,8 +73,10 @@ def streamed_2x2(tmp_path_factory):
                                  "model.tie_embeddings=true"]),
     # ZeRO-1 with AdamW on the device: each replica's checkpoint holds the moments of its shard
     (2, 1, "tiny.yaml", ["parallel.data=2", "optim.shard_optimizer=true"]),
+    # The replicas' sum started during the phase (optim.overlap_grad_reduce), in buckets of 20000 elements
+    (2, 1, "tiny.yaml", ["parallel.data=2", "optim.bucket_size=20000"]),
 ], ids=["hybrid-2x1-col2", "pipeline-2x2-offload", "zb-v-2x1-offload-tied", "pipeline-2x2-zero-offload",
-        "data-1x2-zero"])
+        "data-1x2-zero", "data-1x2-overlapped"])
 def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
     if sets is STREAMED_2X2:

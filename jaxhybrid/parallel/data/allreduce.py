@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -292,15 +293,26 @@ class EarlyColumnSum:
     whole-vector path's default wire.
     """
 
+    @dataclass
+    class _Started:
+        """One stage's buckets in flight; ``layout`` is each leaf's (shape, dtype, sharding), not the leaves:
+        the step may free them."""
+
+        treedef: Any
+        layout: list[tuple]
+        sent: np.ndarray  # both buffers stay referenced until the requests complete
+        summed: np.ndarray
+        requests: list
+        start: float
+
     def __init__(self, comm: Any, order: Iterable[int], bucket_elems: int):
         _check_chunk(bucket_elems)
         self.comm, self.order, self.bucket = comm, tuple(order), min(bucket_elems, _MAX_MESSAGE)
         self._final: dict[int, Any] = {}
-        # (stage, treedef, each leaf's (shape, dtype, sharding), sent, summed, requests, start time)
-        self._started: list[tuple] = []
+        self._started: dict[int, EarlyColumnSum._Started] = {}  # by stage, in ``order``
 
     def add(self, stage: int, grads: Any) -> None:
-        if stage not in self.order or stage in self._final or any(st[0] == stage for st in self._started):
+        if stage not in self.order or stage in self._final or stage in self._started:
             raise ValueError(f"gradients of stage {stage} given twice or not in this rank's stages {self.order}")
         self._final[stage] = grads
         while len(self._started) < len(self.order) and self.order[len(self._started)] in self._final:
@@ -312,30 +324,30 @@ class EarlyColumnSum:
         t0 = time.perf_counter()
         leaves, treedef = jax.tree.flatten(self._final.pop(stage))
         sent = np.concatenate([np.asarray(x).astype(np.float32).ravel() for x in leaves] or [np.zeros(0, np.float32)])
-        summed = np.empty_like(sent)  # both stay referenced until the requests complete
+        summed = np.empty_like(sent)
         requests = [self.comm.Iallreduce(sent[a:b], summed[a:b], op=MPI.SUM)
                     for a, b in bucket_bounds(sent.size, self.bucket)]
-        layout = [(x.shape, x.dtype, x.sharding) for x in leaves]  # not the leaves: the step may free them
-        self._started.append((stage, treedef, layout, sent, summed, requests, t0))
+        self._started[stage] = self._Started(treedef, [(x.shape, x.dtype, x.sharding) for x in leaves], sent,
+                                             summed, requests, t0)
 
     def result(self, record: Callable[..., None] | None = None) -> dict[int, Any]:
         from mpi4py import MPI
 
-        if len(self._started) < len(self.order):
-            missing = [s for s in self.order if not any(st[0] == s for st in self._started)]
+        missing = [s for s in self.order if s not in self._started]
+        if missing:
             raise RuntimeError(f"the pipeline phase ended without the final gradients of stages {missing}")
         out = {}
-        for stage, treedef, layout, _, summed, requests, t0 in self._started:
-            MPI.Request.Waitall(requests)
+        for stage, st in self._started.items():
+            MPI.Request.Waitall(st.requests)
             if record is not None:
-                record(f"all-reduce s{stage}", "reduce", t0, time.perf_counter())
+                record(f"all-reduce s{stage}", "reduce", st.start, time.perf_counter())
             parts, at = [], 0
-            for shape, dtype, _ in layout:
+            for shape, dtype, _ in st.layout:
                 size = int(np.prod(shape))
-                parts.append(summed[at:at + size].reshape(shape).astype(dtype))
+                parts.append(st.summed[at:at + size].reshape(shape).astype(dtype))
                 at += size
-            out[stage] = treedef.unflatten(jax.device_put(parts, [sharding for *_, sharding in layout]))
-        self._started = []
+            out[stage] = st.treedef.unflatten(jax.device_put(parts, [sharding for *_, sharding in st.layout]))
+        self._started = {}
         return out
 
 

@@ -364,9 +364,9 @@ def test_early_column_sum_starts_stages_in_the_given_order_and_returns_them_whol
     spans = []
     early = EarlyColumnSum(MPI.COMM_SELF, (2, 0), 3)
     early.add(0, grads[0])
-    assert early._started == []  # stage 2 comes first on every replica
+    assert not early._started  # stage 2 comes first on every replica
     early.add(2, grads[2])
-    assert [st[0] for st in early._started] == [2, 0] and len(early._started[0][5]) == 3  # 9 elements, 3 buckets
+    assert list(early._started) == [2, 0] and len(early._started[2].requests) == 3  # 9 elements, 3 buckets
     with pytest.raises(ValueError, match="stage 0 given twice"):
         early.add(0, grads[0])
     out = early.result(lambda *ev: spans.append(ev))
