@@ -293,6 +293,13 @@ def _rounds(args: argparse.Namespace, runs: dict, batch, world) -> tuple[dict, d
     return times, shares
 
 
+def _summaries(times: dict[str, list[float]]) -> tuple[dict, dict]:
+    """Per run: the least-disturbed round's step time, and the median over rounds."""
+    import numpy as np
+
+    return {k: min(x) for k, x in times.items()}, {k: float(np.median(x)) for k, x in times.items()}
+
+
 def _batch(cfg, seq: int):
     import numpy as np
 
@@ -325,7 +332,6 @@ def _gathered_joins(engine, world, label: str) -> dict | None:
 
 def _worker(args: argparse.Namespace, m: int) -> int:
     import jax
-    import numpy as np
 
     from jaxhybrid.model import Model
     from jaxhybrid.runtime.engines.pipeline import PipelineEngine
@@ -345,8 +351,7 @@ def _worker(args: argparse.Namespace, m: int) -> int:
             "fused_async": (main, params, s, False, False), "split_async": (main, params, s, True, False)}
     times, shares = _rounds(args, runs, _batch(cfg, args.seq), topo.world)
     tokens = cfg.train.global_batch * args.seq
-    best = {k: min(v) for k, v in times.items()}  # least-disturbed round of each
-    median = {k: float(np.median(v)) for k, v in times.items()}
+    best, median = _summaries(times)
     # Kernel time of 2BP over fused: > 1 means the split kernels cost more than the fused backward (lost
     # fusion), which caps the gain below Table 1's equal-cost assumption.
     figures = _loop_figures(shares["split"], shares["fused"], topo.world)
@@ -377,7 +382,6 @@ def _chunked_worker(args: argparse.Namespace, m: int) -> int:
     """``--virtual-stages`` > 1: fused 1F1B over ``P`` stages against the schedule over ``P x v``, each on
     an engine (and topology) of its own, in the same rounds."""
     import jax
-    import numpy as np
 
     from jaxhybrid.model import Model
     from jaxhybrid.runtime.engines.pipeline import PipelineEngine
@@ -393,8 +397,7 @@ def _chunked_worker(args: argparse.Namespace, m: int) -> int:
     runs |= {f"{k}_async": (*r[:4], False) for k, r in runs.items()}
     times, shares = _rounds(args, runs, _batch(cfg, args.seq), topo.world)
     tokens = cfg.train.global_batch * args.seq
-    best = {k: min(x) for k, x in times.items()}
-    median = {k: float(np.median(x)) for k, x in times.items()}
+    best, median = _summaries(times)
     figures = _loop_figures(shares["chunked"], shares["1f1b"], topo.world)
     base_costs = _gathered_costs(shares["1f1b"], args.stages, topo.world)
     costs = _gathered_costs(shares["chunked"], args.stages * v, topo.world)
@@ -445,8 +448,7 @@ def _data_worker(args: argparse.Namespace, m: int) -> int:
     exposed = {k: topo.world.allreduce(float(np.median([x["exposed"] for x in steps])), op=_max())
                for k, steps in shares.items()}
     if topo.rank == 0:
-        best = {k: min(x) for k, x in times.items()}
-        median = {k: float(np.median(x)) for k, x in times.items()}
+        best, median = _summaries(times)
         out = {"stages": args.stages, "data": args.data, "virtual_stages": v, "schedule": args.schedule,
                "microbatches": m, "model": args.model, "layers": cfgs["mpi"].model.n_layers,
                "microbatch_size": args.microbatch_size, "seq": args.seq, "transport": args.transport,
