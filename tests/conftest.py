@@ -16,7 +16,7 @@ from jaxhybrid.runtime.host_alloc import configure_host_malloc
 # XLA's backend optimisation off: compiling takes most of a cold run's time, and what the tests compare
 # (parity, bit-exactness, errors) does not depend on it; benchmarks set their own flags.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+                                   "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

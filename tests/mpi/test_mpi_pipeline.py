@@ -32,7 +32,7 @@ def _env(timeout: int, devices: int = 1) -> dict:
     env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
                              "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                             "--xla_llvm_disable_expensive_passes=true",
+                             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false",
                 "PYTHONPATH": str(ROOT)})
     return env
 

@@ -66,6 +66,28 @@ class StageLayout:
     def is_last(self) -> bool:
         return self.last_block == self.cfg.n_layers
 
+    @property
+    def key(self) -> tuple:
+        """The layout as a value: two stages with equal keys trace the same programs (the model with its ops
+        and dtype, the block range, remat and segments), so they can share them (:meth:`StageKernels.of`)."""
+        return (self.model, self.first_block, self.last_block, self.remat, self.checkpoint_interval,
+                tuple(self.segments), tuple(self.param_names))
+
+    def slice_params(self, full_params: dict) -> dict:
+        """This stage's parameters from the model's full flat dict (the tied table is shared, not copied)."""
+        missing = [k for k in self.param_names if k != TIED_KEY and k not in full_params]
+        if missing:
+            raise ValueError(f"full params lack {missing} needed by {self!r}")
+        out = {k: full_params[k] for k in self.param_names if k != TIED_KEY}
+        if TIED_KEY in self.param_names:
+            out[TIED_KEY] = full_params["embed"]["wte"]
+        return out
+
+    @property
+    def init_parts(self) -> tuple[str, ...]:
+        """The model parts ``Model.init`` must materialise for this stage (the tied copy comes with head)."""
+        return tuple(k for k in self.param_names if k != TIED_KEY)
+
     def wte(self, params: dict):
         """The token table the head ties to (the first stage's own, or a last stage's copy); None untied."""
         if not self.cfg.tie_embeddings:

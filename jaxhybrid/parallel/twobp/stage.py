@@ -38,7 +38,6 @@ from jaxhybrid.parallel.twobp.layout import StageLayout
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
 from jaxhybrid.parallel.twobp.stage_checks import StageChecks
 from jaxhybrid.parallel.twobp.stage_kernels import StageKernels
-from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 from jaxhybrid.parallel.twobp.weight_join import auto_weight_join, concat_weight_residuals, weight_join
 
 
@@ -71,8 +70,8 @@ class Stage:
         self.checkpoint_interval, self.segments = lay.checkpoint_interval, lay.segments
         self.param_names: list[str] = lay.param_names
         self.checks = StageChecks(lay)
-        self.passes = StagePasses(lay)
-        self.kernels = StageKernels(self.passes)
+        self.kernels = StageKernels.of(lay)  # shared with every stage of an equal layout in this process
+        self.passes = self.kernels.passes
         self._fn = None  # as_function's custom_vjp, built once
 
     def __repr__(self) -> str:
@@ -80,7 +79,8 @@ class Stage:
 
     @property
     def trace_counts(self) -> dict[str, int]:
-        """Traces of each kernel so far (one per compiled input shape; see :class:`StagePasses`)."""
+        """Traces of each kernel so far, by every stage of an equal layout in this process (one per compiled
+        input shape; see :class:`StagePasses`)."""
         return self.passes.trace_counts
 
     # ---- kernels ----------------------------------------------------------------------------------------
@@ -140,36 +140,26 @@ class Stage:
     # ---- parameters -------------------------------------------------------------------------------------
     def slice_params(self, full_params: dict) -> dict:
         """This stage's parameters from the model's full flat dict (the tied table is shared, not copied)."""
-        missing = [k for k in self.param_names if k != TIED_KEY and k not in full_params]
-        if missing:
-            raise ValueError(f"full params lack {missing} needed by {self!r}")
-        out = {k: full_params[k] for k in self.param_names if k != TIED_KEY}
-        if TIED_KEY in self.param_names:
-            out[TIED_KEY] = full_params["embed"]["wte"]
-        return out
+        return self.layout.slice_params(full_params)
 
     def init_params(self, rng: jax.Array, shardings_of: Any = None) -> dict:
         """The stage's slice of ``model.init(rng)``, jitted as every engine's init is (bit-identical to
         slicing the whole model's jitted init, test_stage), materialising only the stage's own parts: a
         pipeline rank never holds the whole model. ``shardings_of`` (abstract slice -> shardings, e.g. the
         rank's tensor mesh's ``param_shardings``) makes each device compute only its own shards."""
-        out = None if shardings_of is None else shardings_of(jax.eval_shape(self._init_slice, rng))
-        return jax.jit(self._init_slice, out_shardings=out)(rng)
-
-    def _init_slice(self, rng: jax.Array) -> dict:
-        """The stage's params from ``Model.init``, initialising only the stage's own parts."""
-        return self.slice_params(self.model.init(rng, None, self.init_parts))
+        out = None if shardings_of is None else shardings_of(jax.eval_shape(self.passes.init, rng))
+        return self.kernels.init(rng, out)
 
     @functools.cached_property
     def param_bytes(self) -> int:
         """Bytes of the stage's parameters (float32 masters), and so of one tree of its gradients; from
         shapes only, nothing materialised."""
-        return rs.tree_bytes(jax.eval_shape(self._init_slice, jax.random.key(0)))
+        return rs.tree_bytes(jax.eval_shape(self.passes.init, jax.random.key(0)))
 
     @property
     def init_parts(self) -> tuple[str, ...]:
         """The model parts ``Model.init`` must materialise for this stage (the tied copy comes with head)."""
-        return tuple(k for k in self.param_names if k != TIED_KEY)
+        return self.layout.init_parts
 
     def wte(self, params: dict):
         """The token table the head ties to; None untied (:meth:`StageLayout.wte`)."""

@@ -7,12 +7,14 @@ bounded chunks (2BP Sec. 3.2, Fig. 2). The inputs are checked before, by the sta
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jaxhybrid.parallel.twobp import residuals as rs
+from jaxhybrid.parallel.twobp.layout import StageLayout
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
 from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 
@@ -20,12 +22,29 @@ from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 # running sum. Why: its compile time grows with K (4-block gpt-small-cpu stage: 0.3 s at K=1, 1.3 s at 8,
 # 2.1 s at 16), and a schedule's flush can hold all M microbatches.
 SUM_CHUNK = 8
+# Kernels of the layouts built last (StageKernels.of): stages of equal layouts (a rebuilt engine, a resume
+# in the same process, equal chunks of one rank) share one set of jits and so trace and compile once.
+SHARED_LAYOUTS = 64
+_shared: collections.OrderedDict = collections.OrderedDict()
 
 
 class StageKernels:
     """The stage's programs: ``forward_program``, ``input_program`` (backward-p1), ``weight_program`` and
     ``weight_sum_program`` (backward-p2 of one batch, or the sum over K microbatches), ``fused_program``
     and ``eval_program``, each a ``jax.jit`` of a pass of ``passes``."""
+
+    @classmethod
+    def of(cls, layout: StageLayout) -> StageKernels:
+        """The kernels of ``layout``, shared by every stage of an equal layout (:attr:`StageLayout.key`);
+        the newest ``SHARED_LAYOUTS`` layouts are kept."""
+        key = layout.key
+        if key in _shared:
+            _shared.move_to_end(key)
+        else:
+            _shared[key] = cls(StagePasses(layout))
+            while len(_shared) > SHARED_LAYOUTS:
+                _shared.popitem(last=False)
+        return _shared[key]
 
     def __init__(self, passes: StagePasses):
         self.passes = passes
@@ -37,6 +56,16 @@ class StageKernels:
         self.weight_sum_program = jax.jit(passes.weight_sum, donate_argnames="acc")
         self.fused_program = jax.jit(passes.fused, donate_argnames="acc")
         self.eval_program = jax.jit(passes.evaluate)
+        self._inits: dict = {}  # init programs by their output shardings
+
+    def init(self, rng, out_shardings=None):
+        """The stage's initial params (:meth:`StagePasses.init`), placed by ``out_shardings`` (a pytree of
+        shardings, or None: the default device)."""
+        leaves, tree = jax.tree.flatten(out_shardings)
+        key = (tree, tuple(leaves))
+        if key not in self._inits:
+            self._inits[key] = jax.jit(self.passes.init, out_shardings=out_shardings)
+        return self._inits[key](rng)
 
     def forward(self, params, x, targets):
         """``(y, Residuals)``, the residuals in this stage's layout with the output's shape and dtype."""

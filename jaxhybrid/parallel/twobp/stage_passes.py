@@ -57,6 +57,11 @@ class StagePasses:
             h = m.apply_block(params[block_name(i)], h)
         return m.apply_head(params["head"], h, targets, self.layout.wte(params)) if head else h
 
+    def init(self, rng):
+        """The stage's params from ``Model.init``, initialising only the stage's own parts."""
+        lay = self.layout
+        return lay.slice_params(lay.model.init(rng, None, lay.init_parts))
+
     def evaluate(self, params, x, targets):
         """Forward only (validation): the plain tape keeps nothing for a backward."""
         lay = self.layout

@@ -405,3 +405,20 @@ def test_bad_inputs_raise_naming_values():
         cached.backward_weight(cached.slice_params(_full_params("llama", 0)), res)
     with pytest.raises(ValueError, match="full params lack"):
         last.slice_params({"block_002": {}})
+
+
+def test_stages_of_equal_layouts_share_their_programs():
+    """A stage rebuilt with an equal layout (a new engine, a resume in the same process) reuses the kernels,
+    so it neither traces nor compiles again; another block range, dtype or remat gets its own."""
+    one = Stage(_model("gpt2"), 1, 3)
+    again = Stage(_model("gpt2"), 1, 3)
+    assert again.kernels is one.kernels and again.passes is one.passes
+    for other in (Stage(_model("gpt2"), 1, 2), Stage(_model("gpt2", "bfloat16"), 1, 3),
+                  Stage(_model("gpt2"), 1, 3, remat="dots"), Stage(_model("gpt2-tied"), 1, 3)):
+        assert other.kernels is not one.kernels, other
+    params = one.init_params(jax.random.key(3))
+    x, _ = _inputs(one, 5)
+    y, _ = one.forward(params, x, _inputs(one, 6)[1])
+    traced = dict(one.trace_counts)
+    y2, _ = again.forward(again.init_params(jax.random.key(3)), x, _inputs(one, 6)[1])
+    assert again.trace_counts == traced and np.array_equal(y, y2)
