@@ -214,14 +214,6 @@ def _allreduce_backend_error(cfg: Config) -> str | None:
         return (f"optim.allreduce_backend=xla reduces one device's gradients per rank; a hybrid rank's tensor "
                 f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
                 f"supported: set optim.allreduce_backend=mpi or the tensor axes to 1")
-    c = cfg.checkpoint
-    if c.every or c.at_end or cfg.run.resume:
-        # Every rank joins one JAX distributed runtime, and orbax then writes numpy leaves from JAX process 0
-        # only: the other ranks' per-rank checkpoints would hold no arrays (found on CPU, orbax 0.12).
-        return (f"optim.allreduce_backend=xla does not checkpoint yet: its ranks share one JAX distributed "
-                f"runtime, where orbax saves only process 0's per-rank state; set checkpoint.every=0 and "
-                f"checkpoint.at_end=false (got every={c.every}, at_end={c.at_end}, run.resume={cfg.run.resume}), "
-                f"or optim.allreduce_backend=mpi")
     return None
 
 

@@ -118,7 +118,7 @@ class Trainer:
                           loss_scale_from_config(self.cfg.precision))
 
     def _checkpointer(self) -> Checkpointer:
-        return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep)
+        return Checkpointer(self.run_dir, self.rank, keep=self.cfg.checkpoint.keep, ranks=self.cfg.world_size)
 
     def save(self, ckpt: Checkpointer, st: TrainState, finite: bool = True) -> None:
         meta = {"step": st.step, "loss_scale": st.loss_scale.state_dict(), "param_layout": PARAM_LAYOUT,
@@ -294,17 +294,10 @@ class Trainer:
                         self.save(ckpt, st, finite=not guard.streak)
                     # All ranks agree (their steps are coupled: one stopping alone would leave the rest waiting).
                     if st.step < cfg.train.steps and float(self.engine.global_max(float(bool(stop.requested)))):
-                        if cfg.optim.allreduce_backend == "xla" and cfg.world_size > 1:
-                            # One JAX runtime over every rank: orbax would write rank 0's arrays only, a step
-                            # no rank could resume from (config_checks refuses checkpoints for this backend).
-                            print(f"jaxhybrid: stopped by {stop.requested or 'another rank'} at step {st.step}; "
-                                  f"rank {self.rank} saved nothing: checkpoints are not supported with "
-                                  f"optim.allreduce_backend=xla", file=sys.stderr, flush=True)
-                        else:
-                            if st.step > (ckpt.latest() or 0):
-                                self.save(ckpt, st, finite=not guard.streak)
-                            print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved "
-                                  f"step {st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
+                        if st.step > (ckpt.latest() or 0):
+                            self.save(ckpt, st, finite=not guard.streak)
+                        print(f"jaxhybrid: stopped by {stop.requested or 'another rank'}; rank {self.rank} saved "
+                              f"step {st.step} in {ckpt.dir} (continue with --resume)", file=sys.stderr, flush=True)
                         # Under `python -m mpi4py` the first rank to exit with status 130 aborts the job: every
                         # rank closes its files, then they meet, so none is killed inside its save or plot.
                         ckpt.close()

@@ -251,10 +251,9 @@ def run_grid(a, refs: dict) -> int:
         m = p if name == "1f1b-1" else 2 * p
         placed = ({k: v for k, v in PLAN.items() if name == "periodic" or k != "pipeline.pattern"} if chunks == "alloc"
                   else {"pipeline.virtual_stages": chunks[0], "pipeline.placement": chunks[1]})
-        # The xla backend does not checkpoint (config_checks); these cases save nothing either way.
-        backend = {"optim.allreduce_backend": a.allreduce_backend, "checkpoint.at_end": a.allreduce_backend == "mpi"}
-        cfg = make_cfg(p, d, name, m, split, transport, tied, kind, **{"tensor.optimizations": letters}, **backend,
-                       **placed, **optim)
+        cfg = make_cfg(p, d, name, m, split, transport, tied, kind,
+                       **{"tensor.optimizations": letters, "optim.allreduce_backend": a.allreduce_backend}, **placed,
+                       **optim)
         if chunks not in topos:  # every rank runs the cases in one order: the collective splits match
             topos[chunks] = Topology.from_config(cfg)
         topo = topos[chunks]

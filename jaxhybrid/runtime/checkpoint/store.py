@@ -2,8 +2,10 @@
 
 Layout: ``<run.dir>/checkpoints/rank_<r>/<step>/`` written by an orbax ``CheckpointManager`` (it writes
 to a temporary directory and renames it on commit, so a crash mid-save leaves nothing that loads).
-Under mpirun each rank is its own single-process JAX, so each rank owns its directory; the
-step to resume from is the newest one that *every* rank committed, agreed through the engine.
+Under mpirun each rank owns its directory, which its own process writes alone, even where every rank
+joined one JAX distributed runtime (``optim.allreduce_backend=xla``); the step to resume from is the
+newest one that *every* rank committed, agreed through the engine. One rank over several processes
+(``--distributed``) writes its one directory from all of them.
 
 Each step's ``meta`` records digests of its arrays and of itself (:mod:`.digest`), committed with the step;
 a restore checks them. Rotation keeps the newest ``keep`` steps and, beyond them, the newest step saved
@@ -11,6 +13,7 @@ after a finite training step, so a run that went non-finite cannot rotate its la
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
@@ -21,6 +24,10 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import multihost
+from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from jaxhybrid.core.errors import ConfigError, DiskFull, is_disk_full, says_disk_full
 from jaxhybrid.optim.updater import spans_processes
@@ -50,6 +57,46 @@ def _bytes_written(x) -> int:
     if isinstance(x, jax.Array) and spans_processes(x):
         return sum(int(sh.data.nbytes) for sh in x.addressable_shards if sh.replica_id == 0)
     return int(np.asarray(x).nbytes)
+
+
+class _PrimaryHostNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """orbax's numpy leaf writer, writing from the checkpoint's primary host. Why: orbax 0.12's own
+    (``NumpyHandler._background_serialize``) writes only where ``multihost.process_index() == 0``, whatever
+    ``MultiprocessingOptions.primary_host`` says, so where every rank joined one JAX runtime no rank but 0
+    wrote the arrays of its own checkpoint. Reads are orbax's."""
+
+    def __init__(self, primary_host: int):
+        super().__init__()
+        self.primary_host = primary_host
+
+    async def _background_serialize(self, values, infos, args=None):
+        # orbax's body, with the primary host in place of process 0.
+        writes = []
+        for value, info, arg in zip(values, infos, args):
+            await info.await_path_creation()
+            spec = ts_utils.build_array_write_spec(
+                info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+                use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=self._metadata_key,
+                process_index=ocdbt_utils.get_process_index_for_subdir(
+                    use_ocdbt=info.is_ocdbt_checkpoint, override_ocdbt_process_id=self._override_ocdbt_process_id))
+            if multihost.is_primary_host(self.primary_host):
+                writes.append(self._open_and_write(value, spec.json, info.ts_context))
+        await asyncio_utils.cancellable(asyncio.gather(*writes), message="[process=%s] numpy writes were cancelled.",
+                                        process_index=multihost.process_index())
+
+
+def _state_handler(options: ocp.options.MultiprocessingOptions) -> ocp.PyTreeCheckpointHandler:
+    """The ``state`` item's handler: orbax's, with :class:`_PrimaryHostNumpyHandler` for the numpy leaves
+    (jax.Arrays spanning processes keep orbax's writer, each process writing its own shards)."""
+    types = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, _PrimaryHostNumpyHandler(options.primary_host)),
+        (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
+    return ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=types)
+
+
+def _restore_args(target: Any) -> ocp.args.PyTreeRestore:
+    """Restore arguments for :func:`_abstract`'s target: numpy where it has no sharding, else its sharding."""
+    return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
 
 
 class UnreadableCheckpoint(ValueError):
@@ -200,18 +247,31 @@ def _drop_closed_loop_reports() -> None:
 
 class Checkpointer:
     """Saves ``{"state": pytree, "meta": json}`` per step for this rank, keeping ``keep`` steps (see
-    :meth:`rotate`)."""
+    :meth:`rotate`).
 
-    def __init__(self, run_dir: str | Path, rank: int = 0, keep: int = 2):
+    ``ranks``: the job's rank count. With more than one, each rank is one process that writes and reads its
+    folder alone, without waiting for the others, also where all of them joined one JAX distributed runtime
+    (``optim.allreduce_backend=xla``: orbax would otherwise write from JAX process 0 only). With one, every
+    JAX process of the run writes the one folder together (``--distributed``: each its shards)."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0, keep: int = 2, ranks: int = 1):
         self.dir = Path(run_dir).absolute() / "checkpoints" / f"rank_{rank}"
         self.keep = keep
+        # Several ranks: this process is the folder's primary host and meets no other process at orbax's barriers.
+        me = jax.process_index()
+        processes = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}) if ranks > 1
+                     else ocp.options.MultiprocessingOptions())
+        # create=False: orbax refuses to create the folder for a subset of processes; every process may make it.
+        self.dir.mkdir(parents=True, exist_ok=True)
         # cleanup_tmp_directories: a save cut off mid-write (a killed job) leaves <step>.orbax-checkpoint-tmp-*;
         # kept, orbax's later deletion of that step removed the stale folder instead of the step saved again,
         # which then outlived checkpoint.keep. No save of this job is under way yet when the manager opens.
         # max_to_keep None: orbax would delete the oldest step whatever it held; :meth:`rotate` chooses instead.
-        opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, cleanup_tmp_directories=True,
-                                            enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.dir, options=opts)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=False, cleanup_tmp_directories=True,
+                                            enable_async_checkpointing=False, multiprocessing_options=processes)
+        # The items' handlers are given: orbax's defaults would ignore the processes chosen above.
+        self.manager = ocp.CheckpointManager(self.dir, options=opts, item_handlers={
+            "state": _state_handler(processes), "meta": ocp.JsonCheckpointHandler(multiprocessing_options=processes)})
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(_DROP_DISK_FULL)  # a filter object is added once however often
 
@@ -235,7 +295,7 @@ class Checkpointer:
         if free is not None and need > free:  # refused before a byte is written: nothing half-saved to clean up
             raise self._disk_full(step, f"its arrays need {size_text(need)} and the disk has {size_text(free)} free")
         try:
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(host),
                                                              meta=ocp.args.JsonSave(meta)))
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's write errors in a bare Exception)
@@ -328,7 +388,7 @@ class Checkpointer:
                               f"that wrote it, or train into another run.dir")
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
+                state=_restore_args(jax.tree.map(_abstract, like)), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (orbax wraps tensorstore's read errors in a bare Exception)
             why = read_error(e)
             if why is None:

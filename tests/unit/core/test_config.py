@@ -77,14 +77,13 @@ BAD = [
     (["optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"], ["optim.offload=False"]),
     (["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=bfloat16",
       "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
-    # The data column's sum as an XLA collective: over MPI replicas of one device each, not yet checkpointed.
+    # The data column's sum as an XLA collective: over MPI replicas of one device each.
     (["optim.allreduce_backend=nccl"], ["optim.allreduce_backend='nccl'; choose mpi (mpi4jax) or xla"]),
     (["optim.allreduce_backend=xla"], ["with parallel.data=1 there is nothing to reduce"]),
     (["optim.allreduce_backend=xla", "parallel.data=2", "parallel.mesh_data=true"],
      ["tensor mode already reduces over its mesh's data axis", "set optim.allreduce_backend=mpi"]),
     (["optim.allreduce_backend=xla", "parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2",
-      "pipeline.microbatches=2", "checkpoint.at_end=false"], ["tensor depth x row x col = 1 x 1 x 2) is not supported"]),
-    (["optim.allreduce_backend=xla", "parallel.data=2"], ["does not checkpoint yet", "checkpoint.at_end=false"]),
+      "pipeline.microbatches=2"], ["tensor depth x row x col = 1 x 1 x 2) is not supported"]),
     # ZeRO-1: data replicas that are MPI ranks of one device each.
     (["optim.shard_optimizer=true"], ["with parallel.data=1 there is one replica", "parallel.data >= 2"]),
     (["optim.shard_optimizer=true", "parallel.data=2", "parallel.mesh_data=true"],
@@ -241,11 +240,17 @@ def test_half_precision_allreduce_is_accepted_for_an_offloaded_half_pipeline():
     assert load_config(None, sets).optim.allreduce_dtype == "compute"
 
 
-def test_xla_allreduce_is_accepted_over_mpi_replicas_without_checkpoints():
+def test_xla_allreduce_is_accepted_over_mpi_replicas():
     sets = ["optim.allreduce_backend=xla", "parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2",
-            "checkpoint.at_end=false", "optim.offload=true", "optim.allreduce_dtype=compute",
-            "precision.compute_dtype=bfloat16"]
+            "optim.offload=true", "optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"]
     assert load_config(None, sets).optim.allreduce_backend == "xla"
+
+
+def test_xla_allreduce_checkpoints_and_resumes():
+    """Each rank writes its own checkpoint from its own JAX process (checkpoint.store), so nothing refuses them."""
+    sets = ["optim.allreduce_backend=xla", "parallel.data=2", "checkpoint.every=3", "run.resume=true"]
+    cfg = load_config(None, sets)
+    assert (cfg.optim.allreduce_backend, cfg.checkpoint.every, cfg.run.resume) == ("xla", 3, True)
 
 
 def test_allreduce_coarsening_is_accepted_with_offload():

@@ -117,7 +117,7 @@ def test_a_digest_mismatch_names_the_step_and_the_leaf(tmp_path):
     import orbax.checkpoint as ocp
 
     changed = {"a": STEP["a"] + np.float32(1), "b": STEP["b"]}
-    ck.manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(changed), meta=ocp.args.JsonSave(meta)))
+    ck.manager.save(2, args=ocp.args.Composite(state=ocp.args.PyTreeSave(changed), meta=ocp.args.JsonSave(meta)))
     ck.manager.wait_until_finished()
     with pytest.raises(DamagedStep, match=r"checkpoints/rank_0/2 cannot be read \(its contents differ from the "
                                           r"digests saved with it: state/a \(1000,\) float32: crc32 ") as e:
