@@ -22,8 +22,8 @@ from jaxhybrid.parallel.twobp.stage_passes import StagePasses
 # running sum. Why: its compile time grows with K (4-block gpt-small-cpu stage: 0.3 s at K=1, 1.3 s at 8,
 # 2.1 s at 16), and a schedule's flush can hold all M microbatches.
 SUM_CHUNK = 8
-# Kernels of the layouts built last (StageKernels.of): stages of equal layouts (a rebuilt engine, a resume
-# in the same process, equal chunks of one rank) share one set of jits and so trace and compile once.
+# Kernels of the layouts built last (StageKernels.of): stages of equal layouts (a rebuilt engine, a resume,
+# tests that build a stage again) share one set of jits and so trace and compile once.
 SHARED_LAYOUTS = 64
 _shared: collections.OrderedDict = collections.OrderedDict()
 
