@@ -147,14 +147,14 @@ class Stage:
         slicing the whole model's jitted init, test_stage), materialising only the stage's own parts: a
         pipeline rank never holds the whole model. ``shardings_of`` (abstract slice -> shardings, e.g. the
         rank's tensor mesh's ``param_shardings``) makes each device compute only its own shards."""
-        out = None if shardings_of is None else shardings_of(jax.eval_shape(self.passes.init, rng))
+        out = None if shardings_of is None else shardings_of(self.kernels.abstract_params)
         return self.kernels.init(rng, out)
 
     @functools.cached_property
     def param_bytes(self) -> int:
         """Bytes of the stage's parameters (float32 masters), and so of one tree of its gradients; from
         shapes only, nothing materialised."""
-        return rs.tree_bytes(jax.eval_shape(self.passes.init, jax.random.key(0)))
+        return rs.tree_bytes(self.kernels.abstract_params)
 
     @property
     def init_parts(self) -> tuple[str, ...]:

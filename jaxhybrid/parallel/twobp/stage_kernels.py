@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,12 @@ class StageKernels:
         self.fused_program = jax.jit(passes.fused, donate_argnames="acc")
         self.eval_program = jax.jit(passes.evaluate)
         self._inits: dict = {}  # init programs by their output shardings
+
+    @functools.cached_property
+    def abstract_params(self):
+        """The shapes and dtypes of the stage's params (:meth:`StagePasses.init` traced once, nothing
+        materialised)."""
+        return jax.eval_shape(self.passes.init, jax.random.key(0))
 
     def init(self, rng, out_shardings=None):
         """The stage's initial params (:meth:`StagePasses.init`), placed by ``out_shardings`` (a pytree of
