@@ -61,10 +61,16 @@ class ParallelDims:
         return self.pipeline == 1 and (self.tensor_size > 1 or self.mesh_data)
 
     @property
+    def replicas_on_ranks(self) -> bool:
+        """Whether there are data replicas and each is an MPI rank (no whole-job mesh), of one device or of a
+        local tensor mesh: the columns that ``optim.allreduce_backend: xla`` reduces over."""
+        return self.data > 1 and not self.on_mesh
+
+    @property
     def replicas_are_ranks(self) -> bool:
         """Whether there are data replicas and each is an MPI rank of one device (no tensor axis, no mesh): the
-        columns that ``optim.allreduce_backend: xla`` and ``optim.shard_optimizer`` work over."""
-        return self.data > 1 and not self.on_mesh and self.tensor_size == 1
+        columns that ``optim.shard_optimizer`` cuts its flat shards over."""
+        return self.replicas_on_ranks and self.tensor_size == 1
 
     @property
     def grid_size(self) -> int:

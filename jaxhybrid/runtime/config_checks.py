@@ -195,26 +195,21 @@ def _cross_field_errors(cfg: Config) -> list[str]:
 
 def _allreduce_backend_error(cfg: Config) -> str | None:
     """``optim.allreduce_backend``: the sum over data replicas that are MPI ranks, by mpi4jax or by an XLA
-    collective over a JAX mesh of each data column (:mod:`jaxhybrid.parallel.data.xla_allreduce`)."""
+    collective over a JAX mesh of each data column, a hybrid rank's local tensor mesh included
+    (:mod:`jaxhybrid.parallel.data.xla_allreduce`)."""
     backend, p = cfg.optim.allreduce_backend, cfg.parallel
     if backend not in ("mpi", "xla"):
         return (f"optim.allreduce_backend={backend!r}; choose mpi (mpi4jax) or xla (XLA collectives over a JAX "
                 f"mesh of each data column: NCCL on GPUs, gloo on CPU)")
-    if backend == "mpi":
+    if backend == "mpi" or cfg.layout.replicas_on_ranks:
         return None
-    if not cfg.layout.replicas_are_ranks:  # which of its three conditions fails
-        if cfg.on_mesh:
-            return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "
-                    "parallel.pipeline=1 without a mesh); tensor mode already reduces over its mesh's data axis "
-                    "with XLA collectives: set optim.allreduce_backend=mpi")
-        if p.data < 2:
-            return (f"optim.allreduce_backend=xla reduces gradients over data replicas that are MPI ranks; with "
-                    f"parallel.data={p.data} there is nothing to reduce: set optim.allreduce_backend=mpi or "
-                    f"parallel.data >= 2")
-        return (f"optim.allreduce_backend=xla reduces one device's gradients per rank; a hybrid rank's tensor "
-                f"mesh (tensor depth x row x col = {p.tensor_depth} x {p.tensor_row} x {p.tensor_col}) is not "
-                f"supported: set optim.allreduce_backend=mpi or the tensor axes to 1")
-    return None
+    if cfg.on_mesh:
+        return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "
+                "parallel.pipeline=1 without a mesh); tensor mode already reduces over its mesh's data axis "
+                "with XLA collectives: set optim.allreduce_backend=mpi")
+    return (f"optim.allreduce_backend=xla reduces gradients over data replicas that are MPI ranks; with "
+            f"parallel.data={p.data} there is nothing to reduce: set optim.allreduce_backend=mpi or "
+            f"parallel.data >= 2")
 
 
 def _shard_optimizer_error(cfg: Config) -> str | None:

@@ -278,6 +278,9 @@ def run_grid(a, refs: dict) -> int:
                 kernels = [x for path, x in flat if "kernel" in jax.tree_util.keystr(path)]
                 ways = {x.size // x.addressable_shards[0].data.size for x in kernels}
                 assert ways == {cfg.tensor_size}, f"{what} kernels split {ways} ways, want {cfg.tensor_size}"
+                if engine.xla_column is not None:  # the column's sum spans the replicas' local meshes
+                    shape = engine.xla_column.tensor_mesh.devices.shape
+                    assert shape == (d, *TENSOR.values()), f"{what} column mesh {shape}"
             assert_tree_close(np.array(losses), np.array(ref_losses), "fp32_parity", what + " losses")
             # slice_params of the reference gives the tied copy the whole table's gradient (both uses).
             mine = engine.slice_params

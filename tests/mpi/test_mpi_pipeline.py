@@ -96,8 +96,10 @@ PARITY_JOBS = {
     "4-ranks-row2": (2, [(2, 2, ["--tensor", "1,2,1"], [*_cases(["myelin"]), "1f1b:2bp:tied"])]),
     # optim.allreduce_backend=xla: the job joins jax.distributed and each data column sums over a JAX mesh of
     # its processes (gloo on CPU): the static and the message-driven loop, and the sharded optimizer's
-    # reduce-scatter and all-gather as XLA collectives.
-    "4-ranks-xla": (1, [(2, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp", *ZERO])]),
+    # reduce-scatter and all-gather as XLA collectives; then every rank on a local tensor mesh of its two
+    # devices, the column one (data, depth, row, col) mesh of the replicas' meshes, with the offloaded optimizer.
+    "4-ranks-xla": (2, [(2, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp", *ZERO]),
+                        (2, 2, ["--allreduce-backend", "xla", "--tensor", "1,2,1"], ["1f1b", "myelin:2bp:offload"])]),
 }
 PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for p, d, _, cases in grids
                 for case in cases]

@@ -76,12 +76,13 @@ def streamed_2x2(tmp_path_factory):
     # The replicas' sum started during the phase (optim.overlap_grad_reduce), in buckets of 20000 elements
     (2, 1, "tiny.yaml", ["parallel.data=2", "optim.bucket_size=20000"]),
     # optim.allreduce_backend=xla: every rank joins one JAX distributed runtime, and each still writes and
-    # restores its own checkpoint (orbax alone wrote only JAX process 0's)
-    (4, 1, "pipeline_2x2.yaml", ["optim.allreduce_backend=xla"]),
+    # restores its own checkpoint (orbax alone wrote only JAX process 0's) of its parameters sharded over a
+    # local (1, 2, 1) tensor mesh; each column sums over one mesh of its replicas' local meshes
+    (4, 2, "pipeline_2x2.yaml", ["optim.allreduce_backend=xla", "parallel.tensor_row=2"]),
     # ZeRO-1's reduce-scatter and all-gather as XLA collectives: each replica's checkpoint holds its shard
     (2, 1, "tiny.yaml", ["parallel.data=2", "optim.shard_optimizer=true", "optim.allreduce_backend=xla"]),
 ], ids=["hybrid-2x1-col2", "pipeline-2x2-offload", "zb-v-2x1-offload-tied", "pipeline-2x2-zero-offload",
-        "data-1x2-zero", "data-1x2-overlapped", "pipeline-2x2-xla", "data-1x2-zero-xla"])
+        "data-1x2-zero", "data-1x2-overlapped", "pipeline-2x2-row2-xla", "data-1x2-zero-xla"])
 def test_mpi_resume_is_bit_exact(request, tmp_path, n, devices, config, sets):
     a, b = tmp_path / "a", tmp_path / "b"
     if sets is STREAMED_2X2:

@@ -13,6 +13,12 @@ The wire dtype follows the MPI path: half-precision vectors are summed in float3
 they are with ``half_wire`` (``optim.allreduce_dtype: compute``; XLA reduces bfloat16 and float16). The
 collective program is cached per (column, length, wire dtype); the flatten and unflatten around it are
 local jitted programs cached per gradient structure.
+
+A hybrid rank (pipeline x tensor x data) drives a local tensor mesh ``(1, depth, row, col)``; its column
+is then one mesh ``(data, depth, row, col)`` of every replica's local mesh stacked on the data axis, and
+each gradient leaf, sharded over its rank's mesh, is summed over ``data`` in place: its local shards are
+the blocks of a global leaf whose first dimension is also split over ``data``, so nothing is gathered,
+copied or flattened, and each device sums only with the devices holding the same block.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxhybrid.core.layout import MESH_AXES
 from jaxhybrid.parallel.data.allreduce import (_HALF, _check_chunk, _check_flat, _scaled, bucket_bounds,
                                               dispatched_ahead, shard_length)
 from jaxhybrid.parallel.data.flat import FlatSpec
@@ -48,9 +55,13 @@ class XlaColumn:
     Args:
       world_ranks: the MPI world ranks of the column, in replica order (the same list on each of them).
       rank: this process's MPI world rank, which must be its JAX process index.
+      tensor_ids: a hybrid rank's column: the device ids of each replica's local tensor mesh (axes
+        ``MESH_AXES``, data size 1), flattened, in replica order; None for one device per rank.
+      local_mesh: this rank's local tensor mesh (with ``tensor_ids``).
     """
 
-    def __init__(self, world_ranks: list[int], rank: int):
+    def __init__(self, world_ranks: list[int], rank: int, tensor_ids: list[list[int]] | None = None,
+                 local_mesh: Mesh | None = None):
         if jax.process_index() != rank:
             raise ValueError(f"optim.allreduce_backend=xla: MPI world rank {rank} is JAX process "
                              f"{jax.process_index()}; initialize jax.distributed with process_id = MPI rank")
@@ -60,11 +71,23 @@ class XlaColumn:
         self.mesh = Mesh(np.array(devices), ("data",))
         self._rows = NamedSharding(self.mesh, P("data", None))
         self._programs: dict[tuple, Any] = {}
+        self.local_mesh, self.tensor_mesh = local_mesh, None
+        if tensor_ids is not None:
+            by_id = {d.id: d for d in jax.devices()}
+            shape = local_mesh.devices.shape[1:]
+            self.tensor_mesh = Mesh(np.stack([np.array([by_id[i] for i in ids], dtype=object).reshape(shape)
+                                              for ids in tensor_ids]), MESH_AXES,
+                                    axis_types=local_mesh.axis_types)
 
     @classmethod
-    def of(cls, topology: Any) -> "XlaColumn":
-        """The column of a :class:`~jaxhybrid.parallel.pipeline.topology.Topology` rank."""
-        return cls(list(topology.column.allgather(topology.rank)), topology.rank)
+    def of(cls, topology: Any, local_mesh: Mesh | None = None) -> "XlaColumn":
+        """The column of a :class:`~jaxhybrid.parallel.pipeline.topology.Topology` rank, with its local tensor
+        mesh when it drives one (the replicas exchange their meshes' device ids over the column)."""
+        ranks = list(topology.column.allgather(topology.rank))
+        if local_mesh is None:
+            return cls(ranks, topology.rank)
+        ids = topology.column.allgather([int(d.id) for d in local_mesh.devices.flat])
+        return cls(ranks, topology.rank, [list(i) for i in ids], local_mesh)
 
     def _program(self, key: tuple, make):
         if key not in self._programs:
@@ -114,11 +137,13 @@ class XlaColumn:
     def allreduce_tree(self, tree: Any, chunk_elems: int, scale: float | None = None, half_wire: bool = False
                        ) -> Any:
         """:func:`~jaxhybrid.parallel.data.allreduce.allreduce_tree` over the column mesh: same structure,
-        dtypes and devices. Leaves must each live on one device (tensor axes > 1 are refused by the config)."""
+        dtypes and devices (a hybrid rank's leaves, sharded over its tensor mesh, keep their shardings)."""
         _check_chunk(chunk_elems)
         leaves = jax.tree.leaves(tree)
         if self.size == 1 or not leaves or not sum(int(np.size(x)) for x in leaves):
             return _scaled(tree, scale)
+        if self.tensor_mesh is not None:
+            return _scaled(self._allreduce_sharded(tree, half_wire), scale)
         common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
         wire = common if (half_wire and common in _HALF) or common not in _HALF else jnp.float32
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
@@ -128,6 +153,53 @@ class XlaColumn:
                                                          self._unflatten(shapes, common)))
         summed = self.reduce_row(flatten(tree))
         return unflatten(summed, None if scale is None else np.asarray(scale, common))
+
+    def _allreduce_sharded(self, tree: Any, half_wire: bool) -> Any:
+        """Every leaf of ``tree`` (sharded over this rank's local tensor mesh) summed over the column's data
+        axis by one program over :attr:`tensor_mesh`: a leaf of shape ``[n, ...]`` and spec ``(s0, ...)`` is
+        this replica's block of a global ``[replicas * n, ...]`` leaf of spec ``((data, s0), ...)``, whose
+        device blocks are the local shards as they are."""
+        leaves, treedef = jax.tree.flatten(tree)
+        specs = [self._leaf_spec(x) for x in leaves]
+        common = jnp.result_type(*{x.dtype for x in leaves})
+        dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+        data = MESH_AXES[0]
+        wire = common if (half_wire and common in _HALF) or common not in _HALF else jnp.float32
+        global_specs = [P((data, *_axes(s[0])), *s[1:]) for s in specs]
+
+        def make():
+            def body(*blocks):
+                out = []
+                for x in blocks:  # as the flat path: the common dtype, summed in float32 unless half_wire
+                    out.append(jax.lax.psum(x.astype(common).astype(wire), data).astype(common).astype(x.dtype))
+                return tuple(out)
+
+            return jax.jit(jax.shard_map(body, mesh=self.tensor_mesh, in_specs=tuple(global_specs),
+                                         out_specs=tuple(P(*s) for s in specs)))
+
+        program = self._program(("sharded", treedef, tuple(x.shape for x in leaves), dtypes, tuple(specs),
+                                 half_wire), make)
+        whole = [jax.make_array_from_single_device_arrays(
+            (self.size * x.shape[0], *x.shape[1:]), NamedSharding(self.tensor_mesh, g),
+            [sh.data for sh in x.addressable_shards]) for x, g in zip(leaves, global_specs)]
+        out = []
+        for x, summed in zip(leaves, program(*whole)):
+            by_device = {sh.device: sh.data for sh in summed.addressable_shards}
+            out.append(jax.make_array_from_single_device_arrays(
+                x.shape, x.sharding, [by_device[sh.device] for sh in x.addressable_shards]))
+        return jax.tree.unflatten(treedef, out)
+
+    def _leaf_spec(self, x: Any) -> tuple:
+        """The partition of leaf ``x`` over the local tensor mesh, one entry per dimension; ValueError for a
+        leaf this column cannot sum in place (a scalar, another mesh, a spec over the data axis)."""
+        sharding = getattr(x, "sharding", None)
+        spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else None
+        if (spec is None or sharding.mesh != self.local_mesh or np.ndim(x) == 0
+                or any(MESH_AXES[0] in _axes(s) for s in spec)):
+            raise ValueError(f"optim.allreduce_backend=xla sums a hybrid rank's gradients over its data column "
+                             f"leaf by leaf: each must be an array of rank >= 1 sharded over the rank's tensor "
+                             f"mesh without its data axis; got shape {np.shape(x)}, sharding {sharding}")
+        return spec + (None,) * (x.ndim - len(spec))
 
     def reduce_scatter(self, flat: jax.Array, half_wire: bool = False) -> jax.Array:
         """:func:`~jaxhybrid.parallel.data.allreduce.reduce_scatter` over the column mesh: a ``shard_map``
@@ -187,6 +259,11 @@ class XlaColumn:
             return self.reduce_row(cut(flat_grads, np.int32(s))).astype(dtype)
 
         yield from dispatched_ahead(bounds, dispatch, ahead)
+
+
+def _axes(entry: Any) -> tuple:
+    """The mesh axes of one ``PartitionSpec`` entry (None, one axis name or a tuple of them) as a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _row_slice(flat: jax.Array, start: jax.Array, size: int, wire: Any) -> jax.Array:

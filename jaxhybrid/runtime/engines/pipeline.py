@@ -105,8 +105,8 @@ class PipelineEngine(GradEngine):
         self.chunk = cfg.optim.bucket_size * cfg.optim.allreduce_coarsening
         self.half_wire = cfg.optim.allreduce_dtype == "compute"  # Myelin IV-B: half-precision gradients travel
         # optim.allreduce_backend=xla: the column is a JAX mesh (every rank joined jax.distributed at start-up).
-        self.xla_column = (XlaColumn.of(topology) if cfg.optim.allreduce_backend == "xla" and self.replicas > 1
-                           else None)
+        self.xla_column = (XlaColumn.of(topology, self.local.mesh if self.local else None)
+                           if cfg.optim.allreduce_backend == "xla" and self.replicas > 1 else None)
         self.microbatch_size = mb
 
     @property

@@ -77,13 +77,11 @@ BAD = [
     (["optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"], ["optim.offload=False"]),
     (["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=bfloat16",
       "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
-    # The data column's sum as an XLA collective: over MPI replicas of one device each.
+    # The data column's sum as an XLA collective: over data replicas that are MPI ranks.
     (["optim.allreduce_backend=nccl"], ["optim.allreduce_backend='nccl'; choose mpi (mpi4jax) or xla"]),
     (["optim.allreduce_backend=xla"], ["with parallel.data=1 there is nothing to reduce"]),
     (["optim.allreduce_backend=xla", "parallel.data=2", "parallel.mesh_data=true"],
      ["tensor mode already reduces over its mesh's data axis", "set optim.allreduce_backend=mpi"]),
-    (["optim.allreduce_backend=xla", "parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2",
-      "pipeline.microbatches=2"], ["tensor depth x row x col = 1 x 1 x 2) is not supported"]),
     # ZeRO-1: data replicas that are MPI ranks of one device each.
     (["optim.shard_optimizer=true"], ["with parallel.data=1 there is one replica", "parallel.data >= 2"]),
     (["optim.shard_optimizer=true", "parallel.data=2", "parallel.mesh_data=true"],
@@ -244,6 +242,9 @@ def test_xla_allreduce_is_accepted_over_mpi_replicas():
     sets = ["optim.allreduce_backend=xla", "parallel.pipeline=2", "parallel.data=2", "pipeline.microbatches=2",
             "optim.offload=true", "optim.allreduce_dtype=compute", "precision.compute_dtype=bfloat16"]
     assert load_config(None, sets).optim.allreduce_backend == "xla"
+    # A hybrid rank's local tensor mesh: its column is one mesh of the replicas' local meshes.
+    hybrid = load_config(None, sets[:4] + ["parallel.tensor_col=2"])
+    assert (hybrid.optim.allreduce_backend, hybrid.parallel.tensor_col) == ("xla", 2)
 
 
 def test_xla_allreduce_checkpoints_and_resumes():
