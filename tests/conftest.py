@@ -20,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --x
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAXHYBRID_COMPILE_ONCE", "1")  # workers and subprocesses share each program's compile
 configure_host_malloc()  # after XLA_FLAGS (it reads the device count), before JAX starts
 
 from jaxhybrid.cli.commands.train import enable_compilation_cache  # noqa: E402 (after the environment)

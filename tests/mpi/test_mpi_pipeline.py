@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxhybrid.cli.commands.launch import HEAVY_YIELD
 from jaxhybrid.model.testing import assert_tree_close
+from jaxhybrid.runtime import compile_once
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -25,11 +27,13 @@ pytestmark = pytest.mark.mpi
 
 
 def _env(timeout: int, devices: int = 1) -> dict:
-    """The environment of the MPI tests' jobs: a timeout, fake CPU devices, one thread per rank, and XLA's
+    """The environment of the MPI tests' jobs: a timeout, fake CPU devices, one thread per rank, XLA's
     backend optimisation off (it takes a large share of a parity job's cold compile; what these tests
-    compare, parity and bit-exactness, does not depend on it)."""
+    compare, parity and bit-exactness, does not depend on it), and as the launcher sets them for more ranks
+    than cores: mpich's waits sleeping, and each program compiled by one rank (``compile_once``)."""
     env = dict(os.environ)
-    env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
+    env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", HEAVY_YIELD: "1",
+                compile_once.ENV: "1",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
                              "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
                              "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false",

@@ -34,6 +34,7 @@ from jaxhybrid.cli.launch.parent_death import with_parent_death_signal
 from jaxhybrid.cli.launch.rankwatch import PID_DIR_ENV, REPORT_PREFIX, TIMED_OUT, RankWatch, evidence, failure_summary
 from jaxhybrid.core.argtypes import positive_int
 from jaxhybrid.core.launch_env import RANK_CPUS_ENV, terminal_signals
+from jaxhybrid.runtime import compile_once
 
 
 # Ranks per core a job may start without --oversubscribe: the MPI tests run 4 ranks on 2 cores; far beyond
@@ -94,6 +95,11 @@ def job_cpus(cores: int = 0) -> list[int]:
     return cpus[:cores] if cores else cpus
 
 
+# mpich: a blocking call's wait loop yields with nanosleep, not sched_yield (which leaves a spinning rank
+# runnable beside the rank it waits for).
+HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+
+
 def check_oversubscription(n: int, cpus: list[int], allowed: bool) -> None:
     """Refuse more than :data:`RANKS_PER_CORE` ranks per core of the job unless ``--oversubscribe``."""
     if n > RANKS_PER_CORE * len(cpus) and not allowed:
@@ -115,7 +121,10 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     """Environment for ``n`` ranks sharing ``cpus``: thread pools of ``max(1, len(cpus) // n)`` threads,
     CPU-only XLA flags, ``devices`` CPU devices per rank when its layout has a tensor mesh (the flag only
     shapes the CPU platform: on a GPU node the ranks still use their GPUs), and with ``bind`` the CPU
-    list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). The thread counts always
+    list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). With more ranks than cores,
+    mpich's waits sleep (:data:`HEAVY_YIELD`: its blocking calls otherwise spin, and a rank waiting for a
+    peer that shares its core takes half of that core from the peer), and ranks that build the same
+    program compile it once (:mod:`~jaxhybrid.runtime.compile_once`). The thread counts always
     follow the share of cores (a user's larger ``OMP_NUM_THREADS`` would oversubscribe the pinned cores);
     XLA flags, a device count (``XLA_FLAGS`` or ``JAX_NUM_CPU_DEVICES``, which JAX prefers) and a CPU list
     that the user set win."""
@@ -133,6 +142,9 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     env["XLA_FLAGS"] = " ".join([flags] + [f for f in extra if f.split("=")[0] not in flags]).strip()
     if timeout:
         env["MPIEXEC_TIMEOUT"] = str(timeout)
+    if n > len(cpus):  # ranks share cores: a rank waiting in MPI sleeps instead of spinning on its peer's
+        env.setdefault(HEAVY_YIELD, "1")  # core, and waits for a peer compiling the same program
+        env.setdefault(compile_once.ENV, "1")
     if bind:
         env.setdefault(RANK_CPUS_ENV, ",".join(map(str, cpus)))
     return env

@@ -14,7 +14,7 @@ from jaxhybrid.core.config.parse import flatten, lookup, parse_overrides
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.hardware import run_peak_flops
 from jaxhybrid.core.launch_env import reserve_device_memory
-from jaxhybrid.runtime import distributed
+from jaxhybrid.runtime import compile_once, distributed
 from jaxhybrid.runtime.config_checks import validate
 from jaxhybrid.runtime.config_notes import unread_settings_notes
 from jaxhybrid.runtime.data.splits import cache_dir, repetition_notes
@@ -54,6 +54,8 @@ def enable_compilation_cache(setting: str) -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+    if compile_once.requested():  # ranks sharing cores: each program compiled by one of them
+        compile_once.install(path)
     return path
 
 

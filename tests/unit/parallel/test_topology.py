@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxhybrid.cli.commands.launch import build_command, rank_environment
+from jaxhybrid.cli.commands.launch import HEAVY_YIELD, build_command, rank_environment
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.parallel.pipeline.topology import partition_blocks
 
@@ -38,6 +38,9 @@ def test_launch_command_and_thread_environment(tmp_path):
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
     env = rank_environment(2, list(range(16)), 0, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert env["OMP_NUM_THREADS"] == "8" and "MPIEXEC_TIMEOUT" not in env
+    # More ranks than cores: mpich's waits sleep instead of spinning on a core that a peer computes on.
+    assert rank_environment(4, [0, 1], 30, base={})[HEAVY_YIELD] == "1" and HEAVY_YIELD not in env
+    assert rank_environment(4, [0, 1], 30, base={HEAVY_YIELD: "0"})[HEAVY_YIELD] == "0"  # the user's wins
     assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
     with pytest.raises(ValueError, match="-n 0"):
         rank_environment(0, [0, 1], 0)
