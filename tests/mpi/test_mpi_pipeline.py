@@ -101,12 +101,15 @@ PARITY_JOBS = {
     # optim.allreduce_backend=xla: the job joins jax.distributed and each data column sums over a JAX mesh of
     # its processes (gloo on CPU): the static and the message-driven loop, and the sharded optimizer's
     # reduce-scatter and all-gather as XLA collectives; then every rank on a local tensor mesh of its two
-    # devices, the column one (data, depth, row, col) mesh of the replicas' meshes, with the offloaded optimizer.
+    # devices, the column one (data, depth, row, col) mesh of the replicas' meshes, with the offloaded optimizer
+    # (both grids report as 2x2: their case tokens must differ).
     "4-ranks-xla": (2, [(2, 2, ["--allreduce-backend", "xla"], ["1f1b", "myelin:2bp", *ZERO]),
-                        (2, 2, ["--allreduce-backend", "xla", "--tensor", "1,2,1"], ["1f1b", "myelin:2bp:offload"])]),
+                        (2, 2, ["--allreduce-backend", "xla", "--tensor", "1,2,1"], ["1f1b:2bp", "myelin:2bp:offload"])]),
 }
 PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for p, d, _, cases in grids
                 for case in cases]
+# A job reports each case as "CASE grid=PxD token": two grids of one shape must not share a token.
+assert len(set(PARITY_CASES)) == len(PARITY_CASES), sorted(c for c in PARITY_CASES if PARITY_CASES.count(c) > 1)
 
 
 @pytest.fixture(scope="module")
