@@ -145,7 +145,7 @@ class XlaColumn:
         if self.tensor_mesh is not None:
             return _scaled(self._allreduce_sharded(tree, half_wire), scale)
         common = jnp.result_type(*{jnp.asarray(x).dtype for x in leaves})
-        wire = common if (half_wire and common in _HALF) or common not in _HALF else jnp.float32
+        wire = _wire(common, half_wire)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
         key = ("tree", jax.tree.structure(tree), tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
                str(wire), scale is None)
@@ -164,7 +164,7 @@ class XlaColumn:
         common = jnp.result_type(*{x.dtype for x in leaves})
         dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
         data = MESH_AXES[0]
-        wire = common if (half_wire and common in _HALF) or common not in _HALF else jnp.float32
+        wire = _wire(common, half_wire)
         global_specs = [P((data, *_axes(s[0])), *s[1:]) for s in specs]
 
         def make():
@@ -207,7 +207,7 @@ class XlaColumn:
         _check_flat(flat)
         n, dtype = int(flat.shape[0]), flat.dtype
         c = shard_length(n, self.size)
-        wire = dtype if half_wire or dtype not in _HALF else jnp.float32
+        wire = _wire(dtype, half_wire)
 
         def make():
             pad = jax.jit(lambda x: jnp.pad(x.astype(wire), (0, c * self.size - n))[None],
@@ -250,7 +250,7 @@ class XlaColumn:
                 yield s, e, flat_grads[s:e]
             return
         dtype = flat_grads.dtype
-        wire = dtype if half_wire or dtype not in _HALF else jnp.float32
+        wire = _wire(dtype, half_wire)
 
         def dispatch(s: int, e: int) -> jax.Array:
             cut = self._program(("slice", e - s, str(dtype), str(wire)), lambda: jax.jit(
@@ -259,6 +259,11 @@ class XlaColumn:
             return self.reduce_row(cut(flat_grads, np.int32(s))).astype(dtype)
 
         yield from dispatched_ahead(bounds, dispatch, ahead)
+
+
+def _wire(dtype: Any, half_wire: bool) -> Any:
+    """The dtype a sum of ``dtype`` travels in: half precision as float32 unless ``half_wire``."""
+    return dtype if half_wire or dtype not in _HALF else jnp.float32
 
 
 def _axes(entry: Any) -> tuple:
