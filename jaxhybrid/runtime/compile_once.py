@@ -9,9 +9,10 @@ while the others sleep on a lock for the same cache key, then load what it wrote
 Mechanism: JAX calls ``jax._src.compiler._compile_and_write_cache`` on a persistent-cache miss. The hook
 takes an exclusive POSIX record lock on one byte of ``<cache>.locks`` (the byte's offset a hash of the key:
 one file, however many programs), reads the cache again, and compiles only if the entry is still missing.
-It writes the entry from every process: JAX writes from JAX process 0 only, which under
-``jax.distributed`` (``optim.allreduce_backend: xla``) would leave the other ranks' programs uncached and
-their waiters compiling after all. A lock that the file system refuses falls back to compiling at once.
+It writes the entry from every process, whatever its compile time: JAX writes from JAX process 0 only,
+and only programs over ``jax_persistent_cache_min_compile_time_secs``, so under ``jax.distributed``
+(``optim.allreduce_backend: xla``) or for a quick program the waiters would find nothing and compile after
+all, one after another. A lock that the file system refuses falls back to compiling at once.
 
 Turned on by ``JAXHYBRID_COMPILE_ONCE=1`` (``jaxhybrid launch`` sets it when ranks outnumber cores) before
 :func:`~jaxhybrid.cli.commands.train.enable_compilation_cache`. The hook wraps a private JAX function

@@ -83,11 +83,9 @@ class XlaColumn:
     def of(cls, topology: Any, local_mesh: Mesh | None = None) -> "XlaColumn":
         """The column of a :class:`~jaxhybrid.parallel.pipeline.topology.Topology` rank, with its local tensor
         mesh when it drives one (the replicas exchange their meshes' device ids over the column)."""
-        ranks = list(topology.column.allgather(topology.rank))
-        if local_mesh is None:
-            return cls(ranks, topology.rank)
-        ids = topology.column.allgather([int(d.id) for d in local_mesh.devices.flat])
-        return cls(ranks, topology.rank, [list(i) for i in ids], local_mesh)
+        mine = None if local_mesh is None else [int(d.id) for d in local_mesh.devices.flat]
+        ranks, ids = zip(*topology.column.allgather((topology.rank, mine)))  # one exchange at start-up
+        return cls(list(ranks), topology.rank, None if local_mesh is None else [list(i) for i in ids], local_mesh)
 
     def _program(self, key: tuple, make):
         if key not in self._programs:
@@ -177,8 +175,8 @@ class XlaColumn:
             return jax.jit(jax.shard_map(body, mesh=self.tensor_mesh, in_specs=tuple(global_specs),
                                          out_specs=tuple(P(*s) for s in specs)))
 
-        program = self._program(("sharded", treedef, tuple(x.shape for x in leaves), dtypes, tuple(specs),
-                                 half_wire), make)
+        # Keyed by what the program closes over (jit itself retraces for new shapes).
+        program = self._program(("sharded", treedef, dtypes, tuple(specs), half_wire), make)
         whole = [jax.make_array_from_single_device_arrays(
             (self.size * x.shape[0], *x.shape[1:]), NamedSharding(self.tensor_mesh, g),
             [sh.data for sh in x.addressable_shards]) for x, g in zip(leaves, global_specs)]
