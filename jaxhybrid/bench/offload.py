@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxhybrid.model import Model
+    from jaxhybrid.model import Model, compiled_init
     from jaxhybrid.optim import DeviceUpdater, build_transform, decay_mask
     from jaxhybrid.optim.memory_report import model_state_bytes
     from jaxhybrid.optim.offload import OffloadedOptimizer
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, over + [f"precision.compute_dtype={args.compute_dtype}"])
     model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
     engine = LocalEngine(model, cfg.pipeline.microbatches)
-    params = jax.jit(model.init)(jax.random.key(cfg.train.seed))
+    params = compiled_init(model, jax.random.key(cfg.train.seed))
     n = sum(x.size for x in jax.tree.leaves(params))
     bsize = args.bucket_size or min(cfg.optim.bucket_size, max(n // 16, 1))
     tx = build_transform(cfg.optim, cfg.train.steps)

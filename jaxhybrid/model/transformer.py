@@ -8,6 +8,7 @@ sums the two gradients (Megatron's tied-embedding all-reduce).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -158,25 +159,25 @@ class Model:
         if self.ops != DEFAULT_OPS:
             return dataclasses.replace(self, ops=DEFAULT_OPS).init(rng, seq_len, parts)
         c = self.cfg
+        want = self._parts(parts)
+        params: Params = {}
+        if "embed" in want or ("head" in want and c.tie_embeddings):
+            params["embed"] = _init_part(self, "embed", rng, 0, seq_len=seq_len)
+        for i in range(c.n_layers):
+            if block_name(i) in want:
+                params[block_name(i)] = _init_part(self, "block", rng, i + 1, seq_len=seq_len)
+        if "head" in want:
+            wte = params["embed"]["wte"] if c.tie_embeddings else None
+            params["head"] = _init_part(self, "head", rng, c.n_layers + 1, wte, seq_len)
+        return params
+
+    def _parts(self, parts) -> set[str]:
         want = set(self.names if parts is None else parts)
         unknown = want - set(self.names)
         if unknown:
             raise ValueError(f"Model.init parts {sorted(unknown)} are not among embed, block_000..."
-                             f"{block_name(c.n_layers - 1)}, head")
-        t = seq_len or min(c.max_seq_len, 8)
-        tok = jnp.zeros((1, t), jnp.int32)
-        x = jnp.zeros((1, t, c.d_model), self.dtype)
-        params: Params = {}
-        if "embed" in want or ("head" in want and c.tie_embeddings):
-            params["embed"] = self.embed.init(jax.random.fold_in(rng, 0), tok)["params"]
-        for i in range(c.n_layers):
-            if block_name(i) in want:
-                params[block_name(i)] = self.block.init(jax.random.fold_in(rng, i + 1), x)["params"]
-        if "head" in want:
-            wte = params["embed"]["wte"] if c.tie_embeddings else None
-            head = self.head.init(jax.random.fold_in(rng, c.n_layers + 1), x, tok, wte)
-            params["head"] = head.get("params", {})
-        return params
+                             f"{block_name(self.cfg.n_layers - 1)}, head")
+        return want
 
     def abstract_params(self, seq_len: int = 8) -> Params:
         """Shapes only, for planning models too large to materialise (``jax.eval_shape``)."""
@@ -220,6 +221,61 @@ class Model:
         h = self.apply_blocks([params[block_name(i)] for i in range(self.cfg.n_layers)], h, remat, interval)
         wte = params["embed"]["wte"] if self.cfg.tie_embeddings else None
         return self.apply_head(params["head"], h, targets, wte)
+
+
+def _init_part(model: Model, kind: str, rng: Array, index, wte: Array | None = None,
+               seq_len: int | None = None) -> Params:
+    """One part's float32 params (``kind``: embed, block or head) from its own key ``fold_in(rng, index)``:
+    embed 0, block i at i + 1, head n_layers + 1. ``wte``: the tied head's table."""
+    c = model.cfg
+    key = jax.random.fold_in(rng, index)
+    t = seq_len or min(c.max_seq_len, 8)
+    tok = jnp.zeros((1, t), jnp.int32)
+    x = jnp.zeros((1, t, c.d_model), model.dtype)
+    if kind == "embed":
+        return model.embed.init(key, tok)["params"]
+    if kind == "block":
+        return model.block.init(key, x)["params"]
+    return model.head.init(key, x, tok, wte).get("params", {})
+
+
+_INIT_PROGRAMS: dict = {}  # compiled_init's programs by (model, kind, output shardings)
+
+
+def compiled_init(model: Model, rng: Array, parts=None, out_shardings: dict | None = None) -> Params:
+    """``model.init(rng, None, parts)`` computed by one compiled program per kind of part, bit-identical to
+    the jitted ``Model.init`` (test_model).
+
+    A block's program takes the block's index as an argument: every block of the model, every stage and
+    every engine of the process share one program (and the persistent compilation cache one entry), where
+    a jitted ``Model.init`` holds each block's random initialisers (threefry, the costliest part of its
+    compile) once per block, a program that grows with the depth. ``out_shardings``: {part name: that
+    part's pytree of shardings}, each part placed as it is computed (jit ``out_shardings``); a part not
+    named goes to the default device."""
+    if model.ops != DEFAULT_OPS:
+        model = dataclasses.replace(model, ops=DEFAULT_OPS)
+    c = model.cfg
+    want = model._parts(parts)
+    placed = out_shardings or {}
+
+    def run(kind: str, name: str, *args) -> Params:
+        leaves, tree = jax.tree.flatten(placed.get(name))
+        key = (model, kind, tree, tuple(leaves))
+        if key not in _INIT_PROGRAMS:
+            fn = functools.partial(_init_part, model, kind)
+            _INIT_PROGRAMS[key] = jax.jit(fn, out_shardings=placed.get(name))
+        return _INIT_PROGRAMS[key](rng, *args)
+
+    params: Params = {}
+    if "embed" in want or ("head" in want and c.tie_embeddings):
+        params["embed"] = run("embed", "embed", 0)
+    for i in range(c.n_layers):
+        if block_name(i) in want:
+            params[block_name(i)] = run("block", block_name(i), jnp.int32(i + 1))
+    if "head" in want:
+        wte = params["embed"]["wte"] if c.tie_embeddings else None
+        params["head"] = run("head", "head", c.n_layers + 1, wte)
+    return params
 
 
 def remat_policy(name: str, also_save: tuple[str, ...] = ()) -> Callable[[Callable], Callable] | None:

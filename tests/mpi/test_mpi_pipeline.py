@@ -374,7 +374,7 @@ def _first_loss(run_dir) -> np.float32:
     on its batch 0."""
     import jax
 
-    from jaxhybrid.model import Model
+    from jaxhybrid.model import Model, compiled_init
     from jaxhybrid.runtime.data import Sampler
     from jaxhybrid.runtime.data.splits import open_dataset
     from jaxhybrid.runtime.run_dir import saved_config
@@ -382,7 +382,7 @@ def _first_loss(run_dir) -> np.float32:
     cfg = saved_config(run_dir)
     batch = Sampler(open_dataset(cfg), cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed).batch(0)
     model = Model(cfg.model, compute_dtype=cfg.precision.compute_dtype)
-    params = jax.jit(model.init)(jax.random.key(cfg.train.seed))
+    params = compiled_init(model, jax.random.key(cfg.train.seed))
     return np.float32(jax.jit(model.loss)(params, batch[:, :-1], batch[:, 1:]))
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.model import PRESETS, Model
+from jaxhybrid.model import PRESETS, Model, compiled_init
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.parallel.twobp.stage import assemble_grads, concat_weight_residuals, make_stages, model_loss_via_stages
 
@@ -31,7 +31,7 @@ def _batch(cfg, m, mb, t, seed):
 @pytest.mark.parametrize("kind,partition,remat", [("gpt2-tied", [1, 2], "none"), ("llama", [2, 1], "full")])
 def test_2bp_pipeline_sequence_matches_model_grad(kind, partition, remat):
     model = Model(MODELS[kind])
-    full = jax.jit(model.init)(jax.random.key(0))
+    full = compiled_init(model, jax.random.key(0))
     stages = make_stages(model, partition, remat=remat)
     params = [s.slice_params(full) for s in stages]
     tokens, targets = _batch(model.cfg, 2, 2, 8, 1)  # 2 microbatches of 2 x 8
@@ -60,7 +60,7 @@ def test_2bp_pipeline_sequence_matches_model_grad(kind, partition, remat):
 
 def test_jax_grad_through_stage_custom_vjps_matches_model_grad():
     model = Model(MODELS["gpt2-tied"])
-    full = jax.jit(model.init)(jax.random.key(2))
+    full = compiled_init(model, jax.random.key(2))
     stages = make_stages(model, [2, 1])
     tokens, targets = _batch(model.cfg, 1, 2, 8, 3)
     tokens, targets = tokens[0], targets[0]

@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxhybrid.model import compiled_init
+from jaxhybrid.model.transformer import TIED_KEY
 from jaxhybrid.parallel.twobp import residuals as rs
 from jaxhybrid.parallel.twobp.layout import StageLayout
 from jaxhybrid.parallel.twobp.residuals import Residuals, WeightResiduals
@@ -57,7 +59,6 @@ class StageKernels:
         self.weight_sum_program = jax.jit(passes.weight_sum, donate_argnames="acc")
         self.fused_program = jax.jit(passes.fused, donate_argnames="acc")
         self.eval_program = jax.jit(passes.evaluate)
-        self._inits: dict = {}  # init programs by their output shardings
 
     @functools.cached_property
     def abstract_params(self):
@@ -68,11 +69,14 @@ class StageKernels:
     def init(self, rng, out_shardings=None):
         """The stage's initial params (:meth:`StagePasses.init`), placed by ``out_shardings`` (a pytree of
         shardings, or None: the default device)."""
-        leaves, tree = jax.tree.flatten(out_shardings)
-        key = (tree, tuple(leaves))
-        if key not in self._inits:
-            self._inits[key] = jax.jit(self.passes.init, out_shardings=out_shardings)
-        return self._inits[key](rng)
+        lay = self.passes.layout
+        parts = None
+        if out_shardings is not None:  # by model part: the tied copy is the table of the embed its head brings
+            parts = {k: v for k, v in out_shardings.items() if k != TIED_KEY}
+            if TIED_KEY in out_shardings and "embed" not in parts:
+                embed = jax.eval_shape(lambda k: lay.model.init(k, None, ("embed",)), rng)["embed"]
+                parts["embed"] = {k: out_shardings[TIED_KEY] if k == "wte" else None for k in embed}
+        return lay.slice_params(compiled_init(lay.model, rng, lay.init_parts, parts))
 
     def forward(self, params, x, targets):
         """``(y, Residuals)``, the residuals in this stage's layout with the output's shape and dtype."""

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhybrid.model import Model, remat_policy
+from jaxhybrid.model import Model, compiled_init, remat_policy
 
 Params = dict[str, Any]
 
@@ -177,12 +177,11 @@ class LocalEngine(GradEngine):
 
         self._step = jax.jit(accumulated_step(loss_fn))
         self._eval = jax.jit(lambda params, mbs: mean_loss(model, params, mbs))
-        # Jitted as every engine's init (a sharded jitted init gives the same bits, an eager one differs
-        # by ~1e-8), so parallel layouts start from this run's exact parameters.
-        self._init = jax.jit(model.init)
 
     def init_params(self, rng: jax.Array) -> Params:
-        return self._init(rng)
+        # Compiled as every engine's init (a sharded compiled init gives the same bits, an eager one differs
+        # by ~1e-8), so parallel layouts start from this run's exact parameters.
+        return compiled_init(self.model, rng)
 
     def loss_and_grads(self, params: Params, batch: np.ndarray, loss_scale: float):
         mbs = split_batch(np.asarray(batch, np.int32), 0, 1, self.microbatches)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid.core.config.model import ModelConfig
-from jaxhybrid.model import Model, remat_policy
+from jaxhybrid.model import Model, compiled_init, remat_policy
 from jaxhybrid.model.remat import whole_model_interval
 from jaxhybrid.parallel.tensor.mesh import DATA, make_mesh, reduce_data_once
 from jaxhybrid.parallel.tensor.ops import TensorOps
@@ -58,7 +58,6 @@ class TensorEngine(GradEngine):
         self.reference = Model(model_cfg, compute_dtype=cfg.precision.compute_dtype)
         self.shardings = param_shardings(self.reference.abstract_params(), self.mesh, self.ops.letters)
         self._batch_sharding = batch_sharding(self.mesh)
-        self._init = jax.jit(self.reference.init, out_shardings=self.shardings)
         # Optimization E: the gathered weights are saved across recomputation (AxoNN Sec. IV-E).
         remat = remat_policy(cfg.train.remat, self.ops.saved_names)
         interval = whole_model_interval(cfg)  # Myelin V-A's ac, as the single-device engine segments
@@ -79,8 +78,8 @@ class TensorEngine(GradEngine):
 
     def init_params(self, rng: jax.Array):
         """``Model.init`` values computed in place, each device only its shards (no device ever holds the
-        whole model), bit-identical to LocalEngine's jitted init (test_tensor_engine)."""
-        return self._init(rng)
+        whole model), bit-identical to LocalEngine's init (test_tensor_engine)."""
+        return compiled_init(self.reference, rng, None, self.shardings)
 
     def device_batch(self, batch: np.ndarray) -> jax.Array:
         mbs = order_microbatches(np.asarray(batch, np.int32), self.dims.data, self.microbatches)

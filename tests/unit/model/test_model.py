@@ -252,3 +252,22 @@ def test_float16_attention_scores_do_not_overflow_before_scaling():
     assert_tree_close(out.astype(jnp.float32), ref, "fp16_parity", "float16 attention")
     grads = jax.grad(lambda q_: jnp.sum(causal_attention(q_, q_, v).astype(jnp.float32)))(q)
     assert bool(jnp.all(jnp.isfinite(grads)))
+
+
+@pytest.mark.parametrize("name,tied", [("gpt-tiny", False), ("gpt-tiny", True), ("llama-tiny", True)])
+def test_compiled_init_is_the_jitted_init_bit_for_bit_with_one_program_per_kind_of_part(name, tied):
+    """``compiled_init`` (every engine's init) gives the jitted ``Model.init``'s bits, for the whole model
+    and for a stage's parts (a tied head brings its table), compiling one block program for all blocks."""
+    from jaxhybrid.model.transformer import _INIT_PROGRAMS, compiled_init
+
+    m = Model(dataclasses.replace(PRESETS[name], tie_embeddings=tied))
+    key = jax.random.key(5)
+    program = (m, "block", jax.tree.structure(None), ())  # unplaced; other tests may have compiled it already
+    before = _INIT_PROGRAMS[program]._cache_size() if program in _INIT_PROGRAMS else 0
+    for parts in (None, (block_name(2), block_name(3), "head")):
+        want = jax.jit(lambda k, parts=parts: m.init(k, None, parts))(key)
+        got = compiled_init(m, key, parts)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+            assert np.array_equal(np.asarray(g), np.asarray(w)), jax.tree_util.keystr(path)
+    assert _INIT_PROGRAMS[program]._cache_size() <= before + 1  # one program for the 4 + 2 blocks

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.model import Model
+from jaxhybrid.model import Model, compiled_init
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import build_transform
 from jaxhybrid.optim.offload_updater import OffloadUpdater
@@ -83,7 +83,7 @@ def test_same_gradients_give_the_single_device_offload_exactly(tensor_run):
     (and the CPU's vector width), so they agree with the single-device ones to fp32_parity, not bits."""
     cfg, upd, params, state, seen = tensor_run
     ref = OffloadUpdater(build_transform(cfg.optim, cfg.train.steps), cfg)
-    p = jax.jit(Model(cfg.model).init)(jax.random.key(0))
+    p = compiled_init(Model(cfg.model), jax.random.key(0))
     s = ref.init(p)
     p = ref.compute_params(p)
     for step, (g, sq, nonfinite) in enumerate(seen):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxhybrid.core.config.model import ModelConfig
-from jaxhybrid.model import Model
+from jaxhybrid.model import Model, compiled_init
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.parallel.pipeline.event_loop import EventLoop
 from jaxhybrid.parallel.pipeline.message_driven import MessageDriven
@@ -132,7 +132,7 @@ def test_unsynced_step_returns_before_its_kernels_run():
 def real():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)
     model = Model(cfg)
-    params = jax.jit(model.init)(jax.random.key(0))
+    params = compiled_init(model, jax.random.key(0))
     stages = [Stage(model, a, b) for a, b in partition_blocks(cfg.n_layers, 2)]
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (M, 2, 9)).astype(np.int32)
     return stages, [st.slice_params(params) for st in stages], tokens

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhybrid.model import PRESETS, Model
+from jaxhybrid.model import PRESETS, Model, compiled_init
 from jaxhybrid.model.testing import TOLERANCES, assert_tree_close, max_rel_err
 from jaxhybrid.model.transformer import TIED_KEY
 from jaxhybrid.parallel.twobp import stage_kernels
@@ -48,7 +48,7 @@ def _stage(kind, lo, hi, remat="none", dtype="float32", ac=0):
 @functools.lru_cache(maxsize=None)
 def _full_params(kind, seed):
     """Whole-model params, initialised under jit (eager flax init compiles op by op: seconds)."""
-    return jax.jit(_model(kind).init)(jax.random.key(seed))
+    return compiled_init(_model(kind), jax.random.key(seed))
 
 
 def _inputs(stage, seed, mb=MB):

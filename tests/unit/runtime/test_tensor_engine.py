@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 
 from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model import Model
+from jaxhybrid.model.transformer import _INIT_PROGRAMS
 from jaxhybrid.model.testing import assert_tree_close
 from jaxhybrid.optim import DeviceUpdater, build_transform
 from jaxhybrid.parallel.tensor.linear import NORMAL, TRANSPOSED, Linear3D, Switches
@@ -78,9 +79,11 @@ def test_init_is_the_single_device_init_bit_for_bit_computed_in_place():
     assert_tree_close(got, LocalEngine(Model(cfg.model)).init_params(jax.random.key(3)), "exact", "init")
     assert got["block_000"]["attn_out"]["kernel"].sharding.spec == TRANSPOSED.w_spec  # optimization A
     assert got["block_000"]["attn_out"]["kernel"].sharding == eng.shardings["block_000"]["attn_out"]["kernel"]
-    # Computed in place: per device, the init program's outputs and scratch stay well below the model.
-    mem = eng._init.lower(jax.random.key(3)).compile().memory_analysis()
-    whole = sum(x.nbytes for x in jax.tree.leaves(got))
+    # Computed in place: per device, the block init program's outputs and scratch stay well below a block.
+    block = next(f for (m, kind, _, placed), f in _INIT_PROGRAMS.items()
+                 if m == eng.reference and kind == "block" and placed and placed[0].mesh == eng.mesh)
+    mem = block.lower(jax.random.key(3), jnp.int32(1)).compile().memory_analysis()
+    whole = sum(x.nbytes for x in jax.tree.leaves(got["block_000"]))
     assert mem.output_size_in_bytes + mem.temp_size_in_bytes < whole / 2, (mem, whole)
 
 
