@@ -23,6 +23,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAXHYBRID_COMPILE_ONCE", "1")  # workers and subprocesses share each program's compile
 configure_host_malloc()  # after XLA_FLAGS (it reads the device count), before JAX starts
 
+from jaxhybrid.cli.commands.launch import coarsen_timer_slack  # noqa: E402
 from jaxhybrid.cli.commands.train import enable_compilation_cache  # noqa: E402 (after the environment)
 
 enable_compilation_cache("auto")
+coarsen_timer_slack()  # as `jaxhybrid launch` for ranks sharing cores: every job started here inherits it

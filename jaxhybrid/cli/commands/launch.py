@@ -20,6 +20,7 @@ reported its failure or else the first rank that ended abnormally (:mod:`jaxhybr
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -98,6 +99,19 @@ def job_cpus(cores: int = 0) -> list[int]:
 # mpich: a blocking call's wait loop yields with nanosleep, not sched_yield (which leaves a spinning rank
 # runnable beside the rank it waits for).
 HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+# mpich's yield sleeps 1 ns, which the kernel stretches to the thread's timer slack (50 us by default): a
+# waiting rank still woke every 50 us to poll. With 1 ms it polls 20 times less often, and a message waits
+# up to 1 ms longer for a sleeping receiver.
+WAIT_SLACK_NS = 1_000_000
+
+
+def coarsen_timer_slack(ns: int = WAIT_SLACK_NS) -> bool:
+    """Set this process's timer slack (Linux ``prctl(PR_SET_TIMERSLACK)``), which every process it starts
+    inherits (mpiexec, its proxies, the ranks). False where the system has no such call."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(29, ns, 0, 0, 0) == 0  # 29: PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
 
 
 def check_oversubscription(n: int, cpus: list[int], allowed: bool) -> None:
@@ -123,7 +137,8 @@ def rank_environment(n: int, cpus: list[int], timeout: int, base: dict[str, str]
     shapes the CPU platform: on a GPU node the ranks still use their GPUs), and with ``bind`` the CPU
     list, each rank pinning itself to its part (``launch_env.bind_rank_cpus``). With more ranks than cores,
     mpich's waits sleep (:data:`HEAVY_YIELD`: its blocking calls otherwise spin, and a rank waiting for a
-    peer that shares its core takes half of that core from the peer), and ranks that build the same
+    peer that shares its core takes half of that core from the peer; :func:`run` also coarsens the timer
+    slack the ranks inherit, :data:`WAIT_SLACK_NS`), and ranks that build the same
     program compile it once (:mod:`~jaxhybrid.runtime.compile_once`). The thread counts always
     follow the share of cores (a user's larger ``OMP_NUM_THREADS`` would oversubscribe the pinned cores);
     XLA flags, a device count (``XLA_FLAGS`` or ``JAX_NUM_CPU_DEVICES``, which JAX prefers) and a CPU list
@@ -190,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         keys = ("OMP_NUM_THREADS", "XLA_FLAGS", "MPIEXEC_TIMEOUT", RANK_CPUS_ENV)
         print(" ".join(f"{k}={env[k]!r}" for k in keys if k in env) + " " + " ".join(cmd))
         return 0
+    if env.get(HEAVY_YIELD) == "1":  # the ranks inherit it: their MPI waits wake less often
+        coarsen_timer_slack()
     with tempfile.TemporaryDirectory(prefix="jaxhybrid-pids-") as pid_dir:
         env[PID_DIR_ENV] = pid_dir
         watch = RankWatch(Path(pid_dir), args.n)

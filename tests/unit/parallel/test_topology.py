@@ -1,4 +1,6 @@
 """Layer partitions (pure, no MPI), plus the launcher's command line."""
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,16 @@ def test_explicit_partition_and_errors():
         partition_blocks(6, 3, (1, 2))
     with pytest.raises(ConfigError, match="summing to model.n_layers=6"):
         partition_blocks(6, 2, (2, 2))
+
+
+def test_the_timer_slack_the_launcher_sets_is_what_its_processes_start_with():
+    """``coarsen_timer_slack`` (what `jaxhybrid launch` does for ranks sharing cores, and tests/conftest.py for
+    the test jobs) reaches the processes started after it: mpiexec, and through it each rank."""
+    code = ("import subprocess; from jaxhybrid.cli.commands.launch import coarsen_timer_slack as c; "
+            "assert c(2_000_000); print(subprocess.run(['cat', '/proc/self/timerslack_ns'], capture_output=True, "
+            "text=True).stdout)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "2000000", r.stdout + r.stderr
 
 
 def test_launch_command_and_thread_environment(tmp_path):
