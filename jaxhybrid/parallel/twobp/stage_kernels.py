@@ -67,8 +67,8 @@ class StageKernels:
         return jax.eval_shape(self.passes.init, jax.random.key(0))
 
     def init(self, rng, out_shardings=None):
-        """The stage's initial params (:meth:`StagePasses.init`), placed by ``out_shardings`` (a pytree of
-        shardings, or None: the default device)."""
+        """The stage's initial params (the values of :meth:`StagePasses.init`, computed part by part by
+        ``compiled_init``), placed by ``out_shardings`` (a pytree of shardings, or None: the default device)."""
         lay = self.passes.layout
         parts = None
         if out_shardings is not None:  # by model part: the tied copy is the table of the embed its head brings
