@@ -158,26 +158,7 @@ class Model:
         ``out_shardings`` (a sharded op would also need a full batch for its mesh)."""
         if self.ops != DEFAULT_OPS:
             return dataclasses.replace(self, ops=DEFAULT_OPS).init(rng, seq_len, parts)
-        c = self.cfg
-        want = self._parts(parts)
-        params: Params = {}
-        if "embed" in want or ("head" in want and c.tie_embeddings):
-            params["embed"] = _init_part(self, "embed", rng, 0, seq_len=seq_len)
-        for i in range(c.n_layers):
-            if block_name(i) in want:
-                params[block_name(i)] = _init_part(self, "block", rng, i + 1, seq_len=seq_len)
-        if "head" in want:
-            wte = params["embed"]["wte"] if c.tie_embeddings else None
-            params["head"] = _init_part(self, "head", rng, c.n_layers + 1, wte, seq_len)
-        return params
-
-    def _parts(self, parts) -> set[str]:
-        want = set(self.names if parts is None else parts)
-        unknown = want - set(self.names)
-        if unknown:
-            raise ValueError(f"Model.init parts {sorted(unknown)} are not among embed, block_000..."
-                             f"{block_name(self.cfg.n_layers - 1)}, head")
-        return want
+        return _assemble(self, parts, lambda kind, _, index, wte: _init_part(self, kind, rng, index, wte, seq_len))
 
     def abstract_params(self, seq_len: int = 8) -> Params:
         """Shapes only, for planning models too large to materialise (``jax.eval_shape``)."""
@@ -223,6 +204,27 @@ class Model:
         return self.apply_head(params["head"], h, targets, wte)
 
 
+def _assemble(model: Model, parts, make: Callable[..., Params]) -> Params:
+    """The params of ``parts`` (default all; a tied head brings the embedding, its table), each from
+    ``make(kind, name, index, wte)``: the one walk over the parts that ``Model.init`` and
+    :func:`compiled_init` share, with the keys' indices of :func:`_init_part`."""
+    c = model.cfg
+    want = set(model.names if parts is None else parts)
+    unknown = want - set(model.names)
+    if unknown:
+        raise ValueError(f"Model.init parts {sorted(unknown)} are not among embed, block_000..."
+                         f"{block_name(c.n_layers - 1)}, head")
+    params: Params = {}
+    if "embed" in want or ("head" in want and c.tie_embeddings):
+        params["embed"] = make("embed", "embed", 0, None)
+    for i in range(c.n_layers):
+        if block_name(i) in want:
+            params[block_name(i)] = make("block", block_name(i), i + 1, None)
+    if "head" in want:
+        params["head"] = make("head", "head", c.n_layers + 1, params["embed"]["wte"] if c.tie_embeddings else None)
+    return params
+
+
 def _init_part(model: Model, kind: str, rng: Array, index, wte: Array | None = None,
                seq_len: int | None = None) -> Params:
     """One part's float32 params (``kind``: embed, block or head) from its own key ``fold_in(rng, index)``:
@@ -254,28 +256,17 @@ def compiled_init(model: Model, rng: Array, parts=None, out_shardings: dict | No
     named goes to the default device."""
     if model.ops != DEFAULT_OPS:
         model = dataclasses.replace(model, ops=DEFAULT_OPS)
-    c = model.cfg
-    want = model._parts(parts)
     placed = out_shardings or {}
 
-    def run(kind: str, name: str, *args) -> Params:
+    def run(kind: str, name: str, index: int, wte: Array | None) -> Params:
         leaves, tree = jax.tree.flatten(placed.get(name))
         key = (model, kind, tree, tuple(leaves))
         if key not in _INIT_PROGRAMS:
             fn = functools.partial(_init_part, model, kind)
             _INIT_PROGRAMS[key] = jax.jit(fn, out_shardings=placed.get(name))
-        return _INIT_PROGRAMS[key](rng, *args)
+        return _INIT_PROGRAMS[key](rng, jnp.int32(index), wte)  # the index traced: one program per kind
 
-    params: Params = {}
-    if "embed" in want or ("head" in want and c.tie_embeddings):
-        params["embed"] = run("embed", "embed", 0)
-    for i in range(c.n_layers):
-        if block_name(i) in want:
-            params[block_name(i)] = run("block", block_name(i), jnp.int32(i + 1))
-    if "head" in want:
-        wte = params["embed"]["wte"] if c.tie_embeddings else None
-        params["head"] = run("head", "head", c.n_layers + 1, wte)
-    return params
+    return _assemble(model, parts, run)
 
 
 def remat_policy(name: str, also_save: tuple[str, ...] = ()) -> Callable[[Callable], Callable] | None:
