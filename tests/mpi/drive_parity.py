@@ -178,6 +178,9 @@ def bf16_round_trip(topo):
             if name == "mpi4jax":  # the receive runs inline, never on XLA:CPU's worker pool (mpi_transport)
                 flops = t.recv_flops(peer)
                 assert flops < 1000, f"the mpi4jax receive program counts {flops} flops"
+        # The transfer server's pulls complete asynchronously: a peer that closed its transport (dropping the
+        # server) before this rank's pull landed would fail it ("Transport endpoint is not connected").
+        quiet_barrier(WORLD)
         t.close()
     if WORLD.rank == 0:
         print("BF16 ok: the mpi4jax, mpi4py and transfer transports are bit-exact", flush=True)

@@ -112,9 +112,9 @@ PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for
 assert len(set(PARITY_CASES)) == len(PARITY_CASES), sorted(c for c in PARITY_CASES if PARITY_CASES.count(c) > 1)
 
 
-@pytest.fixture(scope="module")
-def parity_job(tmp_path_factory):
-    """``parity_job(name)``: PARITY_JOBS[name] run once for the module (on first use), as (the completed
+@pytest.fixture(scope="session")  # not per module: an xdist worker that ran another file between a job's tests
+def parity_job(tmp_path_factory):  # would tear a module fixture down and run the job again (tests/mpi/conftest.py)
+    """``parity_job(name)``: PARITY_JOBS[name] run once for the session (on first use), as (the completed
     process, its output, {(grid, case token): the CASE line's status}). A grid's ``ALLOCATION`` flag is the
     plan file that ``jaxhybrid partition --out`` writes for PARTITION_ARGS."""
     done = {}
@@ -179,6 +179,7 @@ def test_parity_job_ends_cleanly_having_run_every_case(parity_job, job):
             assert re.search(rf"TRACE grid={p}x{d} bubble_ratio=0\.\d+", r.stdout), out[-2000:]
 
 
+@pytest.mark.timed  # its receives wait 10 s at most
 def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages():
     """Myelin IV-A on the mpi4py transport (tests/mpi/drive_transport.py): messages sent before the
     receiver polls land in its posted receives, found without a probe and handed out in order; the
@@ -192,6 +193,7 @@ def test_mpi4py_transport_receives_are_posted_ahead_and_take_only_its_messages()
         assert f"TRANSPORT {case} ok" in r.stdout, out[-4000:]
 
 
+@pytest.mark.timed  # it times how fast the job ends: scripts/test.sh runs it alone
 @pytest.mark.parametrize("mode,data,victim,expect", [
     ("exception", 1, 1, r"rank 1 \(stage 1, replica 0\) failed: RuntimeError: injected failure"),
     ("kill", 1, 1, r"rank 1 \(stage 1, replica 0\) \(pid \d+\) ended abnormally"),
@@ -252,6 +254,7 @@ TRAIN_FAULTS = {
 }
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("case", list(TRAIN_FAULTS))
 def test_a_trainer_failing_on_one_process_ends_the_job(tmp_path, case):
     """``jaxhybrid train`` under ``jaxhybrid launch -n 2`` whose process 1 fails in the Trainer: the job
