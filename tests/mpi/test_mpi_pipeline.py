@@ -30,8 +30,14 @@ def _env(timeout: int, devices: int = 1) -> dict:
     """The environment of the MPI tests' jobs: a timeout, fake CPU devices, one thread per rank, XLA's
     backend optimisation off (it takes a large share of a parity job's cold compile; what these tests
     compare, parity and bit-exactness, does not depend on it), and as the launcher sets them for more ranks
-    than cores: mpich's waits sleeping, and each program compiled by one rank (``compile_once``)."""
+    than cores: mpich's waits sleeping, and each program compiled by one rank (``compile_once``).
+
+    The jobs keep their XLA cache apart, in $JAXHYBRID_CACHE/mpi: they compile under these flags, so the unit
+    tests' entries never hit, and JAX's bounded cache scans its whole folder on every write, under the lock
+    that every rank's read waits for, which slowed the jobs markedly beside the unit tests' large cache."""
     env = dict(os.environ)
+    if "JAXHYBRID_CACHE" in env:
+        env["JAXHYBRID_CACHE"] = os.path.join(env["JAXHYBRID_CACHE"], "mpi")
     env.update({"MPIEXEC_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", HEAVY_YIELD: "1",
                 compile_once.ENV: "1",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
