@@ -1,4 +1,4 @@
-"""xdist scheduling of the MPI tests (scripts/test.sh runs them on two workers with ``--dist loadscope``).
+"""xdist scheduling of the MPI tests (scripts/test.sh runs them on three workers with ``--dist loadscope``).
 
 A scope here is a run that several tests read: a parity job's cases and its clean-end check (the session
 fixture ``parity_job``), the streamed 2 x 2 run's two tests (``streamed_2x2``). One worker gets the whole
