@@ -32,10 +32,10 @@ if [ -n "$quick" ] || [ "$#" -gt 0 ]; then  # a selection (--quick, -k, a file):
 fi
 # The unit and parity tests on up to 4 cores, one pytest-xdist worker each (every worker its own JAX with 8
 # fake devices; the XLA cache is shared under its file lock); then the MPI tests, three jobs at a time: a job's
-# ranks wait on each other (a pipeline's bubbles, one rank's compile, rank 0's single-device reference) and
-# the other jobs fill those gaps (on 2 cores three beat two: 441 s against 472 s). Tests that share a run stay on one worker (tests/mpi/conftest.py). Last,
-# alone, the MPI tests that time how fast a failing job ends (marked `timed`). (One pool for the unit and the
-# MPI tests was slower: 13 min 19 s against 12 min 29 s for the two in turn.)
+# ranks wait on each other (a pipeline's bubbles, one rank's compile, rank 0's single-device reference) and the
+# other jobs fill those gaps. Tests that share a run stay on one worker (tests/mpi/xdist_scopes.py). Last, alone,
+# the MPI tests that time how fast a failing job ends (marked `timed`). One pool for the unit and the MPI tests
+# was slower than the two in turn (docs/performance.md, "Test infrastructure").
 # Every part runs whatever the others give; the status is the first failing part's.
 rc=0
 .venv/bin/python -m pytest -q -rs --durations=15 -n auto --maxprocesses 4 --dist worksteal tests/unit tests/parity \

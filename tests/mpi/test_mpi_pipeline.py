@@ -119,7 +119,7 @@ assert len(set(PARITY_CASES)) == len(PARITY_CASES), sorted(c for c in PARITY_CAS
 
 
 @pytest.fixture(scope="session")  # not per module: an xdist worker that ran another file between a job's tests
-def parity_job(tmp_path_factory):  # would tear a module fixture down and run the job again (tests/mpi/conftest.py)
+def parity_job(tmp_path_factory):  # would tear a module fixture down and run the job again (tests/mpi/xdist_scopes.py)
     """``parity_job(name)``: PARITY_JOBS[name] run once for the session (on first use), as (the completed
     process, its output, {(grid, case token): the CASE line's status}). A grid's ``ALLOCATION`` flag is the
     plan file that ``jaxhybrid partition --out`` writes for PARTITION_ARGS."""

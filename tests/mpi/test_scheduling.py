@@ -1,10 +1,11 @@
-"""The MPI tests' xdist scopes (tests/mpi/conftest.py) keep each shared run's tests together."""
+"""The MPI tests' xdist scopes (tests/mpi/xdist_scopes.py) keep each shared run's tests together."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from conftest import SharedRunScheduling, shared_run
+from test_mpi_resume import STREAMED_2X2
+from xdist_scopes import SharedRunScheduling, shared_run
 
 
 def _collected() -> list:
@@ -29,8 +30,8 @@ def test_every_test_of_a_shared_run_is_in_its_scope():
         if "parity_job" in item.fixturenames:
             assert shared_run(item.nodeid) == f"parity_job:{params['job']}", item.nodeid
             jobs.setdefault(params["job"], []).append(item.nodeid)
-        elif item.originalname == "test_streamed_allreduce_matches_reduce_then_update" or (
-                item.originalname == "test_mpi_resume_is_bit_exact" and "optim.allreduce_coarsening=2" in params["sets"]):
+        elif item.originalname == "test_streamed_allreduce_matches_reduce_then_update" or (  # run A: the fixture's
+                item.originalname == "test_mpi_resume_is_bit_exact" and params["sets"] is STREAMED_2X2):
             assert shared_run(item.nodeid) == "streamed_2x2", item.nodeid
             streamed.append(item.nodeid)
         else:
