@@ -118,8 +118,10 @@ PARITY_CASES = [(job, p, d, case) for job, (_, grids) in PARITY_JOBS.items() for
 assert len(set(PARITY_CASES)) == len(PARITY_CASES), sorted(c for c in PARITY_CASES if PARITY_CASES.count(c) > 1)
 
 
-@pytest.fixture(scope="session")  # not per module: an xdist worker that ran another file between a job's tests
-def parity_job(tmp_path_factory):  # would tear a module fixture down and run the job again (tests/mpi/xdist_scopes.py)
+# Session-scoped, not per module: an xdist worker that ran another file between a job's tests would tear a module
+# fixture down and run the job again (tests/mpi/xdist_scopes.py keeps a job's tests on one worker).
+@pytest.fixture(scope="session")
+def parity_job(tmp_path_factory):
     """``parity_job(name)``: PARITY_JOBS[name] run once for the session (on first use), as (the completed
     process, its output, {(grid, case token): the CASE line's status}). A grid's ``ALLOCATION`` flag is the
     plan file that ``jaxhybrid partition --out`` writes for PARTITION_ARGS."""

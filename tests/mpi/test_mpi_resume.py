@@ -51,7 +51,7 @@ STREAMED_2X2 = ["optim.offload=true", "optim.bucket_size=20000", "optim.allreduc
                 "model.tie_embeddings=true"]
 
 
-@pytest.fixture(scope="session")  # once per xdist worker, whatever it runs in between (tests/mpi/xdist_scopes.py)
+@pytest.fixture(scope="session")  # session, as parity_job (tests/mpi/test_mpi_pipeline.py says why)
 def streamed_2x2(tmp_path_factory):
     """``(run dir, finished launch)`` of the 6-step job with STREAMED_2X2."""
     run = tmp_path_factory.mktemp("streamed_2x2") / "a"

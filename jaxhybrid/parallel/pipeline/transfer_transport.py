@@ -88,6 +88,9 @@ class TransferTransport(MpiTransportBase):
         self._sends = []
 
     def close(self) -> None:
+        """Ends the header sends. Not collective: the server goes with this object, and a peer's pull of a payload
+        sent here completes asynchronously, so callers close after every peer has used what it received (the
+        trainer's step ends in collectives that need it)."""
         self.flush()
         self._conns = {}
         if self.header_comm is not None:
