@@ -3,18 +3,21 @@
 Five training runs of the same model, data and batch, each a ``jaxhybrid train`` (or ``launch``) process:
 
 1. ``single``: one GPU, bf16 GPT-2 small: its losses, tokens/s and MFU.
-2. ``reference`` and ``pipeline_<transport>``: float32 at full matmul precision, one GPU against a 2-rank
+2. ``offload``: the bf16 run again with the fp32 masters and Adam state on the host (Myelin V-B), its
+   losses against run 1's and both runs' device bytes from ``memory.json``.
+3. ``reference`` and ``pipeline_<transport>``: float32 at full matmul precision, one GPU against a 2-rank
    MPI pipeline (1F1B with 2BP) sharing that GPU, each rank given a share of its memory, over the
    ``mpi4jax`` transport (host-staged sends) and over ``transfer`` (device to device, JAX's transfer
    server); their losses must agree to ``--rtol`` at every step (the pipeline's parity with the single
    device, Myelin Alg. 1).
-3. ``offload``: the bf16 run again with the fp32 masters and Adam state on the host (Myelin V-B), its
-   losses against run 1's and both runs' device bytes from ``memory.json``.
+
+A run that fails, or would overrun ``--budget-s``, is recorded as such and the others still run; the
+JSON is rewritten after every run, so a check cut off by its time limit keeps what finished.
 
 NCCL refuses two ranks on one GPU, so the data-parallel XLA path (one process per GPU) is not checked
 here. Without ``mpirun`` or mpi4jax the pipeline is skipped and said so. ``--cpu`` runs the same steps on
 the CPU with a tiny model: the script's own test. Prints one JSON object (also written to
-``OUT/gpu_check.json``); the exit status is 1 if a parity failed.
+``OUT/gpu_check.json``); the exit status is 1 if a run or a parity failed.
 """
 from __future__ import annotations
 
@@ -62,6 +65,41 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+class Check:
+    """The runs so far, written to ``OUT/gpu_check.json`` after each one, so that a check stopped by its time
+    limit keeps what finished; a run that fails or would overrun the budget is recorded, and the rest go on.
+    Why: a GPU machine is lent for minutes, and one stuck or failing run must not cost the others' figures."""
+
+    def __init__(self, out: Path, budget_s: float, result: dict):
+        self.out, self.deadline, self.result, self.failed = out, time.monotonic() + budget_s, result, False
+
+    def write(self) -> str:
+        text = json.dumps(self.result, indent=1)
+        (self.out / "gpu_check.json").write_text(text + "\n")
+        return text
+
+    def run(self, name: str, sets: dict, env: dict, timeout: int, ranks: int = 1) -> dict:
+        """``_train``'s record, or ``{"error": ...}`` / ``{"skipped": ...}`` (the check then fails)."""
+        left = self.deadline - time.monotonic() - 40  # the launch's own timeout, then 30 s to end it
+        if left < 30:
+            record = {"skipped": f"{max(left + 40, 0):.0f} s of the check's --budget-s left"}
+        else:
+            try:
+                record = _train(name, self.out, sets, env, int(min(timeout, left)), ranks)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as e:
+                record = {"error": str(e)[-3000:]}
+        self.failed |= "losses" not in record
+        return record
+
+    def compare(self, run: dict, ref: dict, rtol: float) -> dict:
+        """``run`` with its largest relative loss difference from ``ref`` and whether it is within ``rtol``."""
+        if "losses" not in run or "losses" not in ref:
+            return run
+        rel = _rel(run["losses"], ref["losses"])
+        self.failed |= rel > rtol
+        return {**run, "loss_max_rel_diff": rel, "rtol": rtol, "ok": rel <= rtol}
+
+
 def _pipeline_missing() -> str | None:
     """Why the 2-rank pipeline cannot start here, or None."""
     venv = ROOT / ".venv/bin"
@@ -80,7 +118,14 @@ def main() -> int:
     p.add_argument("--rtol", type=float, default=1e-4, help="loss parity tolerance of the float32 pipeline")
     p.add_argument("--offload-rtol", type=float, default=2e-2,
                    help="bf16 losses with the optimizer on the host against on the device")
+    p.add_argument("--budget-s", type=float, default=450,
+                   help="seconds for all runs (scripts/gpu_check.sh ends the check at 480); a run that would "
+                   "overrun it is skipped, and the check fails")
     args = p.parse_args()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # This process only asks which device there is: without this its GPU client would preallocate most of
+    # the GPU's memory for the check's whole length, and every run it starts would run out of memory.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import jax
 
     device = jax.devices()[0]
@@ -91,17 +136,23 @@ def main() -> int:
     model, seq, batch, mbs, steps, parity_steps, timeout, bucket = SIZES["cpu" if args.cpu else "gpu"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     base = {"model.name": model, "data.seq_len": str(seq), "train.global_batch": str(batch),
             "pipeline.microbatches": str(mbs)}
     bf16 = {**base, "precision.compute_dtype": "bfloat16", "train.steps": str(steps)}
-    result: dict = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-                    "model": model, "seq_len": seq, "global_batch": batch}
-    failed = False
+    check = Check(out, args.budget_s, {"device": device.device_kind, "platform": device.platform,
+                                       "jax": jax.__version__, "model": model, "seq_len": seq, "global_batch": batch})
+    result = check.result
 
-    result["single"] = _train("single", out, bf16, env, timeout)
+    # The most telling runs first: the single GPU and the offloaded optimizer, then the pipeline's parity.
+    single = result["single"] = check.run("single", bf16, env, timeout)
+    check.write()
+    off = check.run("offload", {**bf16, "optim.offload": "true", "optim.bucket_size": str(bucket)}, env, timeout)
+    off = result["offload"] = check.compare(off, single, args.offload_rtol)
+    if "device_bytes" in off and "device_bytes" in single:
+        off["device_bytes_over_on_device"] = off["device_bytes"] / single["device_bytes"]
+    check.write()
 
     missing = _pipeline_missing()
     if missing:
@@ -110,28 +161,23 @@ def main() -> int:
         # float32 at full precision: the parity of the pipeline, not of TF32 or bf16 rounding orders.
         exact = {**base, "train.steps": str(parity_steps)}
         penv = dict(env, JAX_DEFAULT_MATMUL_PRECISION="highest")
-        ref = _train("reference", out, exact, penv, timeout)
+        ref = check.run("reference", exact, penv, timeout)
         result["pipeline"] = {"reference": ref, "rtol": args.rtol}
-        # Two ranks on one GPU: each a share of its memory (the launcher's default is most of it, per rank).
-        # Over the default transport (host-staged sends) and device to device (JAX's transfer server).
+        check.write()
+        # Two ranks on one GPU: each a share of its memory (the launcher's default is most of it, per rank),
+        # and that GPU the only one both see; else rank 1 would take its node-local rank's GPU, number 1.
+        # Over the default transport (host-staged sends), then device to device (JAX's transfer server).
+        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        share = dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4", CUDA_VISIBLE_DEVICES=gpu)
         for transport in ("mpi4jax", "transfer"):
-            pipe = _train(f"pipeline_{transport}", out, {
+            pipe = check.run(f"pipeline_{transport}", {
                 **exact, "parallel.pipeline": "2", "pipeline.schedule": "1f1b", "pipeline.split_backward": "true",
-                "pipeline.transport": transport}, dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4"), timeout, ranks=2)
-            rel = _rel(pipe["losses"], ref["losses"])
-            result["pipeline"][transport] = {**pipe, "loss_max_rel_diff": rel, "ok": rel <= args.rtol}
-            failed |= rel > args.rtol
+                "pipeline.transport": transport}, share, timeout, ranks=2)
+            result["pipeline"][transport] = check.compare(pipe, ref, args.rtol)
+            check.write()
 
-    off = _train("offload", out, {**bf16, "optim.offload": "true", "optim.bucket_size": str(bucket)}, env, timeout)
-    rel = _rel(off["losses"], result["single"]["losses"])
-    result["offload"] = {**off, "loss_max_rel_diff": rel, "rtol": args.offload_rtol, "ok": rel <= args.offload_rtol,
-                         "device_bytes_over_on_device": off["device_bytes"] / result["single"]["device_bytes"]}
-    failed |= rel > args.offload_rtol
-
-    text = json.dumps(result, indent=1)
-    (out / "gpu_check.json").write_text(text + "\n")
-    print(text, flush=True)
-    return 1 if failed else 0
+    print(check.write(), flush=True)
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

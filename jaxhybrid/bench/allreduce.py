@@ -29,6 +29,7 @@ import sys
 import time
 
 from jaxhybrid.bench import add_mpirun_arguments, relaunch
+from jaxhybrid.core import launch_env
 from jaxhybrid.core.argtypes import nonnegative_int, positive_int
 from jaxhybrid.runtime import distributed
 
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    distributed.initialize()  # before any JAX computation; process index = MPI world rank
+    # Before any JAX computation; process index = MPI world rank, one GPU each.
+    distributed.initialize(mesh_devices=launch_env.world_size())
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -58,6 +58,7 @@ import sys
 import time
 
 from jaxhybrid.bench import add_mpirun_arguments, relaunch
+from jaxhybrid.core import launch_env
 from jaxhybrid.core.argtypes import nonnegative_int, positive_int
 from jaxhybrid.core.config.model import resolve_model
 from jaxhybrid.parallel.pipeline.costs import Costs
@@ -232,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, argv)
     if args.data > 1:
         return _data_worker(args, m)
+    from jaxhybrid.parallel.tensor.local import use_gpu_block  # imports jax, which starts no backend
+
+    use_gpu_block(1)  # each rank its own GPU of the node, not all of them on the first
     return (_worker if v == 1 else _chunked_worker)(args, m)
 
 
@@ -427,7 +431,8 @@ def _data_worker(args: argparse.Namespace, m: int) -> int:
     """``--data`` > 1: the schedule on ``P x D`` ranks, fused and with 2BP, its gradients reduced over the
     data column each way of :data:`REDUCTIONS` (an engine each, the same stages, params and batch), in the
     same rounds; every task timed, so each step's trace holds its reduction."""
-    distributed.initialize()  # before any JAX computation: the xla backend's column is a mesh of processes
+    # Before any JAX computation: the xla backend's column is a mesh of processes, one GPU each.
+    distributed.initialize(mesh_devices=launch_env.world_size())
     import jax
     import numpy as np
 

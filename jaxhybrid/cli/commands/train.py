@@ -187,24 +187,32 @@ def nothing_to_train_line(cfg, summary: dict) -> str | None:
             f"{cfg.train.steps}; nothing to train (raise train.steps to continue)")
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg = load_train_config(args)
-    world = check_run(cfg, args, launch_env.world_size())
-    import jax  # importing starts no backend: the devices are still chosen below
-
+def choose_devices(cfg, args: argparse.Namespace, world: int) -> None:
+    """Before JAX's backend starts: this process's devices, and JAX's distributed runtime where the run
+    needs it (``--distributed``; MPI ranks whose data columns are JAX meshes, ``optim.allreduce_backend:
+    xla``). Both pass the rank's node-local GPU block as ``local_device_ids``: without it JAX's own Slurm
+    and Open MPI detection keeps one GPU per process, number ``SLURM_LOCALID``, which is not the block of a
+    rank with a tensor mesh and not visible at all under ``srun --gpus-per-task``. Any other MPI rank sets
+    its block as ``jax_cuda_visible_devices`` itself."""
     if args.distributed:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, mesh_devices=cfg.num_devices)
         # From here a failing process ends the job, as a pipeline rank's engine makes it: a peer waits for it
         # in the first collective (building the Trainer's state, or a step), and it in the shutdown barrier.
         distributed.abort_on_exception()
-    elif world > 1:  # an MPI rank: its own node-local GPUs, chosen before the backend starts
-        from jaxhybrid.parallel.tensor.local import gpu_block
+    elif world > 1 and cfg.optim.allreduce_backend == "xla":  # each data column is a JAX mesh of ranks
+        distributed.initialize(mesh_devices=cfg.num_devices)
+    elif world > 1:
+        from jaxhybrid.parallel.tensor.local import use_gpu_block  # imports jax, which starts no backend
 
-        ids = gpu_block(cfg.num_devices // world)
-        if ids is not None:
-            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
-        if cfg.optim.allreduce_backend == "xla":  # each data column is a JAX mesh of the ranks' processes
-            distributed.initialize()
+        use_gpu_block(cfg.num_devices // world)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_train_config(args)
+    world = check_run(cfg, args, launch_env.world_size())
+    choose_devices(cfg, args, world)
+    import jax
+
     from jaxhybrid.runtime.memory_check import check_device_memory
     from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer

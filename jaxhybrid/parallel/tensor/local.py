@@ -14,6 +14,7 @@ block of its node-local rank (``MPI_LOCALRANKID`` / ``OMPI_COMM_WORLD_LOCAL_RANK
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 from typing import Any
 
@@ -28,16 +29,18 @@ from jaxhybrid.parallel.tensor.ops import STREAM, TensorOps
 from jaxhybrid.parallel.tensor.sharding import check_layout, param_shardings
 
 
-def gpu_block(per_rank: int, env=None) -> list[int] | None:
+def gpu_block(per_rank: int, env=None, node_gpus: int | None = None) -> list[int] | None:
     """The GPUs a process started by MPI or Slurm should use, as ``jax_cuda_visible_devices`` (and
     ``jax.distributed``'s ``local_device_ids``) take them, i.e. positions in ``CUDA_VISIBLE_DEVICES`` when
     that is set: the block of ``per_rank`` GPUs of its node-local rank, or all ``per_rank`` it sees when
     the launcher already gave it exactly that many (``srun --gpus-per-task``). None when no launcher names
-    a local rank (one process keeps every device).
+    a local rank (one process keeps every device). ``node_gpus``: the GPUs the node shows without
+    ``CUDA_VISIBLE_DEVICES`` (default: its ``/dev/nvidia<N>`` files; 0, as on a CPU machine, checks nothing).
 
     Why: a process that sees all of its node's GPUs computes on the first one and JAX preallocates most
     of every visible GPU's memory, so ranks sharing a node would pile onto GPU 0 and run out of memory;
-    and under Slurm ``jax.distributed`` would otherwise keep only GPU ``SLURM_LOCALID`` per process.
+    and under Slurm ``jax.distributed`` would otherwise keep only GPU ``SLURM_LOCALID`` per process. A
+    block past the node's GPUs is an error here, before the backend starts, rather than a rank without a GPU.
     Applied before the backend starts (``jaxhybrid train``); a CPU-only JAX ignores the setting.
     """
     env = os.environ if env is None else env
@@ -49,11 +52,26 @@ def gpu_block(per_rank: int, env=None) -> list[int] | None:
         n = len([v for v in visible.split(",") if v.strip()])
         if n == per_rank:
             return list(range(per_rank))
-        if n < per_rank * (r + 1):
-            raise ValueError(f"node-local rank {r} needs GPUs {r * per_rank}..{(r + 1) * per_rank - 1} of its "
-                             f"node ({per_rank} per rank) but CUDA_VISIBLE_DEVICES={visible!r} lists {n}; "
-                             f"start fewer ranks per node or give each rank its own GPUs")
+        seen = f"CUDA_VISIBLE_DEVICES={visible!r} lists {n}"
+    else:
+        n = len(glob.glob("/dev/nvidia[0-9]*")) if node_gpus is None else node_gpus
+        seen = f"the node has {n} (/dev/nvidia<N>)"
+    if n and n < per_rank * (r + 1):
+        raise ValueError(f"node-local rank {r} needs GPUs {r * per_rank}..{(r + 1) * per_rank - 1} of its "
+                         f"node ({per_rank} per rank) but {seen}; start fewer ranks per node, give each rank "
+                         f"its own GPUs, or let ranks share {per_rank} with CUDA_VISIBLE_DEVICES naming them "
+                         f"and XLA_PYTHON_CLIENT_MEM_FRACTION each rank's share of their memory")
     return list(range(r * per_rank, (r + 1) * per_rank))
+
+
+def use_gpu_block(per_rank: int) -> list[int] | None:
+    """Make :func:`gpu_block` this process's only GPUs (``jax_cuda_visible_devices``), for a rank that joins
+    no distributed runtime (:func:`jaxhybrid.runtime.distributed.initialize` passes the block itself).
+    Before the backend starts; returns the block, or None where no launcher names a local rank."""
+    ids = gpu_block(per_rank)
+    if ids is not None:
+        jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
+    return ids
 
 
 def rank_devices(n: int, devices: list | None = None, node_rank: int | None = None) -> list:

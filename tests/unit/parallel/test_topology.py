@@ -141,8 +141,11 @@ def test_each_mpi_rank_sees_its_own_node_local_gpus():
     it; too few GPUs for the rank's block is an error naming the counts."""
     from jaxhybrid.parallel.tensor.local import gpu_block
 
-    assert gpu_block(1, {"MPI_LOCALRANKID": "3"}) == [3]  # mpich/hydra, all GPUs visible
-    assert gpu_block(2, {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == [2, 3]  # Open MPI, hybrid: 2 GPUs per rank
+    assert gpu_block(1, {"MPI_LOCALRANKID": "3"}, node_gpus=8) == [3]  # mpich/hydra, all GPUs visible
+    assert gpu_block(2, {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, node_gpus=4) == [2, 3]  # Open MPI, hybrid
+    assert gpu_block(1, {"MPI_LOCALRANKID": "3"}, node_gpus=0) == [3]  # no GPU files (CPU): nothing to check
+    with pytest.raises(ValueError, match=r"node-local rank 1 needs GPUs 1..1 .* the node has 1 "):
+        gpu_block(1, {"MPI_LOCALRANKID": "1"}, node_gpus=1)  # two ranks on a one-GPU machine
     assert gpu_block(1, {"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == [2]  # positions
     assert gpu_block(2, {"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "6,7"}) == [0, 1]  # srun --gpus-per-task
     # One process per node over the node's 4 GPUs (tensor mode, --distributed), not JAX's [SLURM_LOCALID].

@@ -59,3 +59,53 @@ def test_explicit_peers_name_the_value_that_is_wrong(args, message):
 
     with pytest.raises(ValueError, match=message):
         peer_arguments(*args)
+
+
+LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                 "MPI_LOCALNRANKS_WORLD", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.parametrize("launcher, backend, expected", [
+    # mpirun, all of the node's GPUs visible: rank 1's block of 2 is GPUs 2 and 3, either way.
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "xla", {"local_device_ids": [2, 3]}),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "mpi", ("jax_cuda_visible_devices", "2,3")),
+    # srun --gpus-per-task=2: the task sees its 2 GPUs as 0 and 1, where JAX alone would keep [SLURM_LOCALID].
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+      "CUDA_VISIBLE_DEVICES": "6,7"}, "xla", {"local_device_ids": [0, 1]}),
+])
+def test_an_mpi_rank_computes_on_its_own_gpu_block(monkeypatch, launcher, backend, expected):
+    """``jaxhybrid train`` on a rank of a pipeline x data x tensor grid (2 x 2 x 2 devices on 4 ranks): with
+    ``optim.allreduce_backend=xla`` it joins JAX's distributed runtime with its node-local GPU block as
+    ``local_device_ids``. It used to pass none, and JAX's own Slurm and Open MPI detection then kept one
+    GPU per process, number ``SLURM_LOCALID``: one GPU short of the rank's tensor mesh, and a GPU the task
+    does not see under ``srun --gpus-per-task``. With ``mpi`` the rank sets the block itself."""
+    import argparse
+
+    import jax
+
+    from jaxhybrid.cli.commands import train as train_cmd
+    from jaxhybrid.runtime import distributed
+    from jaxhybrid.runtime.config_load import load_config
+
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    peers = {"coordinator_address": "node0:1234", "num_processes": 4, "process_id": 1}
+    monkeypatch.setattr(distributed, "_from_mpi", lambda: dict(peers))  # mpi4py's rank 0 broadcast
+    cfg = load_config(None, ["parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2",
+                             f"optim.allreduce_backend={backend}"], check=False)
+    train_cmd.choose_devices(cfg, argparse.Namespace(distributed=False), 4)
+    if backend == "xla":
+        joined = [c for c in calls if isinstance(c, dict)]
+        assert len(joined) == 1 and joined[0]["local_device_ids"] == expected["local_device_ids"]
+        if "OMPI_COMM_WORLD_RANK" in launcher:
+            assert {k: joined[0][k] for k in peers} == peers
+    else:
+        assert calls == [expected]
