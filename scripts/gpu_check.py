@@ -15,9 +15,9 @@ A run that fails, or would overrun ``--budget-s``, is recorded as such and the o
 JSON is rewritten after every run, so a check cut off by its time limit keeps what finished.
 
 NCCL refuses two ranks on one GPU, so the data-parallel XLA path (one process per GPU) is not checked
-here. Without ``mpirun`` or mpi4jax the pipeline is skipped and said so. ``--cpu`` runs the same steps on
-the CPU with a tiny model: the script's own test. Prints one JSON object (also written to
-``OUT/gpu_check.json``); the exit status is 1 if a run or a parity failed.
+here. Without ``mpirun`` or mpi4py the pipeline is skipped, without mpi4jax its ``mpi4jax`` run, and the
+JSON says so. ``--cpu`` runs the same steps on the CPU with a tiny model: the script's own test. Prints
+one JSON object (also written to ``OUT/gpu_check.json``); the exit status is 1 if a run or a parity failed.
 """
 from __future__ import annotations
 
@@ -100,12 +100,13 @@ class Check:
         return {**run, "loss_max_rel_diff": rel, "rtol": rtol, "ok": rel <= rtol}
 
 
-def _pipeline_missing() -> str | None:
-    """Why the 2-rank pipeline cannot start here, or None."""
+def _pipeline_missing(transport: str) -> str | None:
+    """Why the 2-rank pipeline over ``transport`` cannot start here, or None. The transfer transport
+    sends its headers with mpi4py and needs no mpi4jax."""
     venv = ROOT / ".venv/bin"
     if not (shutil.which("mpiexec") or shutil.which("mpirun") or (venv / "mpiexec").exists()):
         return "no mpiexec/mpirun on this machine (scripts/setup.sh installs MPICH)"
-    for mod in ("mpi4py", "mpi4jax"):
+    for mod in ("mpi4py", "mpi4jax") if transport == "mpi4jax" else ("mpi4py",):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not installed (scripts/setup.sh builds it)"
     return None
@@ -154,8 +155,7 @@ def main() -> int:
         off["device_bytes_over_on_device"] = off["device_bytes"] / single["device_bytes"]
     check.write()
 
-    missing = _pipeline_missing()
-    if missing:
+    if missing := _pipeline_missing("transfer"):  # what both transports need
         result["pipeline"] = {"skipped": missing}
     else:
         # float32 at full precision: the parity of the pipeline, not of TF32 or bf16 rounding orders.
@@ -170,6 +170,9 @@ def main() -> int:
         gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
         share = dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4", CUDA_VISIBLE_DEVICES=gpu)
         for transport in ("mpi4jax", "transfer"):
+            if missing := _pipeline_missing(transport):
+                result["pipeline"][transport] = {"skipped": missing}
+                continue
             pipe = check.run(f"pipeline_{transport}", {
                 **exact, "parallel.pipeline": "2", "pipeline.schedule": "1f1b", "pipeline.split_backward": "true",
                 "pipeline.transport": transport}, share, timeout, ranks=2)

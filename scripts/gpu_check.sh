@@ -5,14 +5,15 @@
 # to runs/gpu_check/gpu_check.json; what it does and skips is in scripts/gpu_check.py.
 #   scripts/gpu_check.sh            on the GPU, in the venv that scripts/setup.sh made, else python3's JAX
 #   scripts/gpu_check.sh --cpu      the same steps on the CPU with a tiny model (the script's self-test)
-# A machine without network and venv: PYTHON=python3 scripts/gpu_check.sh uses that Python's own packages
-# (the pipeline is skipped without mpi4jax and MPI).
+# A machine without network: JAXHYBRID_WHEELS=DIR PYTHON=python3 scripts/gpu_check.sh installs over that
+# Python's own packages and JAX what it lacks, from the wheelhouse DIR that scripts/wheelhouse.sh made; with
+# PYTHON alone it uses that Python's packages as they are (the pipeline is skipped without MPI).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-}"
-if [ -z "$py" ]; then
-  bash scripts/setup.sh
+if [ -z "$py" ] || [ -n "${JAXHYBRID_WHEELS:-}" ]; then
+  bash scripts/setup.sh  # with JAXHYBRID_WHEELS: offline, over $PYTHON's own packages and JAX
   py="$root/.venv/bin/python"
 fi
 export PATH="$(dirname "$py"):$PATH"

@@ -3,25 +3,50 @@
 # On a GPU machine (nvidia-smi works and CUDA headers exist) it installs jax[cuda12] and builds
 # mpi4jax's CUDA bridge; elsewhere it builds mpi4jax without it (nvcc alone, without the CUDA headers,
 # fails mpi4jax's CUDA build).
+# Without network: JAXHYBRID_WHEELS=DIR [PYTHON=python3] scripts/setup.sh makes .venv over that Python's
+# own packages (its JAX, with its CUDA) and installs what it lacks from DIR, which scripts/wheelhouse.sh
+# filled on a machine with network.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PY="${PYTHON:-python3}"
 stamp=.venv/.jaxhybrid-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+want="$( (cat pyproject.toml scripts/setup.sh; echo "${JAXHYBRID_WHEELS:-}") | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+wheels="${JAXHYBRID_WHEELS:-}"  # offline: a wheelhouse, over $PY's own packages
 export PATH="$root/.venv/bin:$PATH"
-pip() { .venv/bin/python -m pip "$@"; }
-pip install -q --upgrade pip wheel setuptools
 has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
-if [ "$has_gpu" = 1 ]; then
-  pip install -q "jax[cuda12]>=0.10.2,<0.11"
+if [ -n "$wheels" ]; then
+  [ -d "$wheels" ] || { echo "setup: JAXHYBRID_WHEELS=$wheels is not a folder (scripts/wheelhouse.sh makes one)" >&2; exit 2; }
+  wheels="$(cd "$wheels" && pwd)"
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv --without-pip .venv
+    # $PY's own packages after the venv's, by a .pth: --system-site-packages would miss them when $PY is
+    # itself a venv's (a container's python3 often is). The venv's mpi4py comes first, with its mpich.
+    site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$PY" -c 'import site; print("\n".join("import site; site.addsitedir(%r)" % d for d in site.getsitepackages()))' \
+      > "$site/_jaxhybrid_offline_site.pth"
+  fi
+  pip() { "$PY" -m pip --python "$root/.venv/bin/python" "$@" --no-index --find-links "$wheels"; }
+  reqs="$(.venv/bin/python scripts/requirements.py --build)"  # an error (no JAX here) ends the setup
+  lacking="$(printf '%s\n' "$reqs" | grep -v '^mpi4jax' || true)"  # mpi4jax builds below
+  if [ -n "$lacking" ]; then
+    # shellcheck disable=SC2086  # one requirement per line, none with spaces
+    pip install -q --no-deps $lacking
+  fi
+  pip install -q --no-deps --no-build-isolation -e .
+else
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  pip() { .venv/bin/python -m pip "$@"; }
+  pip install -q --upgrade pip wheel setuptools
+  if [ "$has_gpu" = 1 ]; then
+    pip install -q "jax[cuda12]>=0.10.2,<0.11"
+  fi
+  pip install -q -e ".[test]"
 fi
-pip install -q -e ".[test]"
 if ! .venv/bin/python -c "import mpi4jax" >/dev/null 2>&1; then
   # mpi4jax compiles against the mpicc found first on PATH (the mpich wheel's, in .venv/bin) and the
   # mpi4py already installed, so its build runs without isolation and needs its build tools here.
