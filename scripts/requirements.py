@@ -43,10 +43,13 @@ def requirements() -> list[str]:
 
 
 def installed(have: Path | None) -> dict[str, str]:
-    """Normalised name -> version of this Python's distributions, or of a ``pip list --format=freeze``."""
+    """Normalised name -> version of this Python's distributions, or of a ``pip list --format=freeze``
+    (a line may also name a distribution alone: its version is then unknown, "")."""
     if have is None:
         return {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
-    pairs = (line.split("==", 1) for line in have.read_text().splitlines() if "==" in line)
+    lines = (line.strip() for line in have.read_text().splitlines())
+    pairs = (line.split("==", 1) if "==" in line else (line, "") for line in lines
+             if line and re.match(r"[A-Za-z0-9]", line) and " @ " not in line)
     return {_name(n): v.strip() for n, v in pairs}
 
 
@@ -66,7 +69,9 @@ def missing(have: dict[str, str], build: bool = False) -> list[str]:
 
 
 def _tested(requirement: str, version: str) -> bool:
-    """Whether ``version`` is in the requirement's range (True where ``packaging`` cannot tell)."""
+    """Whether ``version`` is in the requirement's range (True where it or ``packaging`` cannot tell)."""
+    if not version:
+        return True
     try:
         from packaging.requirements import Requirement
         from packaging.version import InvalidVersion

@@ -5,10 +5,11 @@
 #   JAXHYBRID_WHEELS=DIR PYTHON=python3 scripts/setup.sh        (or scripts/gpu_check.sh, scripts/train.sh)
 # Usage: scripts/wheelhouse.sh DIR [PYTHON_VERSION [HAVE_FILE]]
 #   PYTHON_VERSION  the offline Python's version, e.g. 3.12 (default: this python3's)
-#   HAVE_FILE       its `python3 -m pip list --format=freeze`: what it has is not fetched (default: nothing)
+#   HAVE_FILE       its `python3 -m pip list --format=freeze` (or names, one a line): what it has is not
+#                   fetched (default: nothing)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ $# -ge 1 ] || { sed -n '2,8p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,9p' "$0" >&2; exit 2; }
 dir="$(mkdir -p "$1" && cd "$1" && pwd)"
 version="${2:-$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')}"
 have="${3:-/dev/null}"

@@ -81,5 +81,7 @@ def test_what_an_offline_python_lacks():
 
 def test_a_freeze_file_is_read_by_normalised_name(tmp_path):
     have = tmp_path / "have.txt"
-    have.write_text("Orbax_Checkpoint==0.11.0\ntensorboardX==2.6.5\n-e git+https://example/x#egg=x\n")
-    assert _script("requirements").installed(have) == {"orbax-checkpoint": "0.11.0", "tensorboardx": "2.6.5"}
+    have.write_text("Orbax_Checkpoint==0.11.0\ntensorboardX==2.6.5\n-e git+https://example/x#egg=x\n"
+                    "x @ file:///tmp/x\nnanobind\n")  # a name alone: a package list without versions
+    assert _script("requirements").installed(have) == {"orbax-checkpoint": "0.11.0", "tensorboardx": "2.6.5",
+                                                        "nanobind": ""}
