@@ -22,15 +22,18 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 if [ -n "$wheels" ]; then
   [ -d "$wheels" ] || { echo "setup: JAXHYBRID_WHEELS=$wheels is not a folder (scripts/wheelhouse.sh makes one)" >&2; exit 2; }
   wheels="$(cd "$wheels" && pwd)"
-  if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv --without-pip .venv
-    # $PY's own packages after the venv's, by a .pth: --system-site-packages would miss them when $PY is
-    # itself a venv's (a container's python3 often is). The venv's mpi4py comes first, with its mpich.
-    site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    "$PY" -c 'import site; print("\n".join("import site; site.addsitedir(%r)" % d for d in site.getsitepackages()))' \
-      > "$site/_jaxhybrid_offline_site.pth"
+  # Without ensurepip (a Debian python3 without python3-venv) $PY's own pip installs into the venv.
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv || { rm -rf .venv; "$PY" -m venv --without-pip .venv; }
+  # $PY's own packages after the venv's, by a .pth: --system-site-packages would miss them when $PY is
+  # itself a venv's (a container's python3 often is). The venv's mpi4py comes first, with its mpich.
+  site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$PY" -c 'import site; print("\n".join("import site; site.addsitedir(%r)" % d for d in site.getsitepackages()))' \
+    > "$site/_jaxhybrid_offline_site.pth"
+  if .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    pip() { .venv/bin/python -m pip "$@" --no-index --find-links "$wheels"; }
+  else  # pip 22.3 or later
+    pip() { "$PY" -m pip --python "$root/.venv/bin/python" "$@" --no-index --find-links "$wheels"; }
   fi
-  pip() { "$PY" -m pip --python "$root/.venv/bin/python" "$@" --no-index --find-links "$wheels"; }
   reqs="$(.venv/bin/python scripts/requirements.py --build)"  # an error (no JAX here) ends the setup
   lacking="$(printf '%s\n' "$reqs" | grep -v '^mpi4jax' || true)"  # mpi4jax builds below
   if [ -n "$lacking" ]; then
