@@ -6,13 +6,17 @@
 # Usage: scripts/wheelhouse.sh DIR [PYTHON_VERSION [HAVE_FILE]]
 #   PYTHON_VERSION  the offline Python's version, e.g. 3.12 (default: this python3's)
 #   HAVE_FILE       its `python3 -m pip list --format=freeze` (or names, one a line): what it has is not
-#                   fetched (default: nothing)
+#                   fetched (default: all but JAX)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ $# -ge 1 ] || { sed -n '2,9p' "$0" >&2; exit 2; }
 dir="$(mkdir -p "$1" && cd "$1" && pwd)"
 version="${2:-$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')}"
-have="${3:-/dev/null}"
+have="${3:-}"
+if [ -z "$have" ]; then  # nothing known of that Python but its JAX: fetch all the rest
+  have="$(mktemp)"
+  printf 'jax\njaxlib\n' > "$have"
+fi
 py="${PYTHON:-python3}"
 mapfile -t wanted < <("$py" "$root/scripts/requirements.py" --have "$have" --build)
 binary=(--only-binary=:all: --python-version "$version" --implementation cp --abi "cp${version/./}" --abi abi3
