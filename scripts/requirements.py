@@ -46,7 +46,8 @@ def installed(have: Path | None) -> dict[str, str]:
     """Normalised name -> version of this Python's distributions, or of a ``pip list --format=freeze``
     (a line may also name a distribution alone: its version is then unknown, "")."""
     if have is None:
-        return {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+        return {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()
+                if d.metadata["Name"]}  # a broken install can leave a distribution without metadata
     lines = (line.strip() for line in have.read_text().splitlines())
     pairs = (line.split("==", 1) if "==" in line else (line, "") for line in lines
              if line and re.match(r"[A-Za-z0-9]", line) and " @ " not in line)

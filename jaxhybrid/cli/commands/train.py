@@ -164,6 +164,24 @@ def check_mpi4jax(cfg, ranks: int) -> None:
                           f"scripts/setup.sh (or pip install 'jaxhybrid[mpi]'){hint}")
 
 
+def check_mpi4jax_device(cfg, ranks: int, device) -> None:
+    """On a GPU the default transport receives into device buffers through mpi4jax's CUDA bridge, which
+    scripts/setup.sh builds where it finds CUDA (its headers, or jax[cuda12]'s CUDA pip packages). Without
+    the bridge the ranks failed at their first receive, after compiling their step; this says so once the
+    backend is up, before anything is compiled. (The ``mpi`` all-reduce sums on host buffers with mpi4py
+    where it overlaps the phase; its other paths would fail at their first use.)"""
+    p = cfg.parallel
+    if device.platform != "gpu" or not (ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax"):
+        return
+    import mpi4jax
+
+    if not mpi4jax.has_cuda_support():
+        raise ConfigError(f"pipeline.transport=mpi4jax receives into {device.device_kind} buffers, but this "
+                          f"mpi4jax was built without its CUDA bridge: rebuild it (.venv/bin/pip uninstall mpi4jax; rm "
+                          f".venv/.jaxhybrid-installed; CUDA_PATH=<the CUDA toolkit> scripts/setup.sh), or --set "
+                          f"pipeline.transport=transfer (device to device) or mpi4py (through host memory)")
+
+
 def plan_line(cfg, overrides: list[str]) -> str | None:
     """The keys a plan file set, with the values the run trains with: besides the layout a plan sets the
     compute dtype, global batch, remat and offload, which the user must not miss. A key the command line
@@ -217,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxhybrid.runtime.nonfinite import NonFiniteStop
     from jaxhybrid.runtime.trainer import Trainer
 
-    check_device_memory(cfg, jax.local_devices()[0])  # the backend is up (its devices chosen), nothing built yet
+    device = jax.local_devices()[0]  # the backend is up (its devices chosen), nothing built yet
+    check_device_memory(cfg, device)
+    check_mpi4jax_device(cfg, world, device)
     enable_compilation_cache(cfg.run.compilation_cache)
     trainer = Trainer(cfg, world)
     writer = trainer.engine.is_writer

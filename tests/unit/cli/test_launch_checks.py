@@ -78,6 +78,27 @@ def test_a_job_whose_ranks_need_mpi4jax_without_it_is_refused_before_they_start(
                     flags=("--distributed",)), 2)
 
 
+def test_a_gpu_pipeline_over_an_mpi4jax_without_its_cuda_bridge_is_refused_before_compiling(tmp_path, monkeypatch):
+    """On a GPU the mpi4jax transport receives into device buffers, which needs mpi4jax's CUDA bridge; a
+    build without it (no CUDA found at setup) failed at the first receive, after every rank had compiled."""
+    from types import SimpleNamespace
+
+    import mpi4jax
+
+    from jaxhybrid.cli.commands.train import check_mpi4jax_device
+
+    _, cfg = _job(tmp_path / "a")
+    gpu, cpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200"), SimpleNamespace(platform="cpu")
+    monkeypatch.setattr(mpi4jax, "has_cuda_support", lambda: False)
+    with pytest.raises(ConfigError, match=r"^pipeline.transport=mpi4jax receives into NVIDIA H200 buffers, but "
+                                          r"this mpi4jax was built without its CUDA bridge: .*transfer"):
+        check_mpi4jax_device(cfg, 4, gpu)
+    check_mpi4jax_device(cfg, 4, cpu)  # on CPU mpi4jax moves host buffers
+    check_mpi4jax_device(_job(tmp_path / "b", "pipeline.transport=transfer")[1], 4, gpu)  # no mpi4jax there
+    monkeypatch.setattr(mpi4jax, "has_cuda_support", lambda: True)
+    check_mpi4jax_device(cfg, 4, gpu)
+
+
 @pytest.mark.parametrize("config,sets,flags,n,needle", [
     ("pipeline_2x2.yaml", ("parallel.tensor_depth=2", "train.global_batch=4", "pipeline.microbatches=2"), (), 4,
      r"batch of 1 sequences per microbatch is not divisible by data\(1\) x depth\(2\) = 2"),
