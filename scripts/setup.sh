@@ -55,7 +55,8 @@ if ! .venv/bin/python -c "import mpi4jax" >/dev/null 2>&1; then
   # mpi4py already installed, so its build runs without isolation and needs its build tools here.
   pip install -q nanobind cython
   cuda_hdr=""
-  for d in "${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda; do
+  nvcc_root="$(dirname "$(dirname "$(command -v nvcc || echo /none/bin/nvcc)")")"  # a toolkit not at /usr/local/cuda
+  for d in "${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda "$nvcc_root"; do
     if [ -n "$d" ] && [ -f "$d/include/cuda_runtime.h" ]; then cuda_hdr="$d"; break; fi
   done
   if [ "$has_gpu" = 1 ] && [ -n "$cuda_hdr" ]; then
