@@ -141,3 +141,20 @@ def terminal_signals(pid: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def accelerator_backend(environ) -> str | None:
+    """What JAX will compute on instead of the CPU, or None for the CPU: the first of ``JAX_PLATFORMS``,
+    else the accelerator plugins installed (JAX finds them in the ``jax_plugins`` namespace package or
+    entry-point group and prefers them to the CPU). Read without starting JAX."""
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    if environ.get("JAX_PLATFORMS", "").strip():
+        first = environ["JAX_PLATFORMS"].split(",")[0].strip()
+        return None if first == "cpu" else f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}"
+    spec = importlib.util.find_spec("jax_plugins")
+    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or [])] if spec else []
+    names += [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+    return f"the plugin(s) {', '.join(sorted(set(names)))}" if names else None

@@ -12,11 +12,11 @@ With several CPU devices in one process (the tests' fake devices) one arena woul
 threads, and their per-device buffers fit per-thread heaps anyway. The price: the process keeps its
 resident high-water mark, as a caching device allocator does.
 
-Only where JAX computes on the CPU (:func:`accelerator_backend`): on a GPU host the same settings slow the
-host side down badly. It must run before JAX starts its CPU client, since threads that already allocated
-keep their own arenas: the ``jaxhybrid`` command calls it once the command has settled its environment
-(``prepare`` in :mod:`jaxhybrid.cli.main`); a library user calls it at the top of their script, after
-setting ``XLA_FLAGS``.
+Only where JAX computes on the CPU (:func:`~jaxhybrid.core.launch_env.accelerator_backend`): on a GPU host
+the same settings slow the host side down badly. It must run before JAX starts its CPU client, since threads
+that already allocated keep their own arenas: the ``jaxhybrid`` command calls it once the command has settled
+its environment (``prepare`` in :mod:`jaxhybrid.cli.main`); a library user calls it at the top of their
+script, after setting ``XLA_FLAGS``.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import logging
 import os
 import re
 import sys
+
+from jaxhybrid.core.launch_env import accelerator_backend
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +66,6 @@ def _skip_reason(environ) -> str | None:
     if bridge is not None and getattr(bridge, "backends_are_initialized", lambda: False)():
         return "JAX's backend already started (its threads keep their own arenas)"
     return None
-
-
-def accelerator_backend(environ) -> str | None:
-    """What JAX will compute on instead of the CPU, or None for the CPU: the first of ``JAX_PLATFORMS``,
-    else the accelerator plugins installed (JAX finds them in the ``jax_plugins`` namespace package or
-    entry-point group and prefers them to the CPU). Read without starting JAX."""
-    import importlib.metadata
-    import importlib.util
-    import pkgutil
-
-    if environ.get("JAX_PLATFORMS", "").strip():
-        first = environ["JAX_PLATFORMS"].split(",")[0].strip()
-        return None if first == "cpu" else f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}"
-    spec = importlib.util.find_spec("jax_plugins")
-    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or [])] if spec else []
-    names += [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
-    return f"the plugin(s) {', '.join(sorted(set(names)))}" if names else None
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -136,5 +121,5 @@ def configure_host_malloc(environ=None) -> dict:
     return _applied
 
 
-__all__ = ["configure_host_malloc", "host_malloc_status", "accelerator_backend", "cpu_devices", "default_cpu_devices",
+__all__ = ["configure_host_malloc", "host_malloc_status", "cpu_devices", "default_cpu_devices",
            "glibc", "OPT_OUT"]

@@ -13,12 +13,11 @@ from jaxhybrid.core.argtypes import check_writable
 from jaxhybrid.core.config.parse import flatten, lookup, parse_overrides
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.core.hardware import run_peak_flops
-from jaxhybrid.core.launch_env import reserve_device_memory
+from jaxhybrid.core.launch_env import accelerator_backend, reserve_device_memory
 from jaxhybrid.runtime import compile_once, distributed
 from jaxhybrid.runtime.config_checks import validate
 from jaxhybrid.runtime.config_notes import unread_settings_notes
 from jaxhybrid.runtime.data.splits import cache_dir, repetition_notes
-from jaxhybrid.runtime.host_alloc import accelerator_backend
 from jaxhybrid.runtime.metrics.writer import finite_or_none
 
 

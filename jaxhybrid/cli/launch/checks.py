@@ -16,9 +16,10 @@ from pathlib import Path
 
 from jaxhybrid.cli.commands import train as train_cmd
 from jaxhybrid.cli.commands.train import check_run
+from jaxhybrid.core.launch_env import accelerator_backend
 from jaxhybrid.runtime.data.splits import check_data
 from jaxhybrid.runtime.distributed import devices_per_process
-from jaxhybrid.runtime.host_alloc import DEVICE_COUNT_FLAG, accelerator_backend, cpu_devices
+from jaxhybrid.runtime.host_alloc import DEVICE_COUNT_FLAG, cpu_devices
 from jaxhybrid.runtime.run_lock import RunLock
 
 
@@ -51,7 +52,7 @@ def check_devices(cfg, n: int, env: dict[str, str], per_rank: int) -> None:
     sets it, unless the user set one) against those its mesh needs, by the ranks' own checks: a hybrid
     rank's local mesh (:func:`~jaxhybrid.parallel.tensor.local.rank_devices`; node-local rank 0 needs the fewest),
     or one tensor-mode mesh over the ``n`` processes (:meth:`~jaxhybrid.core.layout.ParallelDims.check_devices`).
-    Skipped where the ranks will compute on an accelerator (:func:`~jaxhybrid.runtime.host_alloc.accelerator_backend`):
+    Skipped where the ranks will compute on an accelerator (:func:`~jaxhybrid.core.launch_env.accelerator_backend`):
     the count only shapes the CPU platform."""
     from types import SimpleNamespace
 

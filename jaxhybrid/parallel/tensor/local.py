@@ -22,7 +22,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid.core.launch_env import local_rank
+from jaxhybrid.core.launch_env import accelerator_backend, local_rank
 from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.parallel.tensor.mesh import BATCH, make_mesh
 from jaxhybrid.parallel.tensor.ops import STREAM, TensorOps
@@ -35,7 +35,8 @@ def gpu_block(per_rank: int, env=None, node_gpus: int | None = None) -> list[int
     that is set: the block of ``per_rank`` GPUs of its node-local rank, or all ``per_rank`` it sees when
     the launcher already gave it exactly that many (``srun --gpus-per-task``). None when no launcher names
     a local rank (one process keeps every device). ``node_gpus``: the GPUs the node shows without
-    ``CUDA_VISIBLE_DEVICES`` (default: its ``/dev/nvidia<N>`` files; 0, as on a CPU machine, checks nothing).
+    ``CUDA_VISIBLE_DEVICES`` (default: its ``/dev/nvidia<N>`` files where JAX will compute on an
+    accelerator, else 0; 0 checks nothing).
 
     Why: a process that sees all of its node's GPUs computes on the first one and JAX preallocates most
     of every visible GPU's memory, so ranks sharing a node would pile onto GPU 0 and run out of memory;
@@ -54,7 +55,8 @@ def gpu_block(per_rank: int, env=None, node_gpus: int | None = None) -> list[int
             return list(range(per_rank))
         seen = f"CUDA_VISIBLE_DEVICES={visible!r} lists {n}"
     else:
-        n = len(glob.glob("/dev/nvidia[0-9]*")) if node_gpus is None else node_gpus
+        n = node_gpus if node_gpus is not None else (
+            len(glob.glob("/dev/nvidia[0-9]*")) if accelerator_backend(env) else 0)  # JAX on the CPU: no GPU
         seen = f"the node has {n} (/dev/nvidia<N>)"
     if n and n < per_rank * (r + 1):
         raise ValueError(f"node-local rank {r} needs GPUs {r * per_rank}..{(r + 1) * per_rank - 1} of its "

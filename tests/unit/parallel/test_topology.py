@@ -136,6 +136,17 @@ def test_bench_pipeline_checks_its_arguments_before_launching(monkeypatch, argv,
         bp.run(p.parse_args(["--stages", "2", *argv]))
 
 
+def test_a_gpu_machine_counts_its_gpus_only_where_jax_computes_on_them(monkeypatch):
+    """Two ranks on a one-GPU machine: an error naming the count where JAX computes on the GPU, nothing to
+    check where it computes on the CPU (the CPU tests on a developer's GPU workstation)."""
+    from jaxhybrid.parallel.tensor import local
+
+    monkeypatch.setattr(local.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    with pytest.raises(ValueError, match=r"node-local rank 1 needs GPUs 1..1 .* the node has 1 \(/dev/nvidia<N>\)"):
+        local.gpu_block(1, {"MPI_LOCALRANKID": "1", "JAX_PLATFORMS": "cuda"})
+    assert local.gpu_block(1, {"MPI_LOCALRANKID": "1", "JAX_PLATFORMS": "cpu"}) == [1]
+
+
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
     """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
     it; too few GPUs for the rank's block is an error naming the counts."""
