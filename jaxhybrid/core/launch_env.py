@@ -2,7 +2,8 @@
 
 One place for the variable names of the launchers users start jaxhybrid with: mpich/hydra (``PMI_*``,
 ``MPI_LOCAL*``), Open MPI (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``) and Slurm's ``srun``
-(``SLURM_*``; ``SLURM_NTASKS`` alone is also set inside an ``sbatch`` script, where it is not a rank's).
+(``SLURM_*``; ``SLURM_NTASKS`` alone is also set inside an ``sbatch`` script, where it is not a rank's);
+and what the environment tells JAX before it starts: its GPU memory share and what it will compute on.
 """
 from __future__ import annotations
 
