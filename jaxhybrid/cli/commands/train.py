@@ -145,6 +145,11 @@ def check_metrics(cfg) -> None:
                          "scripts/setup.sh installs it); install it or --set metrics.tensorboard=false")
 
 
+def receives_with_mpi4jax(cfg, ranks: int) -> bool:
+    """Whether the ``ranks`` MPI ranks pass activations over the mpi4jax transport."""
+    return ranks > 1 and cfg.parallel.pipeline > 1 and cfg.pipeline.transport == "mpi4jax"
+
+
 def check_mpi4jax(cfg, ranks: int) -> None:
     """mpi4jax where the ``ranks`` MPI ranks will call it: the default pipeline transport receives through it
     and the data replicas' all-reduce runs on it. Why here: it is an optional dependency (scripts/setup.sh
@@ -153,7 +158,7 @@ def check_mpi4jax(cfg, ranks: int) -> None:
     import importlib.util
 
     p, uses = cfg.parallel, []
-    if ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax":
+    if receives_with_mpi4jax(cfg, ranks):
         uses.append(f"pipeline.transport=mpi4jax (activations between parallel.pipeline={p.pipeline} stages)")
     if ranks > 1 and p.data > 1 and cfg.optim.allreduce_backend == "mpi":
         uses.append(f"the all-reduce over parallel.data={p.data} MPI replicas")
@@ -169,8 +174,7 @@ def check_mpi4jax_device(cfg, ranks: int, device) -> None:
     the bridge the ranks failed at their first receive, after compiling their step; this says so once the
     backend is up, before anything is compiled. (The ``mpi`` all-reduce sums on host buffers with mpi4py
     where it overlaps the phase; its other paths would fail at their first use.)"""
-    p = cfg.parallel
-    if device.platform != "gpu" or not (ranks > 1 and p.pipeline > 1 and cfg.pipeline.transport == "mpi4jax"):
+    if device.platform != "gpu" or not receives_with_mpi4jax(cfg, ranks):
         return
     import mpi4jax
 

@@ -66,14 +66,12 @@ def gpu_block(per_rank: int, env=None, node_gpus: int | None = None) -> list[int
     return list(range(r * per_rank, (r + 1) * per_rank))
 
 
-def use_gpu_block(per_rank: int) -> list[int] | None:
+def use_gpu_block(per_rank: int) -> None:
     """Make :func:`gpu_block` this process's only GPUs (``jax_cuda_visible_devices``), for a rank that joins
     no distributed runtime (:func:`jaxhybrid.runtime.distributed.initialize` passes the block itself).
-    Before the backend starts; returns the block, or None where no launcher names a local rank."""
-    ids = gpu_block(per_rank)
-    if ids is not None:
+    Before the backend starts; nothing where no launcher names a local rank."""
+    if (ids := gpu_block(per_rank)) is not None:
         jax.config.update("jax_cuda_visible_devices", ",".join(map(str, ids)))
-    return ids
 
 
 def rank_devices(n: int, devices: list | None = None, node_rank: int | None = None) -> list:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from jaxhybrid.core import launch_env
+
 
 def test_distributed_peers_and_layout_are_checked_before_any_process_waits():
     """``jaxhybrid train --distributed``: where the peers come from, and the errors for a bad launch or a
@@ -61,8 +63,7 @@ def test_explicit_peers_name_the_value_that_is_wrong(args, message):
         peer_arguments(*args)
 
 
-LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                 "MPI_LOCALNRANKS_WORLD", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+LAUNCHER_VARS = (*launch_env.MPI_RANK_VARS, *launch_env.MPI_SIZE_VARS, *launch_env.LOCAL_RANK_VARS,
                  "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")
 
 
