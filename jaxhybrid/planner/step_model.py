@@ -14,7 +14,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 
 from jaxhybrid.core.config.model import ModelConfig, block_matmuls
-from jaxhybrid.core.config.schema import OptimConfig, TensorConfig
+from jaxhybrid.core.config.schema import OptimConfig, TensorConfig, allreduce_backend_on
 from jaxhybrid.core.layout import ParallelDims
 from jaxhybrid.model.attention import cudnn_unmet
 from jaxhybrid.model.flops import attention_core_flops, forward_flops
@@ -166,7 +166,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     (``optim.allreduce_dtype``) what MPI replicas' all-reduce moves, and ``allreduce_backend``
     (``optim.allreduce_backend``) how: ``xla`` is the collective alone at the hardware file's bandwidths
     (NCCL), ``mpi`` (mpi4jax on host buffers, no CUDA-aware MPI assumed) adds the gradient's copy to the host
-    and back at ``host_to_device`` (``allreduce_staging_s``; Myelin Sec. IV-B reduces on the GPUs instead). The
+    and back at ``host_to_device`` (``allreduce_staging_s``; Myelin Sec. IV-B reduces on the GPUs instead), and
+    ``auto`` is ``xla``, as a run resolves it on GPUs: the hardware files the model reads are GPU nodes. The
     reduction is charged after the pipeline phase: with one stage per rank that is when ``mpi``'s
     ``optim.overlap_grad_reduce`` starts it too (the rank's last gradient pass writes every bucket); with
     several stages per rank the overlap of the stages finished first is not counted. ``param_state_bytes``
@@ -284,7 +285,8 @@ def evaluate(cfg: ModelConfig, lay: Layout, machine: Machine, seq: int,
     ar_dtype = 4 / db if f32 else 1.0
     data_ar *= ar_dtype if f32 or mpi else lay.microbatches
     staging = 0.0
-    if mpi and dims.data > 1 and allreduce_backend == "mpi":  # device -> host, reduce, host -> device
+    if mpi and dims.data > 1 and allreduce_backend_on(allreduce_backend, accelerator=True) == "mpi":
+        # device -> host, reduce, host -> device
         staging = 2 * max(stage_phi) * (4 if f32 else db) / machine.net.host_to_device
         data_ar += staging
     offload_s = 0.0

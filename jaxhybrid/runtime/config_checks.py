@@ -198,10 +198,10 @@ def _allreduce_backend_error(cfg: Config) -> str | None:
     collective over a JAX mesh of each data column, a hybrid rank's local tensor mesh included
     (:mod:`jaxhybrid.parallel.data.xla_allreduce`)."""
     backend, p = cfg.optim.allreduce_backend, cfg.parallel
-    if backend not in ("mpi", "xla"):
-        return (f"optim.allreduce_backend={backend!r}; choose mpi (mpi4jax) or xla (XLA collectives over a JAX "
-                f"mesh of each data column: NCCL on GPUs, gloo on CPU)")
-    if backend == "mpi" or cfg.layout.replicas_on_ranks:
+    if backend not in ("auto", "mpi", "xla"):
+        return (f"optim.allreduce_backend={backend!r}; choose mpi (mpi4jax), xla (XLA collectives over a JAX "
+                f"mesh of each data column: NCCL on GPUs, gloo on CPU) or auto (xla on accelerators, mpi on CPU)")
+    if backend != "xla" or cfg.layout.replicas_on_ranks:
         return None
     if cfg.on_mesh:
         return ("optim.allreduce_backend=xla applies to data replicas that are MPI ranks (a pipeline, or "

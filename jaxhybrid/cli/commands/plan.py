@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxhybrid.core.argtypes import check_seq_len, check_writable, positive_int
 from jaxhybrid.core.config.model import PRESETS, resolve_model
-from jaxhybrid.core.config.schema import OptimConfig
+from jaxhybrid.core.config.schema import OptimConfig, allreduce_backend_on
 from jaxhybrid.core.hardware import peak_tflops
 from jaxhybrid.planner.costs import load_hardware, planner_hardware_names
 from jaxhybrid.planner.machine import overheads_ok
@@ -68,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: the plans, notes and the config's own layout (config_layout)")
     p.add_argument("--out", default="", help="write the best plan (and its config overrides) to this JSON file")
-    p.add_argument("--allreduce-backend", choices=("mpi", "xla"), default=None,
+    p.add_argument("--allreduce-backend", choices=("auto", "mpi", "xla"), default=None,
                    help="how MPI data replicas sum gradients, as optim.allreduce_backend (default: a run config's, "
-                        "else mpi): mpi pays the copies to the host and back, xla (NCCL) the collective alone")
+                        "else auto, which is xla on the GPUs planned for): mpi pays the copies to the host and back, "
+                        "xla (NCCL) the collective alone")
 
 
 def _overheads(text: str) -> tuple[float, float]:
@@ -139,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     bucket = cfg.optim.bucket_size if cfg else OptimConfig.bucket_size  # the offload buckets the run will hold
     # The run's own settings, with which score_config scores its layout (defaults for a preset).
     own_settings = {"letters": cfg.tensor.optimizations, "allreduce_dtype": cfg.optim.allreduce_dtype} if cfg else {}
-    backend = args.allreduce_backend or (cfg.optim.allreduce_backend if cfg else "mpi")
+    # The hardware files plans are made for are GPU nodes: auto is what a run resolves it to there.
+    backend = allreduce_backend_on(args.allreduce_backend or (cfg.optim.allreduce_backend if cfg else "auto"),
+                                   accelerator=True)
     own_settings["allreduce_backend"] = backend
     own_settings["shard_optimizer"] = (args.shard_optimizer if args.shard_optimizer is not None
                                        else bool(cfg and cfg.optim.shard_optimizer))

@@ -98,12 +98,14 @@ def check_distributed(cfg, args) -> None:
 
 
 def load_train_config(args: argparse.Namespace):
-    """The config this process trains: ``--config`` <- ``--set`` <- ``--resume``, not yet checked (the
-    checks need the world size: :func:`check_run`). ``jaxhybrid launch`` loads its ranks' config here too."""
+    """The config this process trains: ``--config`` <- ``--set`` <- ``--resume``, on this platform (its
+    ``auto`` settings resolved for what JAX will compute on, read before JAX starts and alike on every rank),
+    not yet checked (the checks need the world size: :func:`check_run`). ``jaxhybrid launch`` loads its
+    ranks' config here too."""
     from jaxhybrid.runtime.config_load import load_config
 
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
-    return load_config(args.config, overrides, check=False)
+    return load_config(args.config, overrides, check=False).on_platform(accelerator_backend(os.environ) is not None)
 
 
 def check_run(cfg, args: argparse.Namespace, processes: int) -> int:
@@ -221,7 +223,11 @@ def choose_devices(cfg, args: argparse.Namespace, world: int) -> None:
         # in the first collective (building the Trainer's state, or a step), and it in the shutdown barrier.
         distributed.abort_on_exception()
     elif world > 1 and cfg.optim.allreduce_backend == "xla":  # each data column is a JAX mesh of ranks
-        distributed.initialize(mesh_devices=cfg.num_devices)
+        try:
+            distributed.initialize(mesh_devices=cfg.num_devices)
+        except RuntimeError as e:  # the coordinator unreachable, or the runtime refused: say what avoids it
+            raise ConfigError(f"optim.allreduce_backend=xla needs JAX's distributed runtime, which did not start "
+                              f"({e}); where it cannot, --set optim.allreduce_backend=mpi sums over MPI alone") from e
     elif world > 1:
         from jaxhybrid.parallel.tensor.local import use_gpu_block  # imports jax, which starts no backend
 

@@ -80,7 +80,9 @@ class OptimConfig:
     # What the MPI data replicas' all-reduce moves: float32 (MPI reduces no half floats), or compute: the
     # offloaded optimizer's half-precision gradients as they are (Myelin IV-B; optim/half_allreduce.py).
     allreduce_dtype: str = "float32"
-    allreduce_backend: str = "mpi"  # data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL/gloo)
+    # Data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL on GPUs, gloo on CPU) |
+    # auto: xla where JAX computes on an accelerator (GPUs) and the replicas are MPI ranks, else mpi
+    allreduce_backend: str = "auto"
     # mpi backend, one device per rank, float32 wire: start each stage's reduction, in buckets of bucket_size, as soon as
     # the schedule has written its gradients for the last time (non-blocking MPI, beside the rest of the pipeline phase).
     overlap_grad_reduce: bool = True
@@ -214,8 +216,28 @@ class Config:
         """G_d x G_r x G_c (:attr:`ParallelDims.tensor_size`)."""
         return self.layout.tensor_size
 
+    def on_platform(self, accelerator: bool) -> Config:
+        """This config as a run trains it where JAX computes on an accelerator (``accelerator``) or on the CPU:
+        its ``auto`` settings that depend on the platform resolved (:func:`allreduce_backend_on`)."""
+        backend = allreduce_backend_on(self.optim.allreduce_backend, accelerator, self.layout.replicas_on_ranks)
+        return dataclasses.replace(self, optim=dataclasses.replace(self.optim, allreduce_backend=backend))
+
     def to_dict(self) -> dict[str, Any]:
         return to_plain(dataclasses.asdict(self))
+
+
+def allreduce_backend_on(setting: str, accelerator: bool, replicas_on_ranks: bool = True) -> str:
+    """``optim.allreduce_backend`` as it runs: ``auto`` is ``xla`` where JAX computes on an accelerator and
+    the data replicas are MPI ranks, else ``mpi``; ``mpi`` and ``xla`` stay as they are.
+
+    Why: on GPUs XLA's collective (NCCL) sums the gradients where they are, as Myelin Sec. IV-B does, while
+    ``mpi`` copies them to the host and back each step; on CPU mpich's shared-memory sum is the faster one
+    (``jaxhybrid bench allreduce`` measures both side by side). Without replicas on ranks ``xla`` has
+    nothing to reduce.
+    """
+    if setting != "auto":
+        return setting
+    return "xla" if accelerator and replicas_on_ranks else "mpi"
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,9 +1,12 @@
 """Config loading, overrides and validation: impossible settings raise ValueError naming the values."""
+import dataclasses
+
 import pytest
 
 from jaxhybrid.core.config.parse import parse_overrides
 from jaxhybrid.core.errors import ConfigError
 from jaxhybrid.model.remat import optimal_checkpoint_interval
+from jaxhybrid.runtime.config_checks import validate
 from jaxhybrid.runtime.config_load import load_config
 
 
@@ -78,7 +81,7 @@ BAD = [
     (["optim.allreduce_dtype=compute", "optim.offload=true", "precision.compute_dtype=bfloat16",
       "parallel.tensor_col=2"], ["applies to data replicas that are MPI ranks", "XLA collectives"]),
     # The data column's sum as an XLA collective: over data replicas that are MPI ranks.
-    (["optim.allreduce_backend=nccl"], ["optim.allreduce_backend='nccl'; choose mpi (mpi4jax) or xla"]),
+    (["optim.allreduce_backend=nccl"], ["optim.allreduce_backend='nccl'; choose mpi (mpi4jax), xla", "or auto"]),
     (["optim.allreduce_backend=xla"], ["with parallel.data=1 there is nothing to reduce"]),
     (["optim.allreduce_backend=xla", "parallel.data=2", "parallel.mesh_data=true"],
      ["tensor mode already reduces over its mesh's data axis", "set optim.allreduce_backend=mpi"]),
@@ -245,6 +248,23 @@ def test_xla_allreduce_is_accepted_over_mpi_replicas():
     # A hybrid rank's local tensor mesh: its column is one mesh of the replicas' local meshes.
     hybrid = load_config(None, sets[:4] + ["parallel.tensor_col=2"])
     assert (hybrid.optim.allreduce_backend, hybrid.parallel.tensor_col) == ("xla", 2)
+
+
+@pytest.mark.parametrize("sets, accelerator, backend", [
+    (["parallel.pipeline=2", "parallel.data=2"], True, "xla"),  # GPUs: NCCL sums device buffers in place
+    (["parallel.pipeline=2", "parallel.data=2"], False, "mpi"),  # CPU: mpich's sum is the faster one
+    (["parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2"], True, "xla"),  # a hybrid rank's column of local meshes
+    (["parallel.pipeline=2"], True, "mpi"),  # one replica: nothing to reduce
+    (["parallel.data=2", "parallel.mesh_data=true"], True, "mpi"),  # tensor mode reduces on its own mesh
+    (["parallel.pipeline=2", "parallel.data=2", "optim.allreduce_backend=mpi"], True, "mpi"),  # as set
+    (["parallel.pipeline=2", "parallel.data=2", "optim.allreduce_backend=xla"], False, "xla"),
+])
+def test_the_allreduce_backend_follows_the_platform_unless_set(sets, accelerator, backend):
+    cfg = load_config(None, sets)
+    resolved = cfg.on_platform(accelerator)
+    assert resolved.optim.allreduce_backend == backend
+    validate(resolved)  # what auto chooses is always a valid layout
+    assert dataclasses.replace(resolved, optim=cfg.optim) == cfg  # nothing else moved
 
 
 def test_xla_allreduce_checkpoints_and_resumes():

@@ -36,3 +36,10 @@ def test_no_replicas_no_staging_and_tensor_meshes_reduce_on_xla_anyway(gpt2):
     assert evaluate(cfg.model, one, machine, 1024, allreduce_backend="mpi")["allreduce_staging_s"] == 0
     mesh = Layout(ParallelDims(1, 2, 2, 2, 1), 8, 16, "1f1b", False, False, "none")  # one mesh: XLA's collectives
     assert evaluate(cfg.model, mesh, machine, 1024, allreduce_backend="mpi")["allreduce_staging_s"] == 0
+
+
+def test_auto_is_scored_as_a_run_on_these_gpus_resolves_it(gpt2):
+    """The hardware files describe GPU nodes, where a run's ``auto`` is ``xla`` (Config.on_platform)."""
+    cfg, machine = gpt2
+    auto, xla = (score_config(cfg, machine, cfg.data.seq_len, b) for b in ("auto", "xla"))
+    assert auto == xla
