@@ -7,9 +7,8 @@ Five training runs of the same model, data and batch, each a ``jaxhybrid train``
    losses against run 1's and both runs' device bytes from ``memory.json``.
 3. ``reference`` and ``pipeline_<transport>``: float32 at full matmul precision, one GPU against a 2-rank
    MPI pipeline (1F1B with 2BP) sharing that GPU, each rank given a share of its memory, over the
-   ``mpi4jax`` transport (host-staged sends) and over ``transfer`` (device to device, JAX's transfer
-   server); their losses must agree to ``--rtol`` at every step (the pipeline's parity with the single
-   device, Myelin Alg. 1).
+   ``mpi4jax`` transport and over ``transfer`` (JAX's transfer server); their losses must agree to
+   ``--rtol`` at every step (the pipeline's parity with the single device, Myelin Alg. 1).
 
 A run that fails, or would overrun ``--budget-s``, is recorded as such and the others still run; the
 JSON is rewritten after every run, so a check cut off by its time limit keeps what finished.
@@ -166,7 +165,7 @@ def main() -> int:
         check.write()
         # Two ranks on one GPU: each a share of its memory (the launcher's default is most of it, per rank),
         # and that GPU the only one both see; else rank 1 would take its node-local rank's GPU, number 1.
-        # Over the default transport (host-staged sends), then device to device (JAX's transfer server).
+        # Over the default transport, then JAX's transfer server.
         gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
         share = dict(penv, XLA_PYTHON_CLIENT_MEM_FRACTION="0.4", CUDA_VISIBLE_DEVICES=gpu)
         for transport in ("mpi4jax", "transfer"):

@@ -159,3 +159,14 @@ def accelerator_backend(environ) -> str | None:
     names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or [])] if spec else []
     names += [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
     return f"the plugin(s) {', '.join(sorted(set(names)))}" if names else None
+
+
+CUDA_MPI_ENV = "MPI4JAX_USE_CUDA_MPI"
+
+
+def mpi_reads(platform: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether MPI can read and write a buffer of a device of ``platform`` where it lies: the CPU's (host
+    memory), or a GPU's where the MPI is CUDA-aware, as the user declares it for mpi4jax
+    (``MPI4JAX_USE_CUDA_MPI=1``, which makes mpi4jax hand MPI device pointers too). The mpi4jax
+    transport then sends device buffers as they are (Myelin Sec. IV-A's GPUDirect path)."""
+    return platform == "cpu" or (platform == "gpu" and _env(env).get(CUDA_MPI_ENV, "").lower() in ("1", "true", "on"))

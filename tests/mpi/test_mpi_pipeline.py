@@ -86,7 +86,7 @@ ALLOCATION = ["periodic:alloc", "periodic:2bp:alloc:tied"]
 # optim.shard_optimizer (ZeRO-1) on 2 x 2: AdamW on the device with the tied embedding's copies in two stages'
 # shards, and the host-offloaded buckets of each replica's shard under Myelin's loop.
 ZERO = ["1f1b:2bp:zero:tied", "myelin:2bp:zero:offload"]
-# pipeline.transport=transfer (JAX's transfer server, device to device) runs every schedule with and without 2BP
+# pipeline.transport=transfer (JAX's transfer server) runs every schedule with and without 2BP
 # on 4 stages, Myelin's loop over two stages per rank on the 2 x 2 grid, and a stage on a local tensor mesh; the
 # other grids keep the mpi4jax (and mpi4py) transports.
 # The mpi replicas' sum after the pipeline phase (optim.overlap_grad_reduce off); the other 2 x 2 mpi cases start
@@ -499,7 +499,7 @@ def test_gpu_check_self_test_runs_every_step_on_the_cpu(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out["platform"] == "cpu" and len(out["single"]["losses"]) == 3
-    for transport in ("mpi4jax", "transfer"):  # host-staged and device-to-device stage messages
+    for transport in ("mpi4jax", "transfer"):  # both ways stage messages cross between ranks
         run = out["pipeline"][transport]
         assert run["ok"] and len(run["losses"]) == 3 and run["loss_max_rel_diff"] <= 1e-4, run
     assert out["offload"]["ok"] and out["offload"]["host_bytes"] > 0

@@ -184,7 +184,7 @@ def check_mpi4jax_device(cfg, ranks: int, device) -> None:
         raise ConfigError(f"pipeline.transport=mpi4jax receives into {device.device_kind} buffers, but this "
                           f"mpi4jax was built without its CUDA bridge: rebuild it (.venv/bin/pip uninstall mpi4jax; rm "
                           f".venv/.jaxhybrid-installed; CUDA_PATH=<the CUDA toolkit> scripts/setup.sh), or --set "
-                          f"pipeline.transport=transfer (device to device) or mpi4py (through host memory)")
+                          f"pipeline.transport=transfer (JAX's transfer server) or mpi4py (host buffers)")
 
 
 def plan_line(cfg, overrides: list[str]) -> str | None:

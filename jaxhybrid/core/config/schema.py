@@ -131,7 +131,8 @@ class PipelineConfig:
     # microbatch b runs it in period b + shift), as `jaxhybrid partition --out` writes them.
     pattern: tuple[str, ...] = ()
     # How activations cross the stages: mpi4jax (received into a device buffer, sent from host memory) | mpi4py
-    # (host-staged, receives posted ahead) | transfer (device to device through JAX's transfer server, an MPI header)
+    # (host-staged, receives posted ahead) | transfer (pulled into device buffers by JAX's transfer server: its runtime
+    # copies through pinned host memory and TCP off the loop; an MPI header)
     transport: str = "mpi4jax"
     # The event loop's kernels: async (dispatched, Myelin IV-A) | sync (each waited for) | auto: sync on CPU,
     # where a rank's polling shares its core with XLA:CPU's kernels, async elsewhere (pipeline/engine.py).

@@ -10,14 +10,19 @@ sent just before the payload, so it never waits for a message not yet sent. mpi4
 receive, so it cannot post receives ahead as Myelin Sec. IV-A does; ``Mpi4pyTransport``
 (:mod:`jaxhybrid.parallel.pipeline.mpi4py_transport`) does, through host numpy buffers and ``Isend``.
 
-Sends leave from a host buffer on a sender thread with a blocking ``MPI_Send``, header first, not with
+Sends leave on a sender thread with a blocking ``MPI_Send`` of mpi4py, header first, not with
 ``mpi4jax.send``. Why: mpi4jax's calls carry an ordered effect (JAX runs a rank's MPI programs in dispatch
 order) and mpi4jax has no non-blocking send, so two neighbours sending to each other above MPI's eager
 limit each queue their receive behind their own blocked send and the pipeline hangs; on XLA:CPU a rank
 pinned to one core also runs such programs on its one worker thread, which a blocked call stalls. With
-the payload on the host before its header leaves, every receive a rank starts has its sender already in
+the payload written before its header leaves, every receive a rank starts has its sender already in
 ``MPI_Send``, so receives always complete; the receive program holds the MPI call alone (the half-float
 bitcast runs apart), so it runs inline on the main thread.
+
+What MPI sends is the payload's own buffer where MPI can read it (``launch_env.mpi_reads``): host memory
+on the CPU, and GPU memory with a CUDA-aware MPI (``MPI4JAX_USE_CUDA_MPI=1``, under which mpi4jax's
+receives land in device memory too: device to device both ways, Myelin's CUDA-aware MPI). Elsewhere it is
+copied to the host first.
 
 With tensor parallelism (AxoNN 4D) a stage's activations are sharded over the rank's local mesh and
 mpi4jax refuses multi-device arrays: given the activation ``sharding``, both transports stage through
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhybrid.core.launch_env import mpi_reads
 from jaxhybrid.parallel.pipeline.transport import Envelope, Journal, Message, MsgKind
 from jaxhybrid.parallel.twobp.stage_costs import compiled_cost
 
@@ -83,6 +89,16 @@ class MpiTransportBase:
         buf = np.asarray(x)
         return np.ascontiguousarray(buf if buf.dtype == self.wire else buf.view(np.uint16))
 
+    def _in_place(self, x: jax.Array) -> list:
+        """MPI's view of ``x``'s own buffer (one device, dense) in the wire dtype, once the kernel writing it
+        is done: MPI does not wait on the stream that writes it. ``x`` must outlive the call using it."""
+        from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
+
+        x.block_until_ready()
+        return [MPI.buffer.fromaddress(x.unsafe_buffer_pointer(), x.nbytes), x.size,
+                from_numpy_dtype(np.dtype(self.wire))]
+
     def _to_jax(self, buf: np.ndarray) -> jax.Array:
         x = buf if self.wire == self.template.dtype else buf.view(np.dtype(self.template.dtype))  # bit-exact
         return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
@@ -104,6 +120,8 @@ class Mpi4jaxTransport(MpiTransportBase):
         half, dt = self.wire != template.dtype, template.dtype
         # Half floats arrive as uint16: the bitcast is a program of its own (module docstring).
         self._from_wire = jax.jit(lambda y: jax.lax.bitcast_convert_type(y, dt)) if half else (lambda y: y)
+        # One device whose buffers MPI reads in place: sends skip the host copy (module docstring).
+        self.in_place = sharding is None and mpi_reads(jax.local_devices()[0].platform)
         self._sendq: queue.Queue = queue.Queue()
         self._recvs: dict[tuple[int, int], Any] = {}
         self._thread = threading.Thread(target=self._sender, name=f"mpi4jax-sender-{self.rank}", daemon=True)
@@ -138,9 +156,9 @@ class Mpi4jaxTransport(MpiTransportBase):
                     return
                 x, dest, env = item
                 if self._error is None:
-                    # The payload is on the host before its header leaves: a receive the peer starts on
-                    # that header finds a sender already in MPI (module docstring).
-                    buf = self._host_wire(x)
+                    # The payload is written before its header leaves: a receive the peer starts on that
+                    # header finds a sender already in MPI (module docstring).
+                    buf = self._in_place(x) if self.in_place else self._host_wire(x)
                     header = np.array([int(env.kind), env.microbatch, env.stage], np.int32)
                     self.header_comm.Send(header, dest=dest, tag=0)
                     self.comm.Send(buf, dest=dest, tag=0)

@@ -1,7 +1,11 @@
-"""The device-side transport: stage messages through JAX's transfer server (``pipeline.transport: transfer``).
+"""Stage messages pulled through JAX's transfer server (``pipeline.transport: transfer``).
 
-``jax.experimental.transfer`` gives every process a server through which a peer pulls arrays straight
-from this process's device buffers into its own, with no collective and no host copy on the sender's side.
+``jax.experimental.transfer`` gives every process a server from which a peer pulls arrays into its own
+device buffers, with no collective. The bytes still cross host memory: the sender's runtime copies the
+payload in chunks into pinned host memory and streams them over TCP, and the receiver's writes them into a
+device buffer (XLA's socket transfer, built for TPU slices over the data-centre network; there is no
+device-to-device path). What it saves against the mpi4jax transport is the sender's blocking copy: those
+copies run on the runtime's threads, chunk by chunk, beside the event loop.
 :meth:`TransferTransport.send` registers the payload under a fresh id with ``await_pull`` (it returns at
 once, keeping a reference until the peer has pulled) and sends a 4-int header (kind, microbatch, stage, id)
 on an mpi4py communicator of its own; :meth:`TransferTransport.poll` probes for a header and pulls the
@@ -37,7 +41,7 @@ def _host_address() -> str:
 
 
 class TransferTransport(MpiTransportBase):
-    """Payloads pulled device to device through ``jax.experimental.transfer``; headers over mpi4py.
+    """Payloads pulled into device buffers through ``jax.experimental.transfer``; headers over mpi4py.
 
     Args:
       comm: the pipeline row's communicator; building the transport is collective on it (the servers'

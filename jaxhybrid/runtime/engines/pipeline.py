@@ -341,7 +341,7 @@ class PipelineEngine(GradEngine):
 
 def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
     """``pipeline.transport``: ``mpi4jax`` (design card), ``mpi4py`` (host-staged Isend) or ``transfer``
-    (device to device, JAX's transfer server); ``sharding``: the payloads' layout on this rank's tensor mesh
+    (pulled into device buffers by JAX's transfer server, through its pinned host memory and TCP); ``sharding``: the payloads' layout on this rank's tensor mesh
     (hybrid layouts), None for single-device stages."""
     kinds = {"mpi4jax": Mpi4jaxTransport, "mpi4py": Mpi4pyTransport, "transfer": TransferTransport}
     if name not in kinds:

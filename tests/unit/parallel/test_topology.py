@@ -147,6 +147,21 @@ def test_a_gpu_machine_counts_its_gpus_only_where_jax_computes_on_them(monkeypat
     assert local.gpu_block(1, {"MPI_LOCALRANKID": "1", "JAX_PLATFORMS": "cpu"}) == [1]
 
 
+@pytest.mark.parametrize("platform, env, reads", [
+    ("cpu", {}, True),  # host memory: the payload's own buffer, no copy
+    ("gpu", {}, False),  # nobody said the MPI reads GPU memory: a host copy first
+    ("gpu", {"MPI4JAX_USE_CUDA_MPI": "1"}, True),  # a CUDA-aware MPI, declared as mpi4jax takes it
+    ("gpu", {"MPI4JAX_USE_CUDA_MPI": "off"}, False),
+    ("tpu", {"MPI4JAX_USE_CUDA_MPI": "1"}, False),
+])
+def test_the_mpi4jax_transport_sends_in_place_only_what_mpi_can_read(platform, env, reads):
+    """The mpi4jax transport hands MPI the payload's own buffer where MPI can read it (Myelin's CUDA-aware
+    sends on GPUs); the MPI parity tests send every CPU payload that way."""
+    from jaxhybrid.core.launch_env import mpi_reads
+
+    assert mpi_reads(platform, env) is reads
+
+
 def test_each_mpi_rank_sees_its_own_node_local_gpus():
     """gpu_block: rank r of a node gets GPUs [r k, (r+1) k) (k per rank), or the k a launcher already gave
     it; too few GPUs for the rank's block is an error naming the counts."""
