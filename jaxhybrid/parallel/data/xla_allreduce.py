@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxhybrid.core.layout import MESH_AXES
+from jaxhybrid.parallel.collectives import psum_scatter
 from jaxhybrid.parallel.data.allreduce import (_HALF, _check_chunk, _check_flat, _scaled, bucket_bounds,
                                               dispatched_ahead, shard_length)
 from jaxhybrid.parallel.data.flat import FlatSpec
@@ -211,7 +212,7 @@ class XlaColumn:
             pad = jax.jit(lambda x: jnp.pad(x.astype(wire), (0, c * self.size - n))[None],
                           out_shardings=jax.sharding.SingleDeviceSharding(self.device))
             scatter = jax.jit(jax.shard_map(
-                lambda rows: jax.lax.psum_scatter(rows[0], "data", scatter_dimension=0, tiled=True),
+                lambda rows: psum_scatter(rows[0], "data"),
                 mesh=self.mesh, in_specs=P("data", None), out_specs=P("data")))
             return pad, scatter
 

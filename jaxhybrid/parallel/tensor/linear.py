@@ -56,6 +56,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid.parallel.collectives import psum_scatter
 from jaxhybrid.parallel.tensor.mesh import BATCH, COL, DATA, DEPTH, ROW
 
 ALLGATHER_NAME = "axonn_weight_allgather"  # checkpoint name of the gathered W (optimization E)
@@ -132,7 +133,7 @@ def _dw_local(x, dy, *, lay: Layout, has_bias: bool, batch: tuple[str, ...]):
     """Alg. 1 line 20 plus the data-parallel all-reduce: dW shard [k/(G_in G_d), n/G_out], db [n/G_out].
     Without data in ``batch`` (one replica's rows, under vmap) the replicas' sums are left to the caller."""
     xf, dyf = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dw = lax.psum_scatter(xf.T @ dyf, DEPTH, scatter_dimension=0, tiled=True)  # eq. 5
+    dw = psum_scatter(xf.T @ dyf, DEPTH)  # eq. 5
     if DATA in batch:
         dw = lax.psum(dw, DATA)  # eq. 8
     if not has_bias:
