@@ -130,7 +130,8 @@ class PipelineConfig:
     # Schedule periodic only: one period's passes in order, F<stage>+<shift> | B<stage>+<shift> (MadPipe Sec. 3:
     # microbatch b runs it in period b + shift), as `jaxhybrid partition --out` writes them.
     pattern: tuple[str, ...] = ()
-    # How activations cross the stages: mpi4jax (received into a device buffer, sent from host memory) | mpi4py
+    # How activations cross the stages: mpi4jax (received into a device buffer; sent from it where MPI reads device
+    # memory, with MPI4JAX_USE_CUDA_MPI=1 on GPUs, else through host memory) | mpi4py
     # (host-staged, receives posted ahead) | transfer (pulled into device buffers by JAX's transfer server: its runtime
     # copies through pinned host memory and TCP off the loop; an MPI header)
     transport: str = "mpi4jax"
