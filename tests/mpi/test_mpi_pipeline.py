@@ -508,7 +508,7 @@ def test_gpu_check_self_test_runs_every_step_on_the_cpu(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out["platform"] == "cpu" and len(out["single"]["losses"]) == 3
-    for transport in ("mpi4jax", "transfer"):  # both ways stage messages cross between ranks
+    for transport in ("mpi4jax", "transfer"):  # the two transports the GPU check runs
         run = out["pipeline"][transport]
         assert run["ok"] and len(run["losses"]) == 3 and run["loss_max_rel_diff"] <= 1e-4, run
     assert out["offload"]["ok"] and out["offload"]["host_bytes"] > 0
