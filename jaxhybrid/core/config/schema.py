@@ -83,8 +83,8 @@ class OptimConfig:
     # Data replicas' gradient sum: mpi (mpi4jax) | xla (a JAX mesh per data column: NCCL on GPUs, gloo on CPU) |
     # auto: xla where JAX computes on an accelerator (GPUs) and the replicas are MPI ranks, else mpi
     allreduce_backend: str = "auto"
-    # mpi backend, one device per rank, float32 wire: start each stage's reduction, in buckets of bucket_size, as soon as
-    # the schedule has written its gradients for the last time (non-blocking MPI, beside the rest of the pipeline phase).
+    # mpi backend, one device per rank, float32 wire: start each stage's reduction, in buckets of bucket_size, as soon
+    # as the schedule has written its gradients for the last time (non-blocking MPI, beside the rest of the phase).
     overlap_grad_reduce: bool = True
     # ZeRO-1 over data replicas that are MPI ranks: reduce-scatter the gradients, each replica updates 1/G_data of the
     # optimizer state (and of the host masters with offload), all-gather the parameters.

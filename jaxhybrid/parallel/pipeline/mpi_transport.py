@@ -89,16 +89,6 @@ class MpiTransportBase:
         buf = np.asarray(x)
         return np.ascontiguousarray(buf if buf.dtype == self.wire else buf.view(np.uint16))
 
-    def _in_place(self, x: jax.Array) -> list:
-        """MPI's view of ``x``'s own buffer (one device, dense) in the wire dtype, once the kernel writing it
-        is done: MPI does not wait on the stream that writes it. ``x`` must outlive the call using it."""
-        from mpi4py import MPI
-        from mpi4py.util.dtlib import from_numpy_dtype
-
-        x.block_until_ready()
-        return [MPI.buffer.fromaddress(x.unsafe_buffer_pointer(), x.nbytes), x.size,
-                from_numpy_dtype(np.dtype(self.wire))]
-
     def _to_jax(self, buf: np.ndarray) -> jax.Array:
         x = buf if self.wire == self.template.dtype else buf.view(np.dtype(self.template.dtype))  # bit-exact
         return jnp.asarray(x) if self.sharding is None else jax.device_put(x, self.sharding)
@@ -122,6 +112,10 @@ class Mpi4jaxTransport(MpiTransportBase):
         self._from_wire = jax.jit(lambda y: jax.lax.bitcast_convert_type(y, dt)) if half else (lambda y: y)
         # One device whose buffers MPI reads in place: sends skip the host copy (module docstring).
         self.in_place = sharding is None and mpi_reads(jax.local_devices()[0].platform)
+        if self.in_place:
+            from mpi4py.util.dtlib import from_numpy_dtype
+
+            self._wire_type = from_numpy_dtype(np.dtype(self.wire))
         self._sendq: queue.Queue = queue.Queue()
         self._recvs: dict[tuple[int, int], Any] = {}
         self._thread = threading.Thread(target=self._sender, name=f"mpi4jax-sender-{self.rank}", daemon=True)
@@ -141,6 +135,14 @@ class Mpi4jaxTransport(MpiTransportBase):
             home = None if self.home is None else jax.sharding.SingleDeviceSharding(self.home)
             self._recvs[source] = jax.jit(recv, out_shardings=home)
         return self._recvs[source]
+
+    def _in_place(self, x: jax.Array) -> list:
+        """MPI's view of ``x``'s own buffer (one device, dense) in the wire dtype, once the kernel writing it
+        is done: MPI does not wait on the stream that writes it. ``x`` must outlive the call using it."""
+        from mpi4py import MPI
+
+        x.block_until_ready()
+        return [MPI.buffer.fromaddress(x.unsafe_buffer_pointer(), x.nbytes), x.size, self._wire_type]
 
     def recv_flops(self, peer: int) -> float:
         """XLA's flop count of the jitted receive from ``peer``: under XLA:CPU's inline threshold (1000) it

@@ -341,8 +341,8 @@ class PipelineEngine(GradEngine):
 
 def make_transport(name: str, comm: Any, template: jax.ShapeDtypeStruct, sharding: Any = None):
     """``pipeline.transport``: ``mpi4jax`` (design card), ``mpi4py`` (host-staged Isend) or ``transfer``
-    (pulled into device buffers by JAX's transfer server, through its pinned host memory and TCP); ``sharding``: the payloads' layout on this rank's tensor mesh
-    (hybrid layouts), None for single-device stages."""
+    (pulled into device buffers by JAX's transfer server, through its pinned host memory and TCP); ``sharding``:
+    the payloads' layout on this rank's tensor mesh (hybrid layouts), None for single-device stages."""
     kinds = {"mpi4jax": Mpi4jaxTransport, "mpi4py": Mpi4pyTransport, "transfer": TransferTransport}
     if name not in kinds:
         raise ValueError(f"pipeline.transport={name!r}; choose mpi4jax, mpi4py or transfer")

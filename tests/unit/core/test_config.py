@@ -253,7 +253,8 @@ def test_xla_allreduce_is_accepted_over_mpi_replicas():
 @pytest.mark.parametrize("sets, accelerator, backend", [
     (["parallel.pipeline=2", "parallel.data=2"], True, "xla"),  # GPUs: NCCL sums device buffers in place
     (["parallel.pipeline=2", "parallel.data=2"], False, "mpi"),  # CPU: mpich's sum is the faster one
-    (["parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2"], True, "xla"),  # a hybrid rank's column of local meshes
+    # A hybrid rank's column of local meshes.
+    (["parallel.pipeline=2", "parallel.data=2", "parallel.tensor_col=2"], True, "xla"),
     (["parallel.pipeline=2"], True, "mpi"),  # one replica: nothing to reduce
     (["parallel.data=2", "parallel.mesh_data=true"], True, "mpi"),  # tensor mode reduces on its own mesh
     (["parallel.pipeline=2", "parallel.data=2", "optim.allreduce_backend=mpi"], True, "mpi"),  # as set
